@@ -1,0 +1,1 @@
+"""Pure functions over parameter pytrees, one concept per file."""

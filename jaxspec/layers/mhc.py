@@ -1,0 +1,88 @@
+"""Manifold-constrained hyper-connections: hc_mult residual streams mixed by Sinkhorn-projected
+doubly-stochastic matrices (reference doc section 6.1). All mixing math runs in fp32."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxspec.config import ModelConfig
+from jaxspec.layers.norms import unweighted_rms_norm
+
+
+@struct.dataclass
+class HyperConnParams:
+    fn: jax.Array  # [hc*d, (2+hc)*hc] fp32
+    base: jax.Array  # [(2+hc)*hc] fp32
+    scale: jax.Array  # [3] fp32
+
+
+@struct.dataclass
+class HyperHeadParams:
+    fn: jax.Array  # [hc*d, hc] fp32
+    base: jax.Array  # [hc] fp32
+    scale: jax.Array  # [1] fp32
+
+
+def init_hyper_conn(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> HyperConnParams:
+    hc, d = cfg.hc_mult, cfg.hidden_size
+    width = (2 + hc) * hc
+    return HyperConnParams(
+        fn=std * jax.random.normal(key, (hc * d, width), jnp.float32),
+        base=jnp.zeros((width,), jnp.float32),
+        scale=jnp.ones((3,), jnp.float32),
+    )
+
+
+def init_hyper_head(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> HyperHeadParams:
+    hc, d = cfg.hc_mult, cfg.hidden_size
+    return HyperHeadParams(
+        fn=std * jax.random.normal(key, (hc * d, hc), jnp.float32),
+        base=jnp.zeros((hc,), jnp.float32),
+        scale=jnp.ones((1,), jnp.float32),
+    )
+
+
+def hc_pre(
+    p: HyperConnParams, cfg: ModelConfig, streams: jax.Array  # [B, T, hc, d]
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """-> collapsed [B, T, d] (sub-layer input), post [B, T, hc], comb [B, T, hc, hc]."""
+    hc = cfg.hc_mult
+    flat = streams.reshape(*streams.shape[:-2], -1).astype(jnp.float32)
+    mix = unweighted_rms_norm(flat, cfg.rms_norm_eps) @ p.fn
+    pre_w, post_w, comb_w = mix[..., :hc], mix[..., hc : 2 * hc], mix[..., 2 * hc :]
+    pre_b, post_b, comb_b = p.base[:hc], p.base[hc : 2 * hc], p.base[2 * hc :]
+    pre = jax.nn.sigmoid(pre_w * p.scale[0] + pre_b) + cfg.hc_eps
+    post = 2.0 * jax.nn.sigmoid(post_w * p.scale[1] + post_b)
+    comb_logits = (comb_w * p.scale[2] + comb_b).reshape(*comb_w.shape[:-1], hc, hc)
+    comb = jax.nn.softmax(comb_logits, axis=-1) + cfg.hc_eps
+    comb = comb / (comb.sum(axis=-2, keepdims=True) + cfg.hc_eps)
+
+    def sinkhorn_step(_, c):
+        c = c / (c.sum(axis=-1, keepdims=True) + cfg.hc_eps)
+        return c / (c.sum(axis=-2, keepdims=True) + cfg.hc_eps)
+
+    comb = jax.lax.fori_loop(0, cfg.hc_sinkhorn_iters - 1, sinkhorn_step, comb)
+    collapsed = jnp.sum(pre[..., None] * streams.astype(jnp.float32), axis=-2).astype(streams.dtype)
+    return collapsed, post, comb
+
+
+def hc_post(
+    out: jax.Array,  # [B, T, d]
+    streams: jax.Array,  # [B, T, hc, d]
+    post: jax.Array,  # [B, T, hc]
+    comb: jax.Array,  # [B, T, hc, hc]
+) -> jax.Array:
+    """X'_k = post_k * out + sum_j comb[j, k] X_j (comb is applied transposed)."""
+    dtype = streams.dtype
+    mixed = jnp.einsum("btjk,btjd->btkd", comb.astype(dtype), streams)
+    return post.astype(dtype)[..., None] * out[..., None, :] + mixed
+
+
+def hc_head(p: HyperHeadParams, cfg: ModelConfig, streams: jax.Array) -> jax.Array:
+    """Final collapse of the streams (no Sinkhorn).  streams: [B, T, hc, d] -> [B, T, d]."""
+    flat = streams.reshape(*streams.shape[:-2], -1).astype(jnp.float32)
+    mix = unweighted_rms_norm(flat, cfg.rms_norm_eps) @ p.fn
+    pre = jax.nn.sigmoid(mix * p.scale[0] + p.base) + cfg.hc_eps
+    return jnp.sum(pre[..., None] * streams.astype(jnp.float32), axis=-2).astype(streams.dtype)

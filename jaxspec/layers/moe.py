@@ -1,0 +1,96 @@
+"""DeepSeek-V4 MoE FFN: sqrt(softplus) scores, selection bias (or a fixed token->expert hash table
+in the first layers), normalised top-k weights times routed_scaling_factor, clamped SwiGLU experts
+and one shared expert (reference doc section 6.2)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxspec.config import ModelConfig
+
+
+@struct.dataclass
+class MLPParams:
+    w1: jax.Array  # [..., d, I] gate
+    w3: jax.Array  # [..., d, I] up
+    w2: jax.Array  # [..., I, d] down
+
+
+@struct.dataclass
+class MoEParams:
+    gate: jax.Array  # [d, E]
+    gate_bias: jax.Array | None  # [E] fp32, selection only (None on hash layers)
+    tid2eid: jax.Array | None  # [V, k] int32 on hash layers
+    experts: MLPParams  # w1/w3: [E, d, I], w2: [E, I, d]
+    shared: MLPParams | None  # w1/w3: [d, I], w2: [I, d]
+
+
+def init_moe(cfg: ModelConfig, key: jax.Array, hash_routed: bool, std: float = 0.02) -> MoEParams:
+    d, e, i, k = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    dtype = jnp.dtype(cfg.dtype)
+    keys = jax.random.split(key, 8)
+
+    def normal(kk, shape):
+        return (std * jax.random.normal(kk, shape, jnp.float32)).astype(dtype)
+
+    tid2eid = None
+    if hash_routed:
+        # A fixed random table: each token gets k distinct experts.
+        scores = jax.random.uniform(keys[7], (cfg.vocab_size, e))
+        tid2eid = jnp.argsort(scores, axis=-1)[:, :k].astype(jnp.int32)
+    shared = None
+    if cfg.n_shared_experts:
+        shared = MLPParams(w1=normal(keys[4], (d, i)), w3=normal(keys[5], (d, i)), w2=normal(keys[6], (i, d)))
+    return MoEParams(
+        gate=normal(keys[0], (d, e)),
+        gate_bias=None if hash_routed else jnp.zeros((e,), jnp.float32),
+        tid2eid=tid2eid,
+        experts=MLPParams(
+            w1=normal(keys[1], (e, d, i)), w3=normal(keys[2], (e, d, i)), w2=normal(keys[3], (e, i, d))
+        ),
+        shared=shared,
+    )
+
+
+def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
+    return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
+
+
+def route(
+    p: MoEParams, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array  # x: [N, d], ids: [N]
+) -> tuple[jax.Array, jax.Array]:
+    """-> expert indices [N, k] int32, weights [N, k] fp32."""
+    logits = (x @ p.gate).astype(jnp.float32)
+    scores = jnp.sqrt(jax.nn.softplus(logits))
+    if p.tid2eid is not None:
+        indices = p.tid2eid[token_ids]
+    else:
+        _, indices = jax.lax.top_k(scores + p.gate_bias, cfg.num_experts_per_tok)
+    weights = jnp.take_along_axis(scores, indices, axis=-1)
+    weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return indices.astype(jnp.int32), weights * cfg.routed_scaling_factor
+
+
+def moe(p: MoEParams, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array) -> jax.Array:
+    """x: [B, T, d], token_ids: [B, T] -> [B, T, d].
+
+    Every expert runs on every token and unselected ones get weight 0: one static-shape program
+    for prefill and decode alike. Fine for the small presets; expert-parallel dispatch is the
+    sharding issue's business.
+    """
+    b, t, d = x.shape
+    flat = x.reshape(b * t, d)
+    indices, weights = route(p, cfg, flat, token_ids.reshape(b * t))
+    combine = jnp.zeros((b * t, cfg.n_routed_experts), jnp.float32)
+    combine = combine.at[jnp.arange(b * t)[:, None], indices].add(weights)
+    gate = jnp.einsum("nd,edi->nei", flat, p.experts.w1)
+    up = jnp.einsum("nd,edi->nei", flat, p.experts.w3)
+    hidden = clamped_swiglu(gate, up, cfg.swiglu_limit)
+    routed = jnp.einsum("nei,eid,ne->nd", hidden, p.experts.w2, combine.astype(x.dtype))
+    out = routed
+    if p.shared is not None:
+        sh = clamped_swiglu(flat @ p.shared.w1, flat @ p.shared.w3, cfg.swiglu_limit)
+        out = out + sh @ p.shared.w2
+    return out.reshape(b, t, d).astype(x.dtype)

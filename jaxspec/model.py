@@ -1,0 +1,207 @@
+"""The DeepSeek-V4 forward over T new tokens per sequence against a committed decode state.
+
+One function serves full prefill, chunked extend, 1-token decode and (with an ancestor mask)
+tree verification: tokens sit at given absolute positions, see the committed state plus the new
+tokens `visible` to them, and the per-token rows come back for the caller to commit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxspec import state as state_lib
+from jaxspec.config import ModelConfig
+from jaxspec.layers.attention import AttentionContext, AttentionParams, AttentionRows, attention, init_attention
+from jaxspec.layers.mhc import (
+    HyperConnParams,
+    HyperHeadParams,
+    hc_head,
+    hc_post,
+    hc_pre,
+    init_hyper_conn,
+    init_hyper_head,
+)
+from jaxspec.layers.moe import MoEParams, init_moe, moe
+from jaxspec.layers.mtp import MTPInputParams, init_mtp_input, mtp_inputs
+from jaxspec.layers.norms import rms_norm
+from jaxspec.state import DecodeState
+
+
+@struct.dataclass
+class BlockParams:
+    attn_norm: jax.Array  # [d] fp32
+    attn: AttentionParams
+    ffn_norm: jax.Array  # [d] fp32
+    ffn: MoEParams
+    hc_attn: HyperConnParams
+    hc_ffn: HyperConnParams
+
+
+@struct.dataclass
+class MTPParams:
+    inputs: MTPInputParams
+    block: BlockParams
+    hc_head: HyperHeadParams
+    norm: jax.Array  # [d] fp32
+
+
+@struct.dataclass
+class ModelParams:
+    embed: jax.Array  # [V, d]
+    layers: tuple[BlockParams, ...]
+    hc_head: HyperHeadParams
+    norm: jax.Array  # [d] fp32
+    head: jax.Array  # [d, V]
+    mtp: MTPParams | None
+
+
+@struct.dataclass
+class ForwardOutput:
+    logits: jax.Array  # [B, T, V] fp32
+    hidden: jax.Array  # [B, T, hc, d] final streams before hc_head (the MTP draft's input)
+    rows: tuple[AttentionRows, ...]  # per layer, for `state.commit`
+
+
+def _init_block(cfg: ModelConfig, key: jax.Array, kind: str, hash_routed: bool) -> BlockParams:
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    d = cfg.hidden_size
+    return BlockParams(
+        attn_norm=jnp.ones((d,), jnp.float32),
+        attn=init_attention(cfg, k1, kind),
+        ffn_norm=jnp.ones((d,), jnp.float32),
+        ffn=init_moe(cfg, k2, hash_routed),
+        hc_attn=init_hyper_conn(cfg, k3),
+        hc_ffn=init_hyper_conn(cfg, k4),
+    )
+
+
+def init_params(cfg: ModelConfig, key: jax.Array) -> ModelParams:
+    """Random parameters (normal(0.02) matrices, unit norms, zero sinks/biases)."""
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    keys = jax.random.split(key, cfg.num_layers + 6)
+    d, v, dtype = cfg.hidden_size, cfg.vocab_size, jnp.dtype(cfg.dtype)
+    layers = tuple(
+        _init_block(cfg, keys[i], kind, i < cfg.num_hash_layers) for i, kind in enumerate(cfg.layer_types)
+    )
+    mtp = None
+    if cfg.has_mtp:
+        k = jax.random.split(keys[-1], 3)
+        mtp = MTPParams(
+            inputs=init_mtp_input(cfg, k[0]),
+            block=_init_block(cfg, k[1], "sliding", False),
+            hc_head=init_hyper_head(cfg, k[2]),
+            norm=jnp.ones((d,), jnp.float32),
+        )
+    return ModelParams(
+        embed=(0.02 * jax.random.normal(keys[-2], (v, d))).astype(dtype),
+        layers=layers,
+        hc_head=init_hyper_head(cfg, keys[-3]),
+        norm=jnp.ones((d,), jnp.float32),
+        head=(0.02 * jax.random.normal(keys[-4], (d, v))).astype(dtype),
+        mtp=mtp,
+    )
+
+
+def block(
+    p: BlockParams,
+    cfg: ModelConfig,
+    kind: str,
+    streams: jax.Array,  # [B, T, hc, d]
+    token_ids: jax.Array,  # [B, T] (hash routing uses the input token at each position)
+    layer_state: state_lib.LayerState,
+    ctx: AttentionContext,
+) -> tuple[jax.Array, AttentionRows]:
+    collapsed, post, comb = hc_pre(p.hc_attn, cfg, streams)
+    attn_out, rows = attention(p.attn, cfg, kind, rms_norm(collapsed, p.attn_norm, cfg.rms_norm_eps), layer_state, ctx)
+    streams = hc_post(attn_out, streams, post, comb)
+    collapsed, post, comb = hc_pre(p.hc_ffn, cfg, streams)
+    ffn_out = moe(p.ffn, cfg, rms_norm(collapsed, p.ffn_norm, cfg.rms_norm_eps), token_ids)
+    return hc_post(ffn_out, streams, post, comb), rows
+
+
+def causal_context(committed: jax.Array, valid: jax.Array) -> AttentionContext:
+    """Context for a chain of new tokens at positions P, P+1, ... (prefill / extend / decode)."""
+    b, t = valid.shape
+    index = jnp.arange(t, dtype=jnp.int32)
+    positions = committed[:, None] + index[None, :]
+    visible = (index[None, :] <= index[:, None])[None] & valid[:, None, :]
+    ancestor = jnp.broadcast_to(index[None, None, :], (b, t, t))
+    return AttentionContext(
+        positions=positions, committed=committed, visible=visible, ancestor_at_depth=ancestor, valid=valid
+    )
+
+
+def head_logits(params: ModelParams, cfg: ModelConfig, streams: jax.Array, mtp: bool = False) -> jax.Array:
+    """[B, T, hc, d] streams -> [B, T, V] fp32 logits (main or MTP hc_head + norm, shared head)."""
+    hh, norm = (params.mtp.hc_head, params.mtp.norm) if mtp else (params.hc_head, params.norm)
+    x = rms_norm(hc_head(hh, cfg, streams), norm, cfg.rms_norm_eps)
+    return jnp.einsum("btd,dv->btv", x, params.head, preferred_element_type=jnp.float32)
+
+
+def forward(
+    params: ModelParams,
+    cfg: ModelConfig,
+    state: DecodeState,
+    tokens: jax.Array,  # [B, T] int32
+    ctx: AttentionContext,
+) -> ForwardOutput:
+    """Target forward over T new tokens; reads `state`, writes nothing (see `state.commit`)."""
+    streams = jnp.broadcast_to(params.embed[tokens][:, :, None, :], (*tokens.shape, cfg.hc_mult, cfg.hidden_size))
+    all_rows = []
+    for i, kind in enumerate(cfg.layer_types):
+        streams, rows = block(params.layers[i], cfg, kind, streams, tokens, state.layers[i], ctx)
+        all_rows.append(rows)
+    return ForwardOutput(logits=head_logits(params, cfg, streams), hidden=streams, rows=tuple(all_rows))
+
+
+def extend(
+    params: ModelParams,
+    cfg: ModelConfig,
+    state: DecodeState,
+    tokens: jax.Array,  # [B, T] int32, left-aligned
+    valid: jax.Array,  # [B, T] bool (ragged chunks: a prefix of each row is valid)
+) -> tuple[ForwardOutput, DecodeState]:
+    """Append a chunk of tokens to every sequence: forward, then commit every valid token."""
+    ctx = causal_context(state.length, valid)
+    out = forward(params, cfg, state, tokens, ctx)
+    return out, state_lib.commit(cfg, state, out.rows, ctx.positions, valid)
+
+
+def mtp_forward(
+    params: ModelParams,
+    cfg: ModelConfig,
+    state: DecodeState,
+    hidden: jax.Array,  # [B, T, hc, d] streams (target's, or the MTP's own when drafting deeper)
+    next_tokens: jax.Array,  # [B, T] token at position i+1 for the step at position i
+    ctx: AttentionContext,  # positions/committed refer to MTP positions (state.mtp_length)
+) -> tuple[jax.Array, jax.Array, AttentionRows]:
+    """One MTP step per new position: -> logits for position i+2 [B, T, V], MTP streams Z
+    [B, T, hc, d] (fed back as `hidden` for the next draft step), window rows to commit."""
+    if params.mtp is None or state.mtp is None:
+        raise ValueError("this model has no MTP block (num_mtp_layers=0); speculation needs one")
+    u = mtp_inputs(params.mtp.inputs, cfg, hidden, params.embed[next_tokens])
+    z, rows = block(params.mtp.block, cfg, "sliding", u, next_tokens, state.mtp, ctx)
+    return head_logits(params, cfg, z, mtp=True), z, rows
+
+
+def prefill_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """One full causal forward of `tokens` [B, S] from an empty state -> logits [B, S, V]."""
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 2 or tokens.shape[1] < 1:
+        raise ValueError(f"tokens must be a [B, S] int array with S >= 1, got shape {tokens.shape}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
+    return _prefill_logits(params, cfg, tokens.astype(jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _prefill_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    b, s = tokens.shape
+    state = state_lib.init_state(cfg, b, s)
+    out, _ = extend(params, cfg, state, tokens, jnp.ones((b, s), bool))
+    return out.logits
