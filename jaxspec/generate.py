@@ -1,0 +1,209 @@
+"""Autoregressive generation as one jitted program: a ragged prefill, then a `lax.while_loop` of
+1-token decode steps until every sequence hit eos or max_new_tokens.
+
+Shapes are bucketed (batch to a power of two, prompt length and cache length to powers of two),
+so a steady workload compiles once; `compile_count()` lets tests check that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec import state as state_lib
+from jaxspec.config import ModelConfig
+from jaxspec.model import ModelParams, extend
+from jaxspec.sampling import sample_tokens, validate_sampling
+
+MAX_BATCH_BUCKET = 64
+
+
+@dataclasses.dataclass
+class GenerateOutput:
+    tokens: np.ndarray  # [B, max_new_tokens] int32, pad_id after a sequence ends
+    lengths: np.ndarray  # [B] generated tokens per sequence (eos included)
+    stats: dict[str, Any]
+
+
+def next_power_of_two(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def batch_bucket(batch: int) -> int:
+    if batch <= MAX_BATCH_BUCKET:
+        return next_power_of_two(batch)
+    return -(-batch // MAX_BATCH_BUCKET) * MAX_BATCH_BUCKET
+
+
+def length_bucket(length: int, limit: int, minimum: int = 16) -> int:
+    return min(max(next_power_of_two(length), minimum), limit)
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptBatch:
+    tokens: np.ndarray  # [Bb, Sb] int32, left-aligned, zero padded
+    lengths: np.ndarray  # [Bb] int32 (bucket padding rows have length 1)
+    batch: int  # real batch size B
+
+
+def prepare_prompts(
+    cfg: ModelConfig, prompts: Any, max_new_tokens: int, prompt_lengths: Any = None
+) -> PromptBatch:
+    """Validate prompts (ragged lists, or an int array with optional lengths) and bucket them."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if isinstance(prompts, (np.ndarray, jax.Array)):
+        array = np.asarray(prompts)
+        if array.ndim != 2:
+            raise ValueError(f"a prompt array must be [B, S], got shape {array.shape}")
+        if not np.issubdtype(array.dtype, np.integer):
+            raise ValueError(f"prompt tokens must be integers, got dtype {array.dtype}")
+        if prompt_lengths is None:
+            lengths = np.full((array.shape[0],), array.shape[1], np.int64)
+        else:
+            lengths = np.asarray(prompt_lengths)
+            if lengths.shape != (array.shape[0],) or not np.issubdtype(lengths.dtype, np.integer):
+                raise ValueError(f"prompt_lengths must be [B={array.shape[0]}] ints, got {lengths!r}")
+            if np.any(lengths > array.shape[1]):
+                raise ValueError(f"prompt_lengths exceed the array width {array.shape[1]}: {lengths.tolist()}")
+        rows = [array[i, : int(lengths[i])] for i in range(array.shape[0])]
+    elif isinstance(prompts, (list, tuple)):
+        if prompt_lengths is not None:
+            raise ValueError("prompt_lengths is only for array prompts; lists carry their own lengths")
+        rows = []
+        for i, p in enumerate(prompts):
+            if not isinstance(p, (list, tuple, np.ndarray)):
+                raise ValueError(f"prompt {i} must be a list of token ids, got {type(p).__name__}")
+            arr = np.asarray(p)
+            if arr.size and not np.issubdtype(arr.dtype, np.integer):
+                raise ValueError(f"prompt {i} must hold integer token ids, got dtype {arr.dtype}")
+            rows.append(arr.astype(np.int64).reshape(-1))
+    else:
+        raise ValueError(f"prompts must be a list of token-id lists or a [B, S] int array, got {type(prompts).__name__}")
+    if not rows:
+        raise ValueError("prompts is empty: need at least one prompt")
+    for i, r in enumerate(rows):
+        if r.size == 0:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        if r.min() < 0 or r.max() >= cfg.vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside [0, vocab_size={cfg.vocab_size})")
+        if r.size + max_new_tokens > cfg.max_position_embeddings:
+            raise ValueError(
+                f"prompt {i}: {r.size} prompt tokens + max_new_tokens={max_new_tokens} exceeds the model's "
+                f"max length {cfg.max_position_embeddings}"
+            )
+    batch = len(rows)
+    bb = batch_bucket(batch)
+    longest = max(r.size for r in rows)
+    sb = length_bucket(longest, cfg.max_position_embeddings)
+    tokens = np.zeros((bb, sb), np.int32)
+    lengths = np.ones((bb,), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, : r.size] = r
+        lengths[i] = r.size
+    return PromptBatch(tokens=tokens, lengths=lengths, batch=batch)
+
+
+def _check_eos(cfg: ModelConfig, eos_id: Any) -> int:
+    if eos_id is None:
+        return -1
+    if isinstance(eos_id, bool) or not isinstance(eos_id, (int, np.integer)) or not 0 <= eos_id < cfg.vocab_size:
+        raise ValueError(f"eos_id must be None or an int in [0, {cfg.vocab_size}), got {eos_id!r}")
+    return int(eos_id)
+
+
+def _check_rng(rng: Any, temperature: float) -> jax.Array:
+    if rng is None:
+        if temperature > 0:
+            raise ValueError("sampling (temperature > 0) needs an explicit rng=jax.random.key(...)")
+        return jax.random.key(0)
+    if not (isinstance(rng, jax.Array) and jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)):
+        raise ValueError("rng must be a typed key from jax.random.key(seed)")
+    return rng
+
+
+def generate(
+    params: ModelParams,
+    cfg: ModelConfig,
+    prompts: Any,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_id: int | None = None,
+    rng: jax.Array | None = None,
+    mesh: Any = None,
+    prompt_lengths: Any = None,
+) -> GenerateOutput:
+    """Plain autoregressive decoding; the reference every speculative path must match."""
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    if mesh is not None:
+        raise NotImplementedError("mesh= (sharded generation) is not implemented yet")
+    temperature, top_k, top_p = validate_sampling(temperature, top_k, top_p)
+    eos = _check_eos(cfg, eos_id)
+    key = _check_rng(rng, temperature)
+    batch = prepare_prompts(cfg, prompts, max_new_tokens, prompt_lengths)
+    max_len = length_bucket(int(batch.lengths.max()) + max_new_tokens, cfg.max_position_embeddings, minimum=64)
+    tokens, lengths, steps = _generate_loop(
+        params, cfg, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), int(max_new_tokens), max_len,
+        jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p), jnp.int32(eos), key,
+    )
+    tokens, lengths = np.asarray(tokens)[: batch.batch], np.asarray(lengths)[: batch.batch]
+    return GenerateOutput(tokens=tokens, lengths=lengths, stats={"decode_steps": int(steps)})
+
+
+def compile_count() -> int:
+    """Number of distinct compiled generation programs so far (static-shape check for tests)."""
+    return _generate_loop._cache_size()
+
+
+@functools.partial(jax.jit, static_argnums=(1, 4, 5))
+def _generate_loop(
+    params: ModelParams,
+    cfg: ModelConfig,
+    prompt_tokens: jax.Array,  # [Bb, Sb] int32
+    prompt_lengths: jax.Array,  # [Bb] int32
+    max_new_tokens: int,
+    max_len: int,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    eos_id: jax.Array,  # -1 = none
+    key: jax.Array,
+):
+    bb, sb = prompt_tokens.shape
+    pad_id = jnp.maximum(eos_id, 0)
+    state = state_lib.init_state(cfg, bb, max_len)
+    valid = jnp.arange(sb)[None, :] < prompt_lengths[:, None]
+    out, state = extend(params, cfg, state, prompt_tokens, valid)
+    last_logits = jnp.take_along_axis(out.logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
+    first = sample_tokens(last_logits, jax.random.fold_in(key, 0), temperature, top_k, top_p)
+    tokens = jnp.full((bb, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
+    num_generated = jnp.ones((bb,), jnp.int32)
+    done = (first == eos_id) | (num_generated >= max_new_tokens)
+
+    def cond(carry):
+        _, _, _, _, done, step = carry
+        return (step < max_new_tokens) & ~jnp.all(done)
+
+    def body(carry):
+        state, last, tokens, num_generated, done, step = carry
+        active = ~done
+        out, state = extend(params, cfg, state, last[:, None], active[:, None])
+        nxt = sample_tokens(out.logits[:, 0], jax.random.fold_in(key, step), temperature, top_k, top_p)
+        nxt = jnp.where(active, nxt, pad_id)
+        column = jnp.where(active, num_generated, max_new_tokens)  # finished rows: dropped write
+        tokens = tokens.at[jnp.arange(bb), column].set(nxt, mode="drop")
+        num_generated = num_generated + active.astype(jnp.int32)
+        done = done | (nxt == eos_id) | (num_generated >= max_new_tokens)
+        return state, jnp.where(active, nxt, last), tokens, num_generated, done, step + 1
+
+    carry = (state, first, tokens, num_generated, done, jnp.int32(1))
+    _, _, tokens, num_generated, _, step = jax.lax.while_loop(cond, body, carry)
+    return tokens, num_generated, step

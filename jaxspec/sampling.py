@@ -1,0 +1,72 @@
+"""Token sampling shared by `generate` and speculative verification.
+
+Sampling settings are traced values (temperature 0 = greedy, top_k 0 = off, top_p 1 = off), so one
+compiled program serves every setting.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def validate_sampling(temperature, top_k, top_p) -> tuple[float, int, float]:
+    """Check user sampling arguments; -> (temperature, top_k (0 = off), top_p (1.0 = off))."""
+    try:
+        temperature = float(temperature)
+    except (TypeError, ValueError):
+        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}") from None
+    if not temperature >= 0.0:  # also rejects NaN
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k is None:
+        top_k = 0
+    elif isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+    if top_p is None:
+        top_p = 1.0
+    else:
+        try:
+            top_p = float(top_p)
+        except (TypeError, ValueError):
+            raise ValueError(f"top_p must be None or a float in (0, 1], got {top_p!r}") from None
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    return temperature, top_k, top_p
+
+
+def processed_logprobs(
+    logits: jax.Array,  # [..., V]
+    temperature: jax.Array,  # [] float, > 0
+    top_k: jax.Array,  # [] int, 0 = off
+    top_p: jax.Array,  # [] float, 1 = off
+) -> jax.Array:
+    """Log-probabilities of the distribution actually sampled from (temperature, top-k, top-p)."""
+    vocab = logits.shape[-1]
+    scaled = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
+    descending = -jnp.sort(-scaled, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take(descending, k - 1, axis=-1)[..., None]
+    scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
+    # top-p over what top-k left: keep the smallest prefix of the sorted distribution whose mass
+    # reaches top_p (the token that crosses the threshold is kept).
+    descending = jnp.where(jnp.arange(vocab) < k, descending, -jnp.inf)
+    sorted_probs = jax.nn.softmax(descending, axis=-1)
+    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+    keep_sorted = mass_before < top_p
+    # the smallest kept logit is the cut-off value
+    cutoff = jnp.min(jnp.where(keep_sorted, descending, jnp.inf), axis=-1, keepdims=True)
+    scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
+    return jax.nn.log_softmax(scaled, axis=-1)
+
+
+def sample_tokens(
+    logits: jax.Array,  # [B, V]
+    key: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+) -> jax.Array:
+    """-> [B] int32: argmax when temperature == 0, else a draw from `processed_logprobs`."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    drawn = jax.random.categorical(key, processed_logprobs(logits, temperature, top_k, top_p), axis=-1)
+    return jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy)
