@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover - older transformers
 
 import jax.numpy as jnp  # noqa: E402
 
-from jaxspec.checkpoint import load_hf_checkpoint  # noqa: E402
+from jaxspec.checkpoint import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 from jaxspec.model import prefill_logits  # noqa: E402
 
 HCA = 8
@@ -131,7 +131,7 @@ def _official_rewrite(src: str, dst: str, cfg: DeepseekV4Config) -> None:
         json.dump(official, f)
 
 
-def _run_parity(tmp_path, seq_len: int, spelling: str = "hf", seed: int = 0, hca: int = HCA, **overrides) -> None:
+def _run_parity(tmp_path, seq_len: int, spelling: str = "hf", seed: int = 0, hca: int = HCA, **overrides):
     torch.manual_seed(seed)
     rates = {"compressed_sparse_attention": CSA, "heavily_compressed_attention": hca}
     hf_cfg = _hf_config(compress_rates=rates, **overrides)
@@ -156,11 +156,22 @@ def _run_parity(tmp_path, seq_len: int, spelling: str = "hf", seed: int = 0, hca
     assert got.shape == ref.shape
     err = np.max(np.abs(got - ref)) / np.max(np.abs(ref))
     assert err <= 1e-4, f"relative error {err:.3e}"
+    return cfg, params, hf_dir
 
 
 def test_parity_hf_spelling_topk_cuts(tmp_path):
     # 61 tokens: 15 CSA entries per query at most, index_topk=3 keeps only some; 7 HCA entries.
-    _run_parity(tmp_path, seq_len=61, spelling="hf", index_topk=3)
+    cfg, params, hf_dir = _run_parity(tmp_path, seq_len=61, spelling="hf", index_topk=3)
+    # Writing the loaded params back in HF spelling reproduces save_pretrained's tensors exactly.
+    from safetensors.numpy import load_file
+
+    save_hf_checkpoint(tmp_path / "again", cfg, params, spelling="hf")
+    ref = load_file(os.path.join(hf_dir, "model.safetensors"))
+    again = load_file(str(tmp_path / "again" / "model.safetensors"))
+    assert sorted(again) == sorted(ref)
+    for k, v in ref.items():
+        assert again[k].dtype == v.dtype and again[k].shape == v.shape, k
+        np.testing.assert_array_equal(again[k], v, err_msg=k)
 
 
 def test_parity_official_spelling_topk_keeps_all(tmp_path):
@@ -175,3 +186,17 @@ def test_parity_window_not_multiple_of_ratio(tmp_path):
 def test_parity_official_spelling_hca16(tmp_path):
     # HCA ratio 16 over 70 tokens (4 HCA entries), window 8, top-k cuts.
     _run_parity(tmp_path, seq_len=70, spelling="official", seed=3, hca=16, index_topk=4)
+
+
+def test_parity_indexer_ties_break_to_lowest_index(tmp_path, monkeypatch):
+    """With 2 index heads many scores tie at exactly 0 (every ReLU zero), and torch.topk's order among
+    ties is unspecified; jax.lax.top_k keeps the lowest entry index. With torch's top-k made stable
+    (the same rule) the models agree, i.e. ties are the only source of difference."""
+
+    def stable_topk(self, k, dim=-1, largest=True, sorted=True):
+        assert largest
+        values, indices = torch.sort(self, dim=dim, descending=True, stable=True)
+        return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
+    monkeypatch.setattr(torch.Tensor, "topk", stable_topk)
+    _run_parity(tmp_path, seq_len=61, spelling="hf", seed=4, index_topk=3, index_n_heads=2)
