@@ -1,15 +1,22 @@
 """jaxspec: tree-structured speculative decoding for DeepSeek-V4-style models in JAX."""
 
+from jaxspec.checkpoint import load_checkpoint, load_hf_checkpoint, save_checkpoint
 from jaxspec.config import ModelConfig
+from jaxspec.generate import GenerateOutput, generate
 from jaxspec.model import ModelParams, forward, init_params, prefill_logits
 from jaxspec.state import DecodeState, init_state
 
 __all__ = [
     "DecodeState",
+    "GenerateOutput",
+    "generate",
     "ModelConfig",
     "ModelParams",
     "forward",
     "init_params",
     "init_state",
+    "load_checkpoint",
+    "load_hf_checkpoint",
+    "save_checkpoint",
     "prefill_logits",
 ]

@@ -84,7 +84,8 @@ def prepare_prompts(
                 raise ValueError(f"prompt {i} must hold integer token ids, got dtype {arr.dtype}")
             rows.append(arr.astype(np.int64).reshape(-1))
     else:
-        raise ValueError(f"prompts must be a list of token-id lists or a [B, S] int array, got {type(prompts).__name__}")
+        kind = type(prompts).__name__
+        raise ValueError(f"prompts must be a list of token-id lists or a [B, S] int array, got {kind}")
     if not rows:
         raise ValueError("prompts is empty: need at least one prompt")
     for i, r in enumerate(rows):

@@ -139,7 +139,7 @@ def commit(
     new_length = state.length + jnp.sum(take, axis=1).astype(jnp.int32)
     layers = tuple(
         commit_layer(cfg, kind, layer, layer_rows, positions, take, new_length)
-        for kind, layer, layer_rows in zip(cfg.layer_types, state.layers, rows)
+        for kind, layer, layer_rows in zip(cfg.layer_types, state.layers, rows, strict=True)
     )
     return state.replace(layers=layers, length=new_length)
 

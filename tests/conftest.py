@@ -10,7 +10,7 @@ def randomize(params, key, scale=0.05):
     leaves, treedef = jax.tree.flatten(params)
     keys = jax.random.split(key, len(leaves))
     out = []
-    for leaf, k in zip(leaves, keys):
+    for leaf, k in zip(leaves, keys, strict=False):
         if jnp.issubdtype(leaf.dtype, jnp.floating):
             leaf = leaf + scale * jax.random.normal(k, leaf.shape, leaf.dtype)
         out.append(leaf)

@@ -43,7 +43,7 @@ def _run_chunks(params, cfg, tokens, lengths, chunk_sizes):
 
 def _assert_states_equal(a, b, tol):
     np.testing.assert_array_equal(np.asarray(a.length), np.asarray(b.length))
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True):
         assert _rel(x, y) <= tol if np.abs(np.asarray(y)).max() > 0 else np.abs(np.asarray(x)).max() == 0, path
 
 

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The test suite: set up, lint, then every test (CPU, float32).
+set -euo pipefail
+cd "$(dirname "$0")"
+. scripts/setup.sh
+ruff check jaxspec tests bench
+exec python -m pytest tests "$@"
