@@ -1,8 +1,8 @@
 """jaxspec: tree-structured speculative decoding for DeepSeek-V4-style models in JAX."""
 
 from jaxspec.checkpoint import load_checkpoint, load_hf_checkpoint, save_checkpoint
-from jaxspec.config import ModelConfig
-from jaxspec.generate import GenerateOutput, generate
+from jaxspec.config import ModelConfig, SpecConfig
+from jaxspec.generate import GenerateOutput, generate, speculative_generate
 from jaxspec.model import ModelParams, forward, init_params, prefill_logits
 from jaxspec.state import DecodeState, init_state
 
@@ -18,5 +18,7 @@ __all__ = [
     "load_checkpoint",
     "load_hf_checkpoint",
     "save_checkpoint",
+    "SpecConfig",
+    "speculative_generate",
     "prefill_logits",
 ]

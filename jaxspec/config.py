@@ -368,3 +368,65 @@ _PRESETS = {"test": _TEST, "tiny": _TINY, "v4-flash": _flash(), "v4-pro": _pro()
 
 def round_up(value: int, multiple: int) -> int:
     return int(math.ceil(value / multiple) * multiple)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Tree speculation shape in the report's naming `sS_kK_dD`.
+
+    num_steps S: MTP draft steps (tree depth); topk K: children per expanded node (K = 1 is the
+    linear chain); num_draft_tokens D: tokens the target verifies per cycle, root included.
+    """
+
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+
+    def __post_init__(self):
+        for name in ("num_steps", "topk", "num_draft_tokens"):
+            _positive_int(name, getattr(self, name))
+        s, k, d = self.num_steps, self.topk, self.num_draft_tokens
+        if d < 2:
+            raise ValueError(f"num_draft_tokens must be >= 2 (the root plus at least one draft), got {d}")
+        if k == 1 and d != s + 1:
+            raise ValueError(
+                f"topk=1 is the linear chain: num_draft_tokens must equal num_steps + 1 = {s + 1}, got {d}"
+            )
+        if d > self.max_draft_tokens:
+            raise ValueError(
+                f"num_draft_tokens={d} exceeds what s{s}_k{k} can draft: allowed 2..{self.max_draft_tokens} "
+                f"(1 + topk + (num_steps-1)*topk^2)"
+            )
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return 1 + self.topk + (self.num_steps - 1) * self.topk**2
+
+    @property
+    def pool_size(self) -> int:
+        """Candidates drafted per cycle: K at depth 1, K^2 at every deeper step."""
+        return self.topk + (self.num_steps - 1) * self.topk**2
+
+    @property
+    def name(self) -> str:
+        return f"s{self.num_steps}_k{self.topk}_d{self.num_draft_tokens}"
+
+    @classmethod
+    def parse(cls, name: str) -> SpecConfig:
+        import re
+
+        match = re.fullmatch(r"s(\d+)_k(\d+)_d(\d+)", str(name).strip())
+        if not match:
+            raise ValueError(f"spec name must look like 's3_k2_d6' (steps, topk, draft tokens), got {name!r}")
+        return cls(*(int(g) for g in match.groups()))
+
+    def validate_for(self, cfg: ModelConfig) -> None:
+        if self.num_steps >= cfg.sliding_window:
+            raise ValueError(
+                f"num_steps={self.num_steps} must stay below the sliding window ({cfg.sliding_window}): "
+                f"allowed 1..{cfg.sliding_window - 1}"
+            )
+        if self.topk > cfg.vocab_size:
+            raise ValueError(f"topk={self.topk} exceeds vocab_size={cfg.vocab_size}")
+        if not cfg.has_mtp:
+            raise ValueError("speculation needs an MTP draft block; this model has none (num_mtp_layers=0)")

@@ -16,9 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import state as state_lib
-from jaxspec.config import ModelConfig
-from jaxspec.model import ModelParams, extend
+from jaxspec.config import ModelConfig, SpecConfig
+from jaxspec.model import ModelParams, causal_context, extend, forward, mtp_forward
 from jaxspec.sampling import sample_tokens, validate_sampling
+from jaxspec.tree.commit import commit_accepted_path
+from jaxspec.tree.draft import draft_tree, prune_to_budget
+from jaxspec.tree.plan import build_plan, verify_context
+from jaxspec.tree.verify import greedy_accept
 
 MAX_BATCH_BUCKET = 64
 
@@ -208,3 +212,199 @@ def _generate_loop(
     carry = (state, first, tokens, num_generated, done, jnp.int32(1))
     _, _, tokens, num_generated, _, step = jax.lax.while_loop(cond, body, carry)
     return tokens, num_generated, step
+
+
+# ---------------------------------------------------------------------------------------------
+# Speculative decoding
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_spec(cfg: ModelConfig, spec: Any) -> SpecConfig:
+    if isinstance(spec, str):
+        spec = SpecConfig.parse(spec)
+    if not isinstance(spec, SpecConfig):
+        raise ValueError(f"spec must be a SpecConfig or a name like 's3_k2_d6', got {spec!r}")
+    spec.validate_for(cfg)
+    return spec
+
+
+def speculative_generate(
+    params: ModelParams,
+    cfg: ModelConfig,
+    prompts: Any,
+    spec: SpecConfig | str,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_id: int | None = None,
+    rng: jax.Array | None = None,
+    mesh: Any = None,
+    prompt_lengths: Any = None,
+) -> GenerateOutput:
+    """Tree speculative decoding; greedy output is token-identical to `generate`."""
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    if mesh is not None:
+        raise NotImplementedError("mesh= (sharded speculation) is not implemented yet")
+    spec = _check_spec(cfg, spec)
+    if params.mtp is None:
+        raise ValueError("speculation needs an MTP draft block; these params have none")
+    temperature, top_k, top_p = validate_sampling(temperature, top_k, top_p)
+    if temperature > 0:
+        raise NotImplementedError("lossless tree sampling (temperature > 0) is not implemented yet; use 0")
+    eos = _check_eos(cfg, eos_id)
+    batch = prepare_prompts(cfg, prompts, max_new_tokens + spec.num_steps + 1, prompt_lengths)
+    max_len = length_bucket(
+        int(batch.lengths.max()) + max_new_tokens + spec.num_steps + 1, cfg.max_position_embeddings, minimum=64
+    )
+    tokens, lengths, stats = _speculative_loop(
+        params, cfg, spec, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), int(max_new_tokens), max_len,
+        jnp.int32(eos),
+    )
+    n = batch.batch
+    tokens, lengths = np.asarray(tokens)[:n], np.asarray(lengths)[:n]
+    stats = {k: np.asarray(v)[:n] for k, v in stats.items()}
+    return GenerateOutput(tokens=tokens, lengths=lengths, stats=summarize_stats(stats, spec))
+
+
+def summarize_stats(per_sequence: dict[str, np.ndarray], spec: SpecConfig) -> dict[str, Any]:
+    """Aggregate per-sequence counters into the report's statistics."""
+    cycles = per_sequence["cycles"]
+    total_cycles = int(cycles.sum())
+    accepted = per_sequence["accepted"]
+    denom = max(total_cycles, 1)
+    return {
+        "spec": spec.name,
+        "cycles": total_cycles,
+        "mean_accepted_length": float((accepted.sum() + total_cycles) / denom),
+        "per_depth_acceptance": (per_sequence["depth_hits"].sum(0) / denom).tolist(),
+        "rank_histogram": per_sequence["rank_hist"].sum(0).tolist(),
+        "per_sequence": {
+            "cycles": cycles.tolist(),
+            "accepted": accepted.tolist(),
+            "mean_accepted_length": ((accepted + cycles) / np.maximum(cycles, 1)).tolist(),
+        },
+    }
+
+
+def speculative_cycle(
+    params: ModelParams,
+    cfg: ModelConfig,
+    spec: SpecConfig,
+    state: state_lib.DecodeState,
+    root: jax.Array,  # [B] bonus token of the last cycle, at position P (not yet committed)
+    last_hidden: jax.Array,  # [B, hc, d] target streams at position P-1
+    active: jax.Array,  # [B] bool
+    poison_rejected: bool = False,
+):
+    """draft -> prune -> plan -> verify -> accept -> commit; -> (state, last_hidden, tree, acceptance).
+
+    `poison_rejected` (tests only) fills the verify scratch of every node off the accepted path
+    with NaN before the commit: outputs must not change.
+    """
+    pool = draft_tree(params, cfg, spec, state, root, last_hidden)
+    tree = prune_to_budget(pool, root, spec.num_draft_tokens)
+    plan = build_plan(tree.parent, state.length, spec.num_steps)
+    verify_out = forward(params, cfg, state, tree.tokens, verify_context(plan, state.length))
+    choice = jnp.argmax(verify_out.logits, axis=-1).astype(jnp.int32)
+    acc = greedy_accept(tree.tokens, tree.parent, choice, spec.num_steps)
+    if poison_rejected:
+        off_path = ~acc.path_mask
+
+        def poison(x):
+            if x is None or not jnp.issubdtype(x.dtype, jnp.floating):
+                return x
+            shape = off_path.shape + (1,) * (x.ndim - 2)
+            return jnp.where(off_path.reshape(shape), jnp.nan, x)
+
+        verify_out = verify_out.replace(
+            rows=jax.tree.map(poison, verify_out.rows),
+            hidden=poison(verify_out.hidden),
+        )
+    state, last_hidden = commit_accepted_path(
+        params, cfg, state, tree.tokens, verify_out, plan, acc, last_hidden, active
+    )
+    return state, last_hidden, tree, acc
+
+
+def speculative_compile_count() -> int:
+    return _speculative_loop._cache_size()
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 5, 6))
+def _speculative_loop(
+    params: ModelParams,
+    cfg: ModelConfig,
+    spec: SpecConfig,
+    prompt_tokens: jax.Array,  # [Bb, Sb] int32
+    prompt_lengths: jax.Array,  # [Bb] int32
+    max_new_tokens: int,
+    max_len: int,
+    eos_id: jax.Array,  # -1 = none
+):
+    s_steps, k = spec.num_steps, spec.topk
+    bb, sb = prompt_tokens.shape
+    batch_index = jnp.arange(bb)
+    pad_id = jnp.maximum(eos_id, 0)
+    state = state_lib.init_state(cfg, bb, max_len)
+    valid = jnp.arange(sb)[None, :] < prompt_lengths[:, None]
+    out, state = extend(params, cfg, state, prompt_tokens, valid)
+    last = prompt_lengths - 1
+    root = jnp.argmax(out.logits[batch_index, last], axis=-1).astype(jnp.int32)
+    last_hidden = out.hidden[batch_index, last]
+    # The MTP ring over the prompt: position i consumes (H_i, token i+1), i < P-1.
+    next_tokens = jnp.concatenate([prompt_tokens[:, 1:], jnp.zeros((bb, 1), jnp.int32)], axis=1)
+    mtp_valid = jnp.arange(sb)[None, :] < last[:, None]
+    ctx = causal_context(state.mtp_length, mtp_valid)
+    _, _, rows = mtp_forward(params, cfg, state, out.hidden, next_tokens, ctx)
+    state = state_lib.commit_mtp(cfg, state, rows, ctx.positions, mtp_valid)
+
+    width = max_new_tokens + s_steps + 1
+    tokens = jnp.full((bb, width), pad_id, jnp.int32).at[:, 0].set(root)
+    num_generated = jnp.ones((bb,), jnp.int32)
+    done = (root == eos_id) | (num_generated >= max_new_tokens)
+    stats = {
+        "cycles": jnp.zeros((bb,), jnp.int32),
+        "accepted": jnp.zeros((bb,), jnp.int32),
+        "depth_hits": jnp.zeros((bb, s_steps), jnp.int32),
+        "rank_hist": jnp.zeros((bb, k), jnp.int32),
+    }
+
+    def cond(carry):
+        return ~jnp.all(carry[5])
+
+    def body(carry):
+        state, root, last_hidden, tokens, num_generated, done, stats = carry
+        active = ~done
+        state, last_hidden, tree, acc = speculative_cycle(params, cfg, spec, state, root, last_hidden, active)
+        # Emitted this cycle: the accepted drafts, then the bonus token.
+        path_tokens = jnp.take_along_axis(tree.tokens, acc.path_nodes, axis=1)  # [B, S+1]
+        slot = jnp.arange(s_steps + 1)[None, :]
+        a = acc.num_accepted[:, None]
+        drafted = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((bb, 1), jnp.int32)], axis=1)
+        emitted = jnp.where(slot < a, drafted, jnp.where(slot == a, acc.bonus[:, None], pad_id))
+        is_eos = (emitted == eos_id) & (slot <= a)
+        count = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1, acc.num_accepted + 1)
+        count = jnp.minimum(count, max_new_tokens - num_generated)
+        count = jnp.where(active, count, 0)
+        column = jnp.where(slot < count[:, None], num_generated[:, None] + slot, width)
+        tokens = tokens.at[batch_index[:, None], column].set(emitted, mode="drop")
+        num_generated = num_generated + count
+        done = done | jnp.any(is_eos & (slot < count[:, None]), axis=1) | (num_generated >= max_new_tokens)
+        on = active.astype(jnp.int32)
+        ranks = jnp.take_along_axis(tree.rank, acc.path_nodes[:, 1:], axis=1)  # [B, S]
+        hit = (jnp.arange(s_steps)[None, :] < a) & active[:, None]
+        stats = {
+            "cycles": stats["cycles"] + on,
+            "accepted": stats["accepted"] + acc.num_accepted * on,
+            "depth_hits": stats["depth_hits"] + hit.astype(jnp.int32),
+            "rank_hist": stats["rank_hist"]
+            + jnp.sum(jax.nn.one_hot(ranks, k, dtype=jnp.int32) * hit[..., None].astype(jnp.int32), axis=1),
+        }
+        root = jnp.where(active, acc.bonus, root)
+        return state, root, last_hidden, tokens, num_generated, done, stats
+
+    carry = (state, root, last_hidden, tokens, num_generated, done, stats)
+    _, _, _, tokens, num_generated, _, stats = jax.lax.while_loop(cond, body, carry)
+    return tokens[:, :max_new_tokens], num_generated, stats

@@ -1,0 +1,1 @@
+"""Tree speculation: draft (MTP, top-K beam) -> prune -> plan -> verify -> accept -> commit."""

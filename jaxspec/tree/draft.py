@@ -1,0 +1,128 @@
+"""MTP drafting of a token tree (EAGLE-2 style top-K beam) and pruning to the verify budget.
+
+Step 1 expands the root (the bonus token at position P, drafted by the MTP step at P-1 from the
+target's hidden H_{P-1}); every later step expands the K best candidates of the previous step, K
+children each. Each step's MTP attention sees the committed MTP ring plus exactly its own
+ancestors' steps (an ancestor mask over the expanded slots), never a sibling's.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxspec.config import ModelConfig, SpecConfig
+from jaxspec.layers.attention import AttentionContext
+from jaxspec.model import ModelParams, mtp_forward
+from jaxspec.state import DecodeState
+from jaxspec.tree.plan import build_plan
+
+
+@struct.dataclass
+class DraftPool:
+    token: jax.Array  # [B, N] drafted tokens, N = K + (S-1)K^2, in drafting order
+    parent: jax.Array  # [B, N] pool index of the parent, -1 = the root
+    score: jax.Array  # [B, N] cumulative draft log-prob
+    rank: jax.Array  # [B, N] rank of the token among its parent's K children
+
+
+@struct.dataclass
+class Tree:
+    tokens: jax.Array  # [B, D] node tokens, node 0 = root
+    parent: jax.Array  # [B, D] parent node, parent[:, 0] = 0; parents precede children
+    rank: jax.Array  # [B, D] child rank under its parent (0 for the root)
+    score: jax.Array  # [B, D] cumulative draft log-prob (0 for the root)
+
+
+def _slot_ancestors(slot_parent: jax.Array, max_depth: int) -> jax.Array:
+    plan = build_plan(slot_parent, jnp.zeros(slot_parent.shape[:1], jnp.int32), max_depth)
+    return plan.ancestor_mask
+
+
+def draft_tree(
+    params: ModelParams,
+    cfg: ModelConfig,
+    spec: SpecConfig,
+    state: DecodeState,  # committed; state.mtp_length == state.length - 1
+    root: jax.Array,  # [B] int32 root token (position P)
+    root_hidden: jax.Array,  # [B, hc, d] target streams at position P-1
+) -> DraftPool:
+    s_steps, k = spec.num_steps, spec.topk
+    b = root.shape[0]
+    num_slots = 1 + (s_steps - 1) * k
+    slot_token = jnp.zeros((b, num_slots), jnp.int32).at[:, 0].set(root)
+    slot_hidden = jnp.zeros((b, num_slots, *root_hidden.shape[1:]), root_hidden.dtype).at[:, 0].set(root_hidden)
+    slot_parent = jnp.zeros((b, num_slots), jnp.int32)
+    slot_depth = jnp.zeros((b, num_slots), jnp.int32)
+    slot_filled = jnp.zeros((b, num_slots), bool).at[:, 0].set(True)
+    pool_token, pool_parent, pool_score, pool_rank = [], [], [], []
+    # per new slot: its pool index (-1 for the root) and score
+    new_slots = jnp.zeros((1,), jnp.int32)
+    new_pool_index = jnp.full((b, 1), -1, jnp.int32)
+    new_score = jnp.zeros((b, 1), jnp.float32)
+    pool_offset = 0
+    batch_index = jnp.arange(b)[:, None]
+    for step in range(1, s_steps + 1):
+        visible = _slot_ancestors(slot_parent, step) & slot_filled[:, None, :]
+        ctx = AttentionContext(
+            positions=state.mtp_length[:, None] + slot_depth,
+            committed=state.mtp_length,
+            visible=visible,
+            ancestor_at_depth=jnp.zeros((b, num_slots, num_slots), jnp.int32),
+            valid=slot_filled,
+        )
+        logits, z, _ = mtp_forward(params, cfg, state, slot_hidden, slot_token, ctx)
+        logprobs = jax.nn.log_softmax(logits[:, new_slots], axis=-1)  # [B, n, V]
+        top_logp, top_token = jax.lax.top_k(logprobs, k)  # [B, n, K]
+        n = new_slots.shape[0]
+        cum = new_score[:, :, None] + top_logp
+        pool_token.append(top_token.reshape(b, n * k).astype(jnp.int32))
+        pool_parent.append(jnp.repeat(new_pool_index, k, axis=1))
+        pool_score.append(cum.reshape(b, n * k))
+        pool_rank.append(jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, n, k)).reshape(b, n * k))
+        if step == s_steps:
+            break
+        # Expand the K best candidates of this step in the next one.
+        _, best = jax.lax.top_k(pool_score[-1], k)  # [B, K] local index among this step's n*K
+        next_slots = jnp.arange(1 + (step - 1) * k, 1 + step * k, dtype=jnp.int32)
+        parent_slot = new_slots[best // k]  # [B, K] slot that drafted them
+        slot_token = slot_token.at[batch_index, next_slots].set(jnp.take_along_axis(pool_token[-1], best, axis=1))
+        slot_hidden = slot_hidden.at[batch_index, next_slots].set(z[batch_index, parent_slot])
+        slot_parent = slot_parent.at[batch_index, next_slots].set(parent_slot)
+        slot_depth = slot_depth.at[:, next_slots].set(step)
+        slot_filled = slot_filled.at[:, next_slots].set(True)
+        new_slots = next_slots
+        new_pool_index = pool_offset + best
+        new_score = jnp.take_along_axis(pool_score[-1], best, axis=1)
+        pool_offset += n * k
+    return DraftPool(
+        token=jnp.concatenate(pool_token, axis=1),
+        parent=jnp.concatenate(pool_parent, axis=1),
+        score=jnp.concatenate(pool_score, axis=1),
+        rank=jnp.concatenate(pool_rank, axis=1),
+    )
+
+
+def prune_to_budget(pool: DraftPool, root: jax.Array, num_draft_tokens: int) -> Tree:
+    """Keep the D-1 best-scoring candidates plus the root.
+
+    Scores only fall along a path and top_k breaks ties towards the lower (earlier-drafted) index,
+    so a kept node's ancestors are kept too.
+    """
+    b, n = pool.token.shape
+    _, keep = jax.lax.top_k(pool.score, num_draft_tokens - 1)
+    keep = jnp.sort(keep, axis=1)  # drafting order: parents before children
+    batch_index = jnp.arange(b)[:, None]
+    node_of = jnp.full((b, n), 0, jnp.int32).at[batch_index, keep].set(
+        jnp.arange(1, num_draft_tokens, dtype=jnp.int32)
+    )
+    pool_parent = jnp.take_along_axis(pool.parent, keep, axis=1)
+    parent = jnp.where(pool_parent < 0, 0, jnp.take_along_axis(node_of, jnp.maximum(pool_parent, 0), axis=1))
+    zeros = jnp.zeros((b, 1), jnp.int32)
+    return Tree(
+        tokens=jnp.concatenate([root[:, None], jnp.take_along_axis(pool.token, keep, axis=1)], axis=1),
+        parent=jnp.concatenate([zeros, parent], axis=1),
+        rank=jnp.concatenate([zeros, jnp.take_along_axis(pool.rank, keep, axis=1)], axis=1),
+        score=jnp.concatenate([jnp.zeros((b, 1)), jnp.take_along_axis(pool.score, keep, axis=1)], axis=1),
+    )
