@@ -1,0 +1,207 @@
+"""Ladder rungs 4-5 for trees: verify logits on every root-to-leaf path equal sequential decode,
+greedy speculative output equals `generate`, rejected branches never leak, the committed state
+equals a plain prefill of the accepted tokens, and the loop compiles once per bucket."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec as js
+from jaxspec import model
+from jaxspec import state as state_lib
+from jaxspec.generate import speculative_compile_count, speculative_cycle
+from jaxspec.tree.plan import build_plan, completes_block, verify_context
+
+extend = jax.jit(model.extend, static_argnums=(1,))
+forward = jax.jit(model.forward, static_argnums=(1,))
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57]]
+
+
+def _random_tree(rng, num_nodes, max_depth):
+    parent, depth = [0], [0]
+    for _ in range(1, num_nodes):
+        choices = [i for i in range(len(parent)) if depth[i] < max_depth]
+        p = int(rng.choice(choices))
+        parent.append(p)
+        depth.append(depth[p] + 1)
+    return np.asarray(parent, np.int32)
+
+
+@pytest.mark.parametrize("lengths,seed", [((13, 30), 0), ((1, 3), 1), ((15, 47), 2), ((16, 4), 3)])
+def test_tree_paths_equal_sequential_decode(test_params, test_cfg, lengths, seed):
+    cfg, params = test_cfg, test_params
+    rng = np.random.default_rng(seed)
+    b, num_nodes, max_depth = 2, 12, 5
+    prompt = jax.random.randint(jax.random.key(seed), (b, 64), 0, cfg.vocab_size)
+    valid = jnp.arange(64)[None, :] < jnp.asarray(lengths)[:, None]
+    _, committed = extend(params, cfg, state_lib.init_state(cfg, b, 128), prompt, valid)
+    parent = jnp.asarray(np.stack([_random_tree(rng, num_nodes, max_depth) for _ in range(b)]))
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, num_nodes)), jnp.int32)
+    plan = build_plan(parent, committed.length, max_depth)
+    out = forward(params, cfg, committed, tokens, verify_context(plan, committed.length))
+    # Some branches close CSA / HCA blocks and others do not (checked, so the test covers it).
+    emits = np.asarray(completes_block(plan, cfg.hca_ratio) | completes_block(plan, cfg.csa_ratio))
+    assert emits.any() and not emits[:, 1:].all()
+    mask = np.asarray(plan.ancestor_mask)
+    depth = np.asarray(plan.depth)
+    for row in range(b):
+        is_parent = np.zeros(num_nodes, bool)
+        is_parent[np.asarray(parent[row])[1:]] = True
+        leaves = np.flatnonzero(~is_parent)
+        for leaf in leaves:
+            path = sorted(np.flatnonzero(mask[row, leaf]), key=lambda j: depth[row, j])
+            state = committed
+            for node in path:
+                active = jnp.asarray([[r == row] for r in range(b)])
+                step, state = extend(params, cfg, state, tokens[:, node : node + 1], active)
+                expect = np.asarray(step.logits[row, 0])
+                got = np.asarray(out.logits[row, node])
+                assert np.max(np.abs(got - expect)) <= 1e-5 * np.max(np.abs(expect)), (row, leaf, node)
+
+
+# A fixed subset for CI; JAXSPEC_FULL_SPEC=1 runs every valid config with S 1..5, K {1,2,4}, D 2..16.
+CI_SPECS = ["s1_k1_d2", "s5_k1_d6", "s3_k2_d6", "s5_k2_d16", "s2_k4_d9", "s4_k4_d16"]
+
+
+def _all_specs():
+    names = []
+    for s in range(1, 6):
+        for k in (1, 2, 4):
+            for d in range(2, 17):
+                try:
+                    names.append(js.SpecConfig(s, k, d).name)
+                except ValueError:
+                    pass
+    return names
+
+
+SPECS = _all_specs() if os.environ.get("JAXSPEC_FULL_SPEC") else CI_SPECS
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("which", ["random", "agreeing"])
+def test_greedy_speculative_equals_generate(test_params, agreeing_params, test_cfg, spec, which):
+    params = test_params if which == "random" else agreeing_params
+    n = 56  # from each prompt this crosses the window (8) and HCA blocks (16) several times
+    ref = js.generate(params, test_cfg, PROMPTS, max_new_tokens=n)
+    out = js.speculative_generate(params, test_cfg, PROMPTS, spec, max_new_tokens=n)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    np.testing.assert_array_equal(out.lengths, ref.lengths)
+    stats = out.stats
+    assert stats["cycles"] > 0 and len(stats["per_depth_acceptance"]) == js.SpecConfig.parse(spec).num_steps
+    if which == "agreeing":
+        assert stats["mean_accepted_length"] > 1.5, stats  # long accepts are exercised
+    emitted = sum(stats["per_sequence"]["accepted"]) + stats["cycles"]
+    assert emitted >= out.lengths.sum() - len(PROMPTS)  # every token after the first came from a cycle
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_batch_sizes_and_eos(agreeing_params, test_cfg, batch):
+    rng = np.random.default_rng(batch)
+    prompts = [rng.integers(0, test_cfg.vocab_size, int(rng.integers(1, 20))).tolist() for _ in range(batch)]
+    ref = js.generate(agreeing_params, test_cfg, prompts, max_new_tokens=40)
+    eos = int(ref.tokens[0, 10])
+    ref = js.generate(agreeing_params, test_cfg, prompts, max_new_tokens=40, eos_id=eos)
+    out = js.speculative_generate(agreeing_params, test_cfg, prompts, "s3_k2_d6", max_new_tokens=40, eos_id=eos)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    np.testing.assert_array_equal(out.lengths, ref.lengths)
+    assert out.lengths[0] <= 11
+
+
+cycle = jax.jit(speculative_cycle, static_argnums=(1, 2, 7))
+
+
+def _prefilled(params, cfg, prompts, max_len=128):
+    """Target prefill + MTP prefill, as the speculative loop does; -> state, root, last_hidden."""
+    b, width = len(prompts), max(len(p) for p in prompts)
+    tokens = np.zeros((b, width), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    lengths = jnp.asarray([len(p) for p in prompts])
+    tokens = jnp.asarray(tokens)
+    valid = jnp.arange(width)[None, :] < lengths[:, None]
+    out, state = extend(params, cfg, state_lib.init_state(cfg, b, max_len), tokens, valid)
+    last = lengths - 1
+    root = jnp.argmax(out.logits[jnp.arange(b), last], -1).astype(jnp.int32)
+    next_tokens = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
+    mtp_valid = jnp.arange(width)[None, :] < last[:, None]
+    ctx = model.causal_context(state.mtp_length, mtp_valid)
+    _, _, rows = model.mtp_forward(params, cfg, state, out.hidden, next_tokens, ctx)
+    state = state_lib.commit_mtp(cfg, state, rows, ctx.positions, mtp_valid)
+    return state, root, out.hidden[jnp.arange(b), last], tokens, lengths
+
+
+def test_poisoned_rejected_branches_do_not_leak_and_state_equals_prefill(agreeing_params, test_cfg):
+    cfg, params = test_cfg, agreeing_params
+    spec = js.SpecConfig.parse("s4_k4_d16")
+    state, root, hidden, prompt_tokens, lengths = _prefilled(params, cfg, PROMPTS)
+    clean = (state, root, hidden)
+    poisoned = (state, root, hidden)
+    active = jnp.ones((len(PROMPTS),), bool)
+    accepted = [[] for _ in PROMPTS]
+    rejected_any = False
+    for _ in range(8):
+        s1, h1, tree, acc = cycle(params, cfg, spec, clean[0], clean[1], clean[2], active, False)
+        s2, h2, _, acc2 = cycle(params, cfg, spec, poisoned[0], poisoned[1], poisoned[2], active, True)
+        rejected_any |= bool(np.any(~np.asarray(acc.path_mask)))
+        for x, y in zip(jax.tree.leaves((s1, h1)), jax.tree.leaves((s2, h2)), strict=True):
+            assert not np.isnan(np.asarray(y, np.float64)).any()
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        path_tokens = np.take_along_axis(np.asarray(tree.tokens), np.asarray(acc.path_nodes), axis=1)
+        for i in range(len(PROMPTS)):
+            accepted[i].extend(path_tokens[i, : int(acc.num_accepted[i]) + 1].tolist())
+        clean = (s1, acc.bonus, h1)
+        poisoned = (s2, acc2.bonus, h2)
+    assert rejected_any
+    # The committed target state equals a plain prefill of prompt + committed tokens.
+    full = [list(p) + a for p, a in zip(PROMPTS, accepted, strict=True)]
+    width = max(len(f) for f in full)
+    tokens = np.zeros((len(full), width), np.int32)
+    for i, f in enumerate(full):
+        tokens[i, : len(f)] = f
+    valid = jnp.arange(width)[None, :] < jnp.asarray([len(f) for f in full])[:, None]
+    _, reference = extend(params, cfg, state_lib.init_state(cfg, len(full), 128), jnp.asarray(tokens), valid)
+    final = clean[0]
+    np.testing.assert_array_equal(np.asarray(final.length), np.asarray(reference.length))
+    for x, y in zip(jax.tree.leaves(final.layers), jax.tree.leaves(reference.layers), strict=True):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        assert np.max(np.abs(x - y)) <= 1e-5 * max(np.max(np.abs(y)), 1e-30)
+
+
+def test_loop_compiles_once_per_bucket(test_params, test_cfg):
+    js.speculative_generate(test_params, test_cfg, PROMPTS, "s3_k2_d6", max_new_tokens=24)
+    before = speculative_compile_count()
+    js.speculative_generate(test_params, test_cfg, [[1, 2], [3], [9] * 20, [4]], "s3_k2_d6", max_new_tokens=24)
+    js.speculative_generate(test_params, test_cfg, PROMPTS[::-1], js.SpecConfig(3, 2, 6), max_new_tokens=24)
+    assert speculative_compile_count() == before
+
+
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        ("s3_k1_d6", "linear chain"),
+        ("s2_k2_d12", "allowed 2..7"),
+        ("s3_k2_d1", "num_draft_tokens must be >= 2"),
+        ("s0_k2_d4", "num_steps"),
+        ("tree", "s3_k2_d6"),
+        ("s8_k1_d9", "below the sliding window"),
+    ],
+)
+def test_bad_spec(test_params, test_cfg, spec, match):
+    with pytest.raises(ValueError, match=match):
+        js.speculative_generate(test_params, test_cfg, PROMPTS, spec, max_new_tokens=4)
+
+
+def test_bad_inputs(test_params, test_cfg):
+    with pytest.raises(ValueError, match="prompt_lengths"):
+        js.speculative_generate(
+            test_params, test_cfg, np.ones((2, 4), np.int32), "s3_k2_d6", max_new_tokens=4, prompt_lengths=[4, 4, 4]
+        )
+    with pytest.raises(ValueError, match="no MTP"):
+        no_mtp = test_cfg.replace(num_mtp_layers=0)
+        js.speculative_generate(test_params, no_mtp, PROMPTS, "s3_k2_d6", max_new_tokens=4)
+    assert js.SpecConfig.parse("s3_k2_d6") == js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6)
