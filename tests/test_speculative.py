@@ -201,7 +201,7 @@ def test_bad_inputs(test_params, test_cfg):
         js.speculative_generate(
             test_params, test_cfg, np.ones((2, 4), np.int32), "s3_k2_d6", max_new_tokens=4, prompt_lengths=[4, 4, 4]
         )
-    with pytest.raises(ValueError, match="no MTP"):
+    with pytest.raises(ValueError, match="MTP draft block"):
         no_mtp = test_cfg.replace(num_mtp_layers=0)
         js.speculative_generate(test_params, no_mtp, PROMPTS, "s3_k2_d6", max_new_tokens=4)
     assert js.SpecConfig.parse("s3_k2_d6") == js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6)
