@@ -4,6 +4,7 @@ from jaxspec.checkpoint import load_checkpoint, load_hf_checkpoint, save_checkpo
 from jaxspec.config import ModelConfig, SpecConfig
 from jaxspec.generate import GenerateOutput, generate, speculative_generate
 from jaxspec.model import ModelParams, forward, init_params, prefill_logits
+from jaxspec.sharding import make_mesh, memory_plan, shard_params
 from jaxspec.state import DecodeState, init_state
 
 __all__ = [
@@ -17,7 +18,10 @@ __all__ = [
     "init_state",
     "load_checkpoint",
     "load_hf_checkpoint",
+    "make_mesh",
+    "memory_plan",
     "save_checkpoint",
+    "shard_params",
     "SpecConfig",
     "speculative_generate",
     "prefill_logits",

@@ -17,6 +17,7 @@ Torch Linear weights are [out, in]; ours are [in, out] (x @ W), so matrices are 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -61,6 +62,13 @@ def _check_structure(cfg: ModelConfig, params: Any) -> None:
                 f"params{path} has shape {tuple(g.shape)} dtype {g.dtype}, cfg implies "
                 f"{tuple(leaf.shape)} {leaf.dtype}"
             )
+
+
+def _place(x: np.ndarray, sharding: Any) -> jax.Array:
+    """Host array -> device array (per-device slices under a sharding; default device without)."""
+    if sharding is None:
+        return jnp.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 def _cfg_to_json(cfg: ModelConfig) -> dict[str, Any]:
@@ -110,8 +118,14 @@ def save_checkpoint(path: str | os.PathLike, cfg: ModelConfig, params: ModelPara
         os.remove(tok_path)
 
 
-def load_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, ModelParams, Any]:
-    """-> (cfg, params, tokenizer or None) from a folder written by `save_checkpoint`."""
+def load_checkpoint(
+    path: str | os.PathLike, mesh: Any = None, rules: dict[str, Any] | None = None
+) -> tuple[ModelConfig, ModelParams, Any]:
+    """-> (cfg, params, tokenizer or None) from a folder written by `save_checkpoint`.
+
+    With `mesh` (see `jaxspec.make_mesh`) every leaf is restored straight into its parameter
+    sharding (`sharding.param_shardings(cfg, mesh, rules)`): each device reads only its slice.
+    """
     import orbax.checkpoint as ocp
 
     path = os.path.abspath(os.fspath(path))
@@ -123,6 +137,10 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, ModelParams, 
     with open(cfg_path) as f:
         cfg = _cfg_from_json(json.load(f))
     abstract = _abstract_params(cfg)
+    if mesh is not None:
+        from jaxspec import sharding
+
+        abstract = sharding.sharded_abstract(abstract, sharding.param_shardings(cfg, mesh, rules))
     ckptr = ocp.StandardCheckpointer()
     try:
         params = ckptr.restore(params_dir, abstract)
@@ -324,7 +342,9 @@ def _default_dtype(config: dict[str, Any]) -> str:
     return "float32"
 
 
-def load_hf_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> tuple[ModelConfig, ModelParams]:
+def load_hf_checkpoint(
+    path: str | os.PathLike, dtype: str | None = None, mesh: Any = None, rules: dict[str, Any] | None = None
+) -> tuple[ModelConfig, ModelParams]:
     """Read a DeepSeek-V4 checkpoint folder (config.json + *.safetensors) -> (cfg, params).
 
     `dtype` ("float32" / "bfloat16") sets cfg.dtype, the dtype of the matrix weights (default: the
@@ -332,6 +352,8 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> tup
     biases and the compressor / indexer-weight projections stay fp32 as `init_params` lays out.
     A checkpoint without `mtp.*` tensors loads with num_mtp_layers=0 and params.mtp=None.
     Raises ValueError naming the tensor on a missing, unexpected or misshaped tensor.
+    With `mesh`, each leaf goes to its devices (`sharding.param_shardings(cfg, mesh, rules)`), each
+    device receiving only its slice, as soon as it is complete; its host copy is then dropped.
     """
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
@@ -375,6 +397,13 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> tup
 
     # Pass 2: stream tensors one at a time into their (host) leaves.
     out: dict[str, np.ndarray] = {}
+    shardings: dict[str, Any] = {}
+    if mesh is not None:
+        from jaxspec import sharding
+
+        shardings = _leaves_by_path(sharding.param_shardings(cfg, mesh, rules))
+    remaining = collections.Counter(s.ours for s in table.values())
+    placed: dict[str, Any] = {}
     for norm, spec in table.items():
         shard, key = where[norm]
         leaf = leaves[spec.ours]
@@ -396,9 +425,12 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> tup
             if spec.ours not in out:
                 out[spec.ours] = np.empty(leaf.shape, leaf.dtype)
             out[spec.ours][spec.slot] = x
+        remaining[spec.ours] -= 1
+        if not remaining[spec.ours]:
+            placed[spec.ours] = _place(out.pop(spec.ours), shardings.get(spec.ours))
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     params = jax.tree_util.tree_unflatten(
-        treedef, [jnp.asarray(out[jax.tree_util.keystr(p)]) for p, _ in flat]
+        treedef, [placed[jax.tree_util.keystr(p)] for p, _ in flat]
     )
     return cfg, params
 

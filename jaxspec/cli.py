@@ -1,6 +1,9 @@
 """The `jaxspec` command line (also `python -m jaxspec`).
 
     jaxspec demo [--preset tiny] [--checkpoint PATH] [--batch 4] [--new-tokens 64] [--seed 0]
+                 [--mesh D,T,E] [--coordinator HOST:PORT --num-processes N --process-id I]
+    jaxspec plan [--preset v4-flash] [--devices 8] [--mesh D,T,E] [--batch 16] [--context 65536]
+    jaxspec sweep --checkpoint PATH [--datasets gsm8k,mbpp,sharegpt] [--specs ...] [--batch-sizes 1,4,16,64]
 
 Subcommands are argparse subparsers: add one with a `_add_<name>(subparsers)` builder that sets
 `func=<handler(args, console) -> int>`, and list it in `_build_parser`.
@@ -14,6 +17,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -66,7 +70,28 @@ def _add_demo(subparsers: Any) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--spec", default="s3_k2_d6", help="tree speculation to compare against (default s3_k2_d6); "
+                   "'none' skips speculation")
+    _add_mesh_arguments(p)
     p.set_defaults(func=_run_demo)
+
+
+def _add_mesh_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mesh", default=None, metavar="D,T,E",
+                   help="shard over a data,tensor,expert mesh, e.g. 1,8,1 (default: one device)")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="multi-host: process 0's address; run the same command on every host (jax.distributed)")
+    p.add_argument("--num-processes", type=int, default=None, help="multi-host: number of hosts")
+    p.add_argument("--process-id", type=int, default=None, help="multi-host: this host's index")
+
+
+def _mesh_from_args(args: argparse.Namespace) -> Any:
+    """Join the cluster (multi-host) and build the --mesh; None without --mesh."""
+    from jaxspec import sharding
+
+    if args.coordinator is not None or args.num_processes is not None or args.process_id is not None:
+        sharding.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    return None if args.mesh is None else sharding.make_mesh(*sharding.parse_mesh(args.mesh))
 
 
 def _load_model(args: argparse.Namespace, console: Console):
@@ -86,7 +111,11 @@ def _load_model(args: argparse.Namespace, console: Console):
 
         t0 = time.perf_counter()
         cfg, params, tokenizer = load_checkpoint(path)
-        return cfg, params, tokenizer, f"checkpoint {path} (loaded in {time.perf_counter() - t0:.1f} s)"
+        note = ""
+        if cfg.dtype != "float32" and jax.default_backend() == "cpu":
+            cfg, params = _as_float32(cfg, params)  # bf16 matmuls are slow on CPU; stored bf16 for size
+            note = ", cast to float32 for the CPU"
+        return cfg, params, tokenizer, f"checkpoint {path} (loaded in {time.perf_counter() - t0:.1f} s{note})"
     preset = args.preset or DEFAULT_PRESET
     cfg = ModelConfig.preset(preset)
     abstract = jax.eval_shape(lambda k: init_params(cfg, k), jax.random.key(args.seed))
@@ -107,7 +136,15 @@ def _demo_prompts(cfg, tokenizer, batch: int, seed: int) -> tuple[list[list[int]
         rng = np.random.default_rng(seed)
         lengths = rng.integers(4, 17, size=batch)
         return [rng.integers(0, cfg.vocab_size, size=int(n)).tolist() for n in lengths], None
-    texts = [DEMO_TEXT_PROMPTS[i % len(DEMO_TEXT_PROMPTS)] for i in range(batch)]
+    from jaxspec.data import gsm8k_prompt, mbpp_prompt, sharegpt_prompt
+
+    kinds = [
+        gsm8k_prompt("Tom has 3 boxes with 12 apples each. He gives away 10 apples. How many apples are left?"),
+        mbpp_prompt("Write a function to find the maximum of two numbers.", ["assert max_of_two(3, 5) == 5"]),
+        sharegpt_prompt("What are three tips for writing clear documentation?"),
+        *DEMO_TEXT_PROMPTS,
+    ]
+    texts = [kinds[i % len(kinds)] for i in range(batch)]
     prompts = []
     for text in texts:
         ids = list(tokenizer.encode(text).ids)
@@ -127,7 +164,9 @@ def _run_demo(args: argparse.Namespace, console: Console) -> int:
     import numpy as np
 
     from jaxspec.generate import compile_count, generate
+    from jaxspec.sharding import sharded_compile_count
 
+    mesh = _mesh_from_args(args)
     cfg, params, tokenizer, source = _load_model(args, console)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     console.print(f"[bold]jaxspec demo[/]: {source}")
@@ -145,13 +184,14 @@ def _run_demo(args: argparse.Namespace, console: Console) -> int:
         top_p=args.top_p,
         eos_id=cfg.eos_id,
         rng=jax.random.key(args.seed),
+        mesh=mesh,
     )
 
-    compiles_before = compile_count()
+    compiles_before = compile_count() + sharded_compile_count()
     t0 = time.perf_counter()
     out = generate(params, cfg, prompts, **kwargs)  # cold: compile + run
     cold_s = time.perf_counter() - t0
-    compiled = compile_count() - compiles_before
+    compiled = compile_count() + sharded_compile_count() - compiles_before
     t0 = time.perf_counter()
     out = generate(params, cfg, prompts, **kwargs)  # warm: same shapes, no compile
     warm_s = time.perf_counter() - t0
@@ -184,9 +224,162 @@ def _run_demo(args: argparse.Namespace, console: Console) -> int:
         )
     else:
         console.print(f"compile: 0 s (program already compiled; first run {cold_s:.2f} s)")
+    if args.spec.lower() != "none" and cfg.has_mtp and params.mtp is not None:
+        _demo_speculative(args, console, cfg, params, prompts, kwargs, out, generated / warm_s)
     if jax.default_backend() == "cpu":
         console.print("[dim]these are CPU numbers[/]")
     return 0
+
+
+def _demo_speculative(args, console, cfg, params, prompts, kwargs, reference, ar_tokens_per_s) -> None:
+    """Same prompts with tree speculation: tau, per-depth acceptance and the measured speedup."""
+    import numpy as np
+
+    from jaxspec.config import SpecConfig
+    from jaxspec.generate import speculative_generate
+
+    spec = SpecConfig.parse(args.spec)
+    speculative_generate(params, cfg, prompts, spec, **kwargs)  # compile
+    t0 = time.perf_counter()
+    out = speculative_generate(params, cfg, prompts, spec, **kwargs)
+    warm_s = time.perf_counter() - t0
+    generated = int(np.sum(out.lengths))
+    stats = out.stats
+    same = np.array_equal(out.tokens, reference.tokens) and np.array_equal(out.lengths, reference.lengths)
+    check = "identical to generate" if same else "differs from generate"
+    if args.temperature > 0:
+        check = "sampled (lossless: same distribution as generate, different draws)"
+    console.print(
+        f"tree speculation {spec.name}: {generated / warm_s:.1f} tokens/s = "
+        f"[bold]{generated / warm_s / ar_tokens_per_s:.2f}x[/] autoregressive; "
+        f"tau (mean accepted length) [bold]{stats['mean_accepted_length']:.2f}[/] over {stats['cycles']} cycles; "
+        f"per-depth acceptance {', '.join(f'{x:.2f}' for x in stats['per_depth_acceptance'])}; output {check}"
+    )
+
+
+# ---- plan -------------------------------------------------------------------------------------
+
+
+def _add_plan(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="per-device memory of parameters and decode state on a mesh",
+        description="Per-device bytes of the parameters and of the decode state (batch sequences of "
+        "`--context` tokens) under the default sharding rules, from abstract shapes (no devices needed).",
+    )
+    p.add_argument("--preset", default="v4-flash", help="model preset (default v4-flash)")
+    p.add_argument("--devices", type=int, default=8, help="number of devices (default 8)")
+    p.add_argument("--mesh", default=None, metavar="D,T,E", help="data,tensor,expert sizes (default: by devices)")
+    p.add_argument("--batch", type=int, default=16, help="sequences (default 16)")
+    p.add_argument("--context", type=int, default=65536, help="tokens per sequence (default 65536)")
+    p.set_defaults(func=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace, console: Console) -> int:
+    from jaxspec import sharding
+    from jaxspec.config import ModelConfig
+
+    _positive("devices", args.devices)
+    _positive("batch", args.batch)
+    _positive("context", args.context)
+    cfg = ModelConfig.preset(args.preset)
+    if args.mesh is None:
+        shape = sharding.default_mesh_shape(args.devices, cfg)
+    else:
+        shape = sharding.parse_mesh(args.mesh)
+        used = shape[0] * shape[1] * shape[2]
+        if used != args.devices:
+            raise ValueError(f"--mesh {args.mesh} spans {used} devices but --devices is {args.devices}")
+    plan = sharding.memory_plan(cfg, shape, args.batch, args.context)
+    gib = 2.0**30
+    console.print(
+        f"[bold]jaxspec plan[/]: {args.preset} ({cfg.dtype}) on {args.devices} devices, mesh data={shape[0]} "
+        f"tensor={shape[1]} expert={shape[2]}; batch {plan.batch}, context {plan.context}"
+    )
+    table = Table(show_lines=False)
+    table.add_column("per device")
+    table.add_column("bytes", justify="right")
+    table.add_column("GiB", justify="right")
+    for title, groups in (("parameters", plan.param_groups), ("decode state", plan.state_groups)):
+        for name, n in groups.items():
+            table.add_row(f"{title}: {name}", f"{n:,}", f"{n / gib:.3f}")
+    console.print(table)
+    for name, n in (("parameters", plan.param_bytes), ("decode state", plan.state_bytes),
+                    ("total", plan.bytes_per_device)):
+        console.print(f"{name} per device: {n:,} bytes ({n / gib:.2f} GiB)")
+    console.print(
+        f"[dim]unsharded: parameters {plan.total_param_bytes / gib:.1f} GiB, decode state "
+        f"{plan.total_state_bytes / gib:.1f} GiB; activations and the speculation scratch are not included[/]"
+    )
+    return 0
+
+
+# ---- sweep ------------------------------------------------------------------------------------
+
+
+def _csv(kind, allowed=None):
+    def parse(text: str):
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError("empty list")
+        return tuple(kind(x) for x in items)
+
+    return parse
+
+
+def _add_sweep(subparsers: Any) -> None:
+    from jaxspec.eval import LINEAR_SPECS, TREE_SPECS
+
+    p = subparsers.add_parser(
+        "sweep",
+        help="tree vs. linear speculation over datasets, specs and batch sizes",
+        description="Run the tree-vs-linear evaluation (accepted length, tokens/s, Sequoia tau*) on a checkpoint; "
+        "writes runs.jsonl, table.md and the gain figures to --out. Data-parallel over all local devices.",
+    )
+    p.add_argument("--checkpoint", required=True, help="orbax checkpoint folder (with tokenizer)")
+    p.add_argument("--datasets", type=_csv(str), default=("gsm8k", "mbpp", "sharegpt"))
+    p.add_argument("--specs", type=_csv(str), default=LINEAR_SPECS + TREE_SPECS, help="e.g. s5_k1_d6,s3_k2_d6")
+    p.add_argument("--batch-sizes", type=_csv(int), default=(1, 4, 16, 64))
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--max-prompt-tokens", type=int, default=192)
+    p.add_argument("--out", default="runs/sweep", help="output folder")
+    p.set_defaults(func=_run_sweep)
+
+
+def _run_sweep(args: argparse.Namespace, console: Console) -> int:
+    import jax
+
+    from jaxspec.eval import SweepConfig, run_sweep
+
+    sweep = SweepConfig(
+        datasets=args.datasets, specs=args.specs, batch_sizes=args.batch_sizes, num_prompts=args.num_prompts,
+        max_new_tokens=args.new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+    )
+    path = os.path.expanduser(args.checkpoint)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint folder {args.checkpoint!r} does not exist")
+    from jaxspec.checkpoint import load_checkpoint
+
+    cfg, params, tokenizer = load_checkpoint(path)
+    if tokenizer is None:
+        raise ValueError(f"checkpoint {args.checkpoint!r} has no tokenizer.json; the sweep encodes text prompts")
+    if cfg.dtype != "float32" and jax.default_backend() == "cpu":
+        # bf16 matmuls are slow on CPU; the shipped checkpoint is stored in bf16 only for size.
+        cfg, params = _as_float32(cfg, params)
+    console.print(f"sweep on {len(jax.local_devices())} device(s): {sweep}")
+    records = run_sweep(params, cfg, tokenizer, sweep, args.out)
+    console.print((Path(args.out) / "table.md").read_text())
+    console.print(f"{len(records)} runs written to {args.out}/runs.jsonl")
+    return 0
+
+
+def _as_float32(cfg, params):
+    import jax
+    import jax.numpy as jnp
+
+    cast = jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    return cfg.replace(dtype="float32"), cast
 
 
 # ---- entry point ------------------------------------------------------------------------------
@@ -196,6 +389,8 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Tree-structured speculative decoding for DeepSeek-V4-style models.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_demo(subparsers)
+    _add_plan(subparsers)
+    _add_sweep(subparsers)
     return parser
 
 

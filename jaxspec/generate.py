@@ -15,14 +15,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec import sharding
 from jaxspec import state as state_lib
 from jaxspec.config import ModelConfig, SpecConfig
 from jaxspec.model import ModelParams, causal_context, extend, forward, mtp_forward
-from jaxspec.sampling import sample_tokens, validate_sampling
+from jaxspec.sampling import Sampling, sample_tokens, validate_sampling
 from jaxspec.tree.commit import commit_accepted_path
 from jaxspec.tree.draft import draft_tree, prune_to_budget
 from jaxspec.tree.plan import build_plan, verify_context
-from jaxspec.tree.verify import greedy_accept
+from jaxspec.tree.verify import tree_accept
 
 MAX_BATCH_BUCKET = 64
 
@@ -149,13 +150,13 @@ def generate(
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
     if mesh is not None:
-        raise NotImplementedError("mesh= (sharded generation) is not implemented yet")
+        sharding.check_mesh(mesh)
     temperature, top_k, top_p = validate_sampling(temperature, top_k, top_p)
     eos = _check_eos(cfg, eos_id)
     key = _check_rng(rng, temperature)
-    batch = prepare_prompts(cfg, prompts, max_new_tokens, prompt_lengths)
+    batch = sharding.pad_batch(prepare_prompts(cfg, prompts, max_new_tokens, prompt_lengths), mesh)
     max_len = length_bucket(int(batch.lengths.max()) + max_new_tokens, cfg.max_position_embeddings, minimum=64)
-    tokens, lengths, steps = _generate_loop(
+    tokens, lengths, steps = sharding.on_mesh(_generate_loop, mesh, len(batch.lengths))(
         params, cfg, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), int(max_new_tokens), max_len,
         jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p), jnp.int32(eos), key,
     )
@@ -184,7 +185,7 @@ def _generate_loop(
 ):
     bb, sb = prompt_tokens.shape
     pad_id = jnp.maximum(eos_id, 0)
-    state = state_lib.init_state(cfg, bb, max_len)
+    state = sharding.constrain_state(state_lib.init_state(cfg, bb, max_len))
     valid = jnp.arange(sb)[None, :] < prompt_lengths[:, None]
     out, state = extend(params, cfg, state, prompt_tokens, valid)
     last_logits = jnp.take_along_axis(out.logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
@@ -242,25 +243,27 @@ def speculative_generate(
     mesh: Any = None,
     prompt_lengths: Any = None,
 ) -> GenerateOutput:
-    """Tree speculative decoding; greedy output is token-identical to `generate`."""
+    """Tree speculative decoding; greedy output is token-identical to `generate`, and with
+    temperature > 0 every token is an exact draw from the distribution `generate` samples from
+    (same temperature / top-k / top-p processing; lossless tree acceptance)."""
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
     if mesh is not None:
-        raise NotImplementedError("mesh= (sharded speculation) is not implemented yet")
+        sharding.check_mesh(mesh)
     spec = _check_spec(cfg, spec)
     if params.mtp is None:
         raise ValueError("speculation needs an MTP draft block; these params have none")
     temperature, top_k, top_p = validate_sampling(temperature, top_k, top_p)
-    if temperature > 0:
-        raise NotImplementedError("lossless tree sampling (temperature > 0) is not implemented yet; use 0")
     eos = _check_eos(cfg, eos_id)
+    sampling = Sampling(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p), _check_rng(rng, temperature))
     batch = prepare_prompts(cfg, prompts, max_new_tokens + spec.num_steps + 1, prompt_lengths)
+    batch = sharding.pad_batch(batch, mesh)
     max_len = length_bucket(
         int(batch.lengths.max()) + max_new_tokens + spec.num_steps + 1, cfg.max_position_embeddings, minimum=64
     )
-    tokens, lengths, stats = _speculative_loop(
+    tokens, lengths, stats = sharding.on_mesh(_speculative_loop, mesh, len(batch.lengths))(
         params, cfg, spec, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), int(max_new_tokens), max_len,
-        jnp.int32(eos),
+        jnp.int32(eos), sampling,
     )
     n = batch.batch
     tokens, lengths = np.asarray(tokens)[:n], np.asarray(lengths)[:n]
@@ -297,6 +300,8 @@ def speculative_cycle(
     last_hidden: jax.Array,  # [B, hc, d] target streams at position P-1
     active: jax.Array,  # [B] bool
     poison_rejected: bool = False,
+    sampling: Sampling | None = None,
+    cycle: jax.Array | None = None,  # [B] int32 per-sequence cycle counter (folds sampling.key)
 ):
     """draft -> prune -> plan -> verify -> accept -> commit; -> (state, last_hidden, tree, acceptance).
 
@@ -307,8 +312,7 @@ def speculative_cycle(
     tree = prune_to_budget(pool, root, spec.num_draft_tokens)
     plan = build_plan(tree.parent, state.length, spec.num_steps)
     verify_out = forward(params, cfg, state, tree.tokens, verify_context(plan, state.length))
-    choice = jnp.argmax(verify_out.logits, axis=-1).astype(jnp.int32)
-    acc = greedy_accept(tree.tokens, tree.parent, choice, spec.num_steps)
+    acc = tree_accept(tree.tokens, tree.parent, verify_out.logits, spec.num_steps, sampling, cycle)
     if poison_rejected:
         off_path = ~acc.path_mask
 
@@ -342,16 +346,21 @@ def _speculative_loop(
     max_new_tokens: int,
     max_len: int,
     eos_id: jax.Array,  # -1 = none
+    sampling: Sampling,
 ):
     s_steps, k = spec.num_steps, spec.topk
     bb, sb = prompt_tokens.shape
     batch_index = jnp.arange(bb)
     pad_id = jnp.maximum(eos_id, 0)
-    state = state_lib.init_state(cfg, bb, max_len)
+    state = sharding.constrain_state(state_lib.init_state(cfg, bb, max_len))
     valid = jnp.arange(sb)[None, :] < prompt_lengths[:, None]
     out, state = extend(params, cfg, state, prompt_tokens, valid)
     last = prompt_lengths - 1
-    root = jnp.argmax(out.logits[batch_index, last], axis=-1).astype(jnp.int32)
+    # The first token exactly as `generate` draws it (same key, same processing).
+    root = sample_tokens(
+        out.logits[batch_index, last], jax.random.fold_in(sampling.key, 0),
+        sampling.temperature, sampling.top_k, sampling.top_p,
+    )
     last_hidden = out.hidden[batch_index, last]
     # The MTP ring over the prompt: position i consumes (H_i, token i+1), i < P-1.
     next_tokens = jnp.concatenate([prompt_tokens[:, 1:], jnp.zeros((bb, 1), jnp.int32)], axis=1)
@@ -377,7 +386,9 @@ def _speculative_loop(
     def body(carry):
         state, root, last_hidden, tokens, num_generated, done, stats = carry
         active = ~done
-        state, last_hidden, tree, acc = speculative_cycle(params, cfg, spec, state, root, last_hidden, active)
+        state, last_hidden, tree, acc = speculative_cycle(
+            params, cfg, spec, state, root, last_hidden, active, sampling=sampling, cycle=stats["cycles"]
+        )
         # Emitted this cycle: the accepted drafts, then the bonus token.
         path_tokens = jnp.take_along_axis(tree.tokens, acc.path_nodes, axis=1)  # [B, S+1]
         slot = jnp.arange(s_steps + 1)[None, :]

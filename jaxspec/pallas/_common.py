@@ -1,0 +1,83 @@
+"""Small helpers shared by the kernels: backend choice, version-tolerant Pallas names, padding.
+
+The Triton lowering requires every loaded tile to have a power-of-two size and every matmul side
+to be at least 16, so the wrappers pad heads, keys and feature dims; they never read past an
+array: ragged lengths are handled by clamped block starts plus masks.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+# `None` in a block shape means "squeezed" on every jax we support; newer ones spell it pl.squeezed.
+SQUEEZED = getattr(pl, "squeezed", None)
+
+# An alignment hint only; fall back to identity should a jax drop it.
+multiple_of = getattr(pl, "multiple_of", lambda x, _: x)
+
+# H200 SXM; used only when the device does not report its SM count.
+DEFAULT_NUM_SMS = 132
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    """Interpret mode everywhere but on a GPU (the Triton lowering needs one)."""
+    if interpret is None:
+        return not on_gpu()
+    return bool(interpret)
+
+
+def num_sms() -> int:
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return DEFAULT_NUM_SMS
+    return int(getattr(dev, "core_count", 0) or DEFAULT_NUM_SMS)
+
+
+def triton_params(num_warps: int | None, num_stages: int | None):
+    """Triton compiler params under whichever name this jax exports (renamed in jax 0.7).
+
+    Passing them is what selects the Triton lowering: without them a GPU pallas_call goes to
+    Mosaic GPU, which these kernels are not written for.
+    """
+    try:
+        from jax.experimental.pallas import triton as plgpu
+    except ImportError:  # jax 0.11 deprecated the Triton backend; a later one may drop it
+        plgpu = None
+    cls = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams", None)
+    if cls is None:
+        raise RuntimeError(
+            f"jax {jax.__version__} has no Pallas Triton backend (jax.experimental.pallas.triton); "
+            "run with attention_impl='xla' or a jax that still ships it (<= 0.12 was targeted)"
+        )
+    return cls(num_warps=num_warps, num_stages=num_stages)
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-int(n) // multiple) * multiple
+
+
+def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
+    """Pad `axis` of x at the end up to `size` (no copy when it already fits)."""
+    if x.shape[axis] == size:
+        return x
+    if x.shape[axis] > size:
+        raise ValueError(f"cannot pad axis {axis} of shape {x.shape} down to {size}")
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def exact_dot_precision(dtype) -> jax.lax.Precision | None:
+    """fp32 inputs get IEEE fp32 matmuls (Triton defaults to TF32); bf16 runs on tensor cores."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None

@@ -1,0 +1,482 @@
+"""Tree attention for V4 layers: one online softmax over the committed window, the committed
+compressed entries a node may see, its ancestors among the new tokens and the branch-local
+entries those ancestors emitted, with the per-head sink in the denominator (reference doc 3.5, 5).
+
+Layout (MQA: every head reads the same single K=V vector per key): one program per (sequence,
+node, head block, split). A node's committed keys are streamed in blocks of `block_k` through
+one flash-decoding loop; when the grid is too small to fill the GPU the committed stream is cut
+into splits whose partial (acc, max, sum) are merged by log-sum-exp afterwards, the tree part
+riding in the last split (the cascade shape: shared prefix + per-node tree keys). Compressed
+entries come as lengths (HCA: entries [0, n) for every node) or index lists (CSA: the node's
+top-k), never as masks over the history. The same call serves 1-token decode, chunked prefill
+(a chain is a tree) and tree verification.
+
+`tree_attention_reference` is the dense jnp version of the same contract; `attention_from_context`
+adapts the model's layer (attention.py) to it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxspec.pallas._common import (
+    SQUEEZED,
+    exact_dot_precision,
+    multiple_of,
+    next_pow2,
+    num_sms,
+    pad_axis,
+    resolve_interpret,
+    round_up,
+    triton_params,
+)
+
+_META = 8  # per-node int32 scalars: pos, committed-compressed count, kv lo/hi, entry lo/hi, unused x2
+
+# Hopper defaults: 32 heads x 512 channels of fp32 accumulator over 8 warps, 64-key tiles (two
+# 64 KiB bf16 stages of shared memory); interpret mode takes small tiles to keep tests quick.
+GPU_BLOCK_H, GPU_BLOCK_K, GPU_NUM_WARPS, GPU_NUM_STAGES = 32, 64, 8, 2
+CPU_BLOCK_K = 16
+MAX_SPLITS = 8
+
+
+# ---------------------------------------------------------------------------------------------
+# reference
+
+
+def tree_attention_reference(
+    q: jax.Array,  # [B, T, H, c] queries (RoPE'd)
+    window_kv: jax.Array,  # [B, W, c] committed window ring
+    window_pos: jax.Array,  # [B, W] int32 absolute position held by each slot (-1: empty)
+    new_kv: jax.Array,  # [B, T, c] the new tokens' window kv
+    new_mask: jax.Array,  # [B, T, T] bool: node i reads new token j (ancestor-or-self, in window)
+    positions: jax.Array,  # [B, T] int32 absolute positions of the nodes
+    sink: jax.Array,  # [H] fp32 per-head sink logit
+    *,
+    window: int,
+    scale: float,
+    comp_kv: jax.Array | None = None,  # [B, Lc, c] committed compressed entries
+    comp_len: jax.Array | None = None,  # [B] int32: dense (HCA) -- entries [0, comp_len) for all nodes
+    comp_index: jax.Array | None = None,  # [B, T, K] int32: sparse (CSA) -- per-node ids, -1 = none
+    tree_entries: jax.Array | None = None,  # [B, T, c] branch-local entries (candidate per node)
+    tree_entry_mask: jax.Array | None = None,  # [B, T, T] bool: node i reads node j's entry
+) -> jax.Array:
+    """Dense jnp attention over the same key sets -> [B, T, H, c] fp32 (before output de-rotation)."""
+    _validate(q, window_kv, window_pos, new_kv, new_mask, positions, sink, comp_kv, comp_len, comp_index,
+              tree_entries, tree_entry_mask)
+    dt = q.dtype
+    f32 = jnp.float32
+    pos_q = positions[:, :, None]
+    win_ok = (window_pos[:, None, :] >= 0) & (window_pos[:, None, :] > pos_q - window)  # [B, T, W]
+    shared = [(window_kv.astype(dt), win_ok), (new_kv.astype(dt), new_mask)]
+    if comp_kv is not None and comp_len is not None:
+        ok = jnp.arange(comp_kv.shape[1])[None, :] < comp_len[:, None]
+        shared.append((comp_kv.astype(dt), jnp.broadcast_to(ok[:, None, :], (*positions.shape, comp_kv.shape[1]))))
+    if tree_entries is not None:
+        shared.append((tree_entries.astype(dt), tree_entry_mask))
+    logits, values = [], []
+    for keys, ok in shared:
+        s = jnp.einsum("bthc,bsc->bths", q, keys, preferred_element_type=f32) * scale
+        logits.append(jnp.where(ok[:, :, None, :], s, -jnp.inf))
+        values.append(("shared", keys))
+    if comp_kv is not None and comp_index is not None:
+        keys = jnp.take_along_axis(comp_kv.astype(dt)[:, None], jnp.maximum(comp_index, 0)[..., None], axis=2)
+        s = jnp.einsum("bthc,btkc->bthk", q, keys, preferred_element_type=f32) * scale
+        logits.append(jnp.where((comp_index >= 0)[:, :, None, :], s, -jnp.inf))
+        values.append(("per_node", keys))
+    logits = jnp.concatenate(logits, axis=-1)
+    sk = sink.astype(f32)[None, None, :, None]
+    m = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sk)
+    e = jnp.exp(logits - m)
+    probs = e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sk - m))
+    out, offset = 0.0, 0
+    for kind, keys in values:
+        n = keys.shape[-2]
+        part = probs[..., offset : offset + n]
+        spec = "bths,bsc->bthc" if kind == "shared" else "bthk,btkc->bthc"
+        out = out + jnp.einsum(spec, part, keys.astype(f32))
+        offset += n
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# kernel
+
+
+def _cdiv(a, b: int):
+    """Ceil division of a non-negative int32 scalar (truncating lax.div lowers everywhere)."""
+    return lax.div(jnp.asarray(a, jnp.int32) + (b - 1), jnp.int32(b))
+
+
+def _tree_attention_kernel(
+    meta_ref,  # [_META] int32
+    q_ref,  # [bh, c]
+    sink_ref,  # [bh] fp32
+    win_ref,  # [Wp, c]
+    win_pos_ref,  # [Wp] int32
+    new_ref,  # [Tp, c]
+    new_mask_ref,  # [Tp] int8
+    *refs,  # comp [Lcp, c], comp ids [Kp] (sparse), entries [Tp, c], entry mask [Tp]; then outputs
+    mode: str,
+    has_entries: bool,
+    block_k: int,
+    window: int,
+    scale: float,
+    splits: int,
+    precision,
+):
+    refs = list(refs)
+    comp_ref = refs.pop(0) if mode != "none" else None
+    comp_ids_ref = refs.pop(0) if mode == "sparse" else None
+    ent_ref, ent_mask_ref = (refs.pop(0), refs.pop(0)) if has_entries else (None, None)
+    bk = block_k
+    q = q_ref[...]
+    bh, c = q.shape
+    pos = meta_ref[0]
+    count = meta_ref[1]
+    split = pl.program_id(3)
+    last = split == splits - 1
+
+    def attend(carry, keys, valid):  # keys [bk, c], valid [bk] bool
+        m, l, acc = carry
+        s = lax.dot_general(q, keys, (((1,), (1,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32) * scale  # [bh, bk]
+        s = jnp.where(valid[None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        # A row that has seen no key yet keeps m = -inf; shift by 0 so exp gives 0, not NaN.
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp(m - m_safe)
+        p = jnp.exp(s - m_safe[:, None])
+        pv = lax.dot_general(p.astype(keys.dtype), keys, (((1,), (0,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)  # [bh, c]
+        return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
+
+    carry = (
+        jnp.full((bh,), -jnp.inf, jnp.float32),
+        jnp.zeros((bh,), jnp.float32),
+        jnp.zeros((bh, c), jnp.float32),
+    )
+
+    # Committed keys: window blocks [0, nw) then compressed blocks [nw, nw + nc), split evenly.
+    nw = win_ref.shape[0] // bk
+    nc = _cdiv(count, bk) if mode != "none" else 0
+    total = nw + nc
+    per = _cdiv(total, splits)
+    lo = split * per
+    hi = jnp.minimum(lo + per, total)
+
+    def window_block(j, carry):
+        start = multiple_of(j * bk, bk)
+        kpos = win_pos_ref[pl.ds(start, bk)]
+        return attend(carry, win_ref[pl.ds(start, bk), :], (kpos >= 0) & (kpos > pos - window))
+
+    carry = lax.fori_loop(jnp.minimum(lo, nw), jnp.minimum(hi, nw), window_block, carry)
+
+    if mode == "dense":
+        lc = comp_ref.shape[0]
+
+        def dense_block(j, carry):
+            # The last block is shifted back to end at the array's end instead of reading past
+            # it; keys the previous block already covered are masked out.
+            start = jnp.minimum(j * bk, lc - bk)
+            idx = start + lax.broadcasted_iota(jnp.int32, (bk,), 0)
+            return attend(carry, comp_ref[pl.ds(start, bk), :], (idx >= j * bk) & (idx < count))
+
+        carry = lax.fori_loop(jnp.maximum(lo, nw) - nw, jnp.maximum(hi, nw) - nw, dense_block, carry)
+    elif mode == "sparse":
+
+        def sparse_block(j, carry):
+            ids = comp_ids_ref[pl.ds(multiple_of(j * bk, bk), bk)]
+            return attend(carry, comp_ref[jnp.maximum(ids, 0)], ids >= 0)
+
+        carry = lax.fori_loop(jnp.maximum(lo, nw) - nw, jnp.maximum(hi, nw) - nw, sparse_block, carry)
+
+    def tree_part(carry, keys_ref, mask_ref, key_lo, key_hi):
+        def block(j, carry):
+            start = multiple_of(j * bk, bk)
+            return attend(carry, keys_ref[pl.ds(start, bk), :], mask_ref[pl.ds(start, bk)] != 0)
+
+        first = jnp.where(last, lax.div(key_lo, bk), 0)
+        end = jnp.where(last, _cdiv(key_hi, bk), 0)
+        return lax.fori_loop(first, end, block, carry)
+
+    carry = tree_part(carry, new_ref, new_mask_ref, meta_ref[2], meta_ref[3])
+    if has_entries:
+        carry = tree_part(carry, ent_ref, ent_mask_ref, meta_ref[4], meta_ref[5])
+
+    m, l, acc = carry
+    if splits == 1:
+        o_ref = refs[0]
+        sink = sink_ref[...]
+        top = jnp.maximum(m, sink)
+        keep = jnp.exp(m - top)
+        o_ref[...] = acc * (keep / (l * keep + jnp.exp(sink - top)))[:, None]
+    else:
+        o_ref, m_ref, l_ref = refs
+        o_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = l
+
+
+def _validate(q, window_kv, window_pos, new_kv, new_mask, positions, sink, comp_kv, comp_len, comp_index,
+              tree_entries, tree_entry_mask):
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, T, H, c], got shape {q.shape}")
+    b, t, h, c = q.shape
+    expect = {
+        "window_kv": (window_kv, (b, None, c)),
+        "window_pos": (window_pos, (b, window_kv.shape[1] if window_kv.ndim == 3 else None)),
+        "new_kv": (new_kv, (b, t, c)),
+        "new_mask": (new_mask, (b, t, t)),
+        "positions": (positions, (b, t)),
+        "sink": (sink, (h,)),
+    }
+    if comp_kv is not None:
+        expect["comp_kv"] = (comp_kv, (b, None, c))
+        if (comp_len is None) == (comp_index is None):
+            raise ValueError("with comp_kv give exactly one of comp_len (dense, HCA) or comp_index (sparse, CSA)")
+        if comp_len is not None:
+            expect["comp_len"] = (comp_len, (b,))
+        else:
+            expect["comp_index"] = (comp_index, (b, t, None))
+    elif comp_len is not None or comp_index is not None:
+        raise ValueError("comp_len / comp_index need comp_kv")
+    if (tree_entries is None) != (tree_entry_mask is None):
+        raise ValueError("tree_entries and tree_entry_mask go together")
+    if tree_entries is not None:
+        expect["tree_entries"] = (tree_entries, (b, t, c))
+        expect["tree_entry_mask"] = (tree_entry_mask, (b, t, t))
+    for name, (x, shape) in expect.items():
+        if x.ndim != len(shape) or any(s is not None and s != d for s, d in zip(shape, x.shape, strict=True)):
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"{name} must have shape {want} (from q {q.shape}), got {x.shape}")
+    if comp_kv is not None and comp_kv.shape[1] < 1:
+        raise ValueError("comp_kv must hold at least one entry slot")
+    if q.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"q must be float32 or bfloat16, got {q.dtype}")
+
+
+def _key_range(mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[B, T, N] bool -> first and one-past-last true index per row (N, 0 when none)."""
+    n = mask.shape[-1]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    lo = jnp.min(jnp.where(mask, idx, n), axis=-1)
+    hi = jnp.max(jnp.where(mask, idx + 1, 0), axis=-1)
+    return lo.astype(jnp.int32), hi.astype(jnp.int32)
+
+
+def default_splits(b: int, t: int, head_blocks: int, committed_blocks: int) -> int:
+    """Enough programs to fill the GPU's SMs, each split keeping >= 2 blocks of committed keys;
+    splits cost a [rows, c] fp32 partial each, so none when the grid already fills the GPU."""
+    programs = b * t * head_blocks
+    want = -(-num_sms() // programs)
+    return int(max(1, min(want, MAX_SPLITS, committed_blocks // 2)))
+
+
+def tree_attention(
+    q: jax.Array,  # [B, T, H, c]
+    window_kv: jax.Array,  # [B, W, c]
+    window_pos: jax.Array,  # [B, W] int32 (-1: empty slot)
+    new_kv: jax.Array,  # [B, T, c]
+    new_mask: jax.Array,  # [B, T, T] bool
+    positions: jax.Array,  # [B, T] int32
+    sink: jax.Array,  # [H] fp32
+    *,
+    window: int,
+    scale: float,
+    comp_kv: jax.Array | None = None,  # [B, Lc, c]
+    comp_len: jax.Array | None = None,  # [B] int32
+    comp_index: jax.Array | None = None,  # [B, T, K] int32, -1 = none
+    tree_entries: jax.Array | None = None,  # [B, T, c]
+    tree_entry_mask: jax.Array | None = None,  # [B, T, T] bool
+    block_h: int | None = None,
+    block_k: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Pallas tree attention; same contract as `tree_attention_reference` -> [B, T, H, c] fp32.
+
+    `interpret=None` runs the Triton lowering on a GPU and the interpreter elsewhere. Indices in
+    `comp_index` must be < Lc (larger ones are clamped to Lc - 1 rather than read out of bounds).
+    """
+    _validate(q, window_kv, window_pos, new_kv, new_mask, positions, sink, comp_kv, comp_len, comp_index,
+              tree_entries, tree_entry_mask)
+    interpret = resolve_interpret(interpret)
+    gpu = not interpret
+    b, t, h, c = q.shape
+    dt = q.dtype
+    bk = int(block_k or (GPU_BLOCK_K if gpu else CPU_BLOCK_K))
+    if bk < 1 or bk & (bk - 1):
+        raise ValueError(f"block_k must be a power of two, got {bk}")
+    min_tile = 16 if gpu else 1  # Triton matmuls need every side >= 16
+    if gpu and bk < 16:
+        raise ValueError(f"block_k must be >= 16 on GPU, got {bk}")
+    hp = max(next_pow2(h), min_tile)
+    bh = min(int(block_h or (GPU_BLOCK_H if gpu else hp)), hp)
+    if bh < min_tile or bh & (bh - 1):
+        raise ValueError(f"block_h must be a power of two >= {min_tile}, got {bh}")
+    cp = max(next_pow2(c), min_tile)
+
+    def keys(x, axis_len=None):  # [B, N, c] -> dtype, channels padded, N padded to axis_len
+        x = pad_axis(x.astype(dt), 2, cp)
+        return x if axis_len is None else pad_axis(x, 1, axis_len)
+
+    qp = pad_axis(pad_axis(q, 3, cp), 2, hp)
+    sinkp = pad_axis(sink.astype(jnp.float32), 0, hp)
+    wp = round_up(window_kv.shape[1], bk)
+    win = keys(window_kv, wp)
+    win_pos = pad_axis(window_pos.astype(jnp.int32), 1, wp, value=-1)
+    tp = round_up(t, bk)
+    new = keys(new_kv, tp)
+    new_mask_p = pad_axis(new_mask, 2, tp, value=False)
+    kv_lo, kv_hi = _key_range(new_mask_p)
+
+    mode = "none" if comp_kv is None else ("dense" if comp_len is not None else "sparse")
+    has_entries = tree_entries is not None
+    count = jnp.zeros((b, t), jnp.int32)
+    extra_in, extra_specs = [], []
+    committed_blocks = wp // bk
+    sq = SQUEEZED
+    if mode != "none":
+        lc = comp_kv.shape[1]
+        comp = keys(comp_kv, max(lc, bk))  # only a cache shorter than one block is copied
+        extra_in.append(comp)
+        extra_specs.append(pl.BlockSpec((sq, comp.shape[1], cp), lambda i, j, k, s: (i, 0, 0)))
+        if mode == "dense":
+            count = jnp.broadcast_to(jnp.minimum(comp_len.astype(jnp.int32), lc)[:, None], (b, t))
+            committed_blocks += comp.shape[1] // bk
+        else:
+            ids = comp_index.astype(jnp.int32)
+            ok = ids >= 0
+            # Valid ids first (ascending: neighbouring rows, friendlier gathers), so a node reads
+            # only ceil(count / block_k) blocks.
+            ids = jnp.sort(jnp.where(ok, jnp.minimum(ids, lc - 1), lc), axis=-1)
+            ids = jnp.where(ids < lc, ids, -1)
+            kp = round_up(ids.shape[-1], bk)
+            ids = pad_axis(ids, 2, kp, value=-1)
+            count = jnp.sum(ok, axis=-1).astype(jnp.int32)
+            extra_in.append(ids)
+            extra_specs.append(pl.BlockSpec((sq, sq, kp), lambda i, j, k, s: (i, j, 0)))
+            committed_blocks += kp // bk
+    ent_lo = ent_hi = jnp.zeros((b, t), jnp.int32)
+    if has_entries:
+        ent_mask = pad_axis(tree_entry_mask, 2, tp, value=False)
+        ent_lo, ent_hi = _key_range(ent_mask)
+        extra_in += [keys(tree_entries, tp), ent_mask.astype(jnp.int8)]
+        extra_specs += [
+            pl.BlockSpec((sq, tp, cp), lambda i, j, k, s: (i, 0, 0)),
+            pl.BlockSpec((sq, sq, tp), lambda i, j, k, s: (i, j, 0)),
+        ]
+    zeros = jnp.zeros((b, t), jnp.int32)
+    meta = jnp.stack([positions.astype(jnp.int32), count, kv_lo, kv_hi, ent_lo, ent_hi, zeros, zeros], axis=-1)
+
+    head_blocks = hp // bh
+    splits = int(num_splits) if num_splits else (default_splits(b, t, head_blocks, committed_blocks) if gpu else 1)
+    if splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    grid = (b, t, head_blocks, splits)
+    in_specs = [
+        pl.BlockSpec((sq, sq, _META), lambda i, j, k, s: (i, j, 0)),
+        pl.BlockSpec((sq, sq, bh, cp), lambda i, j, k, s: (i, j, k, 0)),
+        pl.BlockSpec((bh,), lambda i, j, k, s: (k,)),
+        pl.BlockSpec((sq, wp, cp), lambda i, j, k, s: (i, 0, 0)),
+        pl.BlockSpec((sq, wp), lambda i, j, k, s: (i, 0)),
+        pl.BlockSpec((sq, tp, cp), lambda i, j, k, s: (i, 0, 0)),
+        pl.BlockSpec((sq, sq, tp), lambda i, j, k, s: (i, j, 0)),
+        *extra_specs,
+    ]
+    if splits == 1:
+        out_shape = jax.ShapeDtypeStruct((b, t, hp, cp), jnp.float32)
+        out_specs = pl.BlockSpec((sq, sq, bh, cp), lambda i, j, k, s: (i, j, k, 0))
+    else:
+        out_shape = (
+            jax.ShapeDtypeStruct((b, t, splits, hp, cp), jnp.float32),
+            jax.ShapeDtypeStruct((b, t, splits, hp), jnp.float32),
+            jax.ShapeDtypeStruct((b, t, splits, hp), jnp.float32),
+        )
+        out_specs = (
+            pl.BlockSpec((sq, sq, sq, bh, cp), lambda i, j, k, s: (i, j, s, k, 0)),
+            pl.BlockSpec((sq, sq, sq, bh), lambda i, j, k, s: (i, j, s, k)),
+            pl.BlockSpec((sq, sq, sq, bh), lambda i, j, k, s: (i, j, s, k)),
+        )
+    kernel = functools.partial(
+        _tree_attention_kernel,
+        mode=mode,
+        has_entries=has_entries,
+        block_k=bk,
+        window=int(window),
+        scale=float(scale),
+        splits=splits,
+        precision=exact_dot_precision(dt),
+    )
+    extra = {}
+    if gpu:
+        extra["compiler_params"] = triton_params(num_warps or GPU_NUM_WARPS, num_stages or GPU_NUM_STAGES)
+    result = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=interpret,
+        name=f"tree_attention_{mode}",
+        **extra,
+    )(meta, qp, sinkp, win, win_pos, new, new_mask_p.astype(jnp.int8), *extra_in)
+    if splits == 1:
+        out = result
+    else:
+        acc, m, l = result  # [B, T, S, Hp, cp], [B, T, S, Hp] x2
+        top = jnp.maximum(jnp.max(m, axis=2), sinkp[None, None, :])  # [B, T, Hp]
+        keep = jnp.exp(m - top[:, :, None])
+        denom = jnp.sum(l * keep, axis=2) + jnp.exp(sinkp[None, None, :] - top)
+        out = jnp.sum(acc * keep[..., None], axis=2) / denom[..., None]
+    return out[:, :, :h, :c]
+
+
+# ---------------------------------------------------------------------------------------------
+# model glue
+
+
+def attention_from_context(
+    q: jax.Array,  # [B, T, H, c]
+    kv: jax.Array,  # [B, T, c] new tokens' window kv
+    ring: jax.Array,  # [B, W, c] committed ring
+    ring_pos: jax.Array,  # [B, W] int32
+    ctx,  # layers.attention.AttentionContext
+    sink: jax.Array,  # [H]
+    *,
+    window: int,
+    scale: float,
+    kind: str,
+    cache: jax.Array | None = None,  # [B, Lc, c] committed compressed entries
+    num_committed_entries: jax.Array | None = None,  # [B]
+    entry: jax.Array | None = None,  # [B, T, c] candidate entries of the new tokens
+    emits: jax.Array | None = None,  # [B, T] bool: token closes a block
+    top_index: jax.Array | None = None,  # [B, T, k] CSA selection into concat(cache, entry)
+    selected_ok: jax.Array | None = None,  # [B, T, k] bool
+    reference: bool = False,
+    **kernel_kwargs,
+) -> jax.Array:
+    """The layer's key sets (attention.py) as kernel arguments -> [B, T, H, c] fp32."""
+    new_mask = ctx.visible & (ctx.positions[:, None, :] > ctx.positions[:, :, None] - window)
+    kw = dict(window=window, scale=scale)
+    if kind != "sliding":
+        lc = cache.shape[1]
+        if kind == "hca":
+            kw.update(comp_kv=cache, comp_len=num_committed_entries, tree_entry_mask=ctx.visible & emits[:, None, :])
+        else:
+            comp_index = jnp.where(selected_ok & (top_index < lc), top_index, -1)
+            local = jnp.where(selected_ok & (top_index >= lc), top_index - lc, -1)  # [B, T, k]
+            nodes = jnp.arange(entry.shape[1], dtype=top_index.dtype)
+            picked = jnp.any(local[..., None] == nodes, axis=-2)  # [B, T, T]
+            kw.update(comp_kv=cache, comp_index=comp_index, tree_entry_mask=picked)
+        kw["tree_entries"] = entry
+    fn = tree_attention_reference if reference else functools.partial(tree_attention, **kernel_kwargs)
+    return fn(q, ring, ring_pos, kv, new_mask, ctx.positions, sink, **kw)

@@ -1,0 +1,629 @@
+"""Train a V4-style target and its MTP block jointly (CPU-sized), with orbax checkpoints and resume.
+
+Loss per sequence of T+2 tokens x_0..x_{T+1}: the target reads x_0..x_{T-1} from an empty decode
+state (every V4 mechanism on: SWA, CSA + indexer, HCA, sinks, mHC, hash + routed MoE) and predicts
+x_{i+1}; the MTP step at position i consumes the target's final streams H_i (pre hc_head) and the
+embedding of x_{i+1}, and predicts x_{i+2}. total = main + mtp_weight * mtp.
+
+    python -m jaxspec.train --steps 2000 --batch 8 --seq-len 256 --out checkpoints/tiny-v4 \
+        --time-budget-minutes 80
+
+Intermediate train states (params + AdamW moments + step + history) go to `<run-dir>/ckpt`
+(orbax CheckpointManager); `--resume` continues from the latest one. At every save the shippable
+checkpoint (`save_checkpoint` format + tokenizer + loss.csv / loss.png) is also refreshed in `--out`,
+so a stopped run leaves something usable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import functools
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+
+from jaxspec import model as model_lib
+from jaxspec import state as state_lib
+from jaxspec.config import DTYPES, ModelConfig
+from jaxspec.model import ModelParams
+
+SHIP_LIMIT_BYTES = 60 * 10**6
+
+
+# ---- optimisation ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class OptConfig:
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    steps: int = 1000
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    clip: float = 1.0
+    mtp_weight: float = 0.5
+
+    def __post_init__(self):
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.warmup_steps < 0 or self.steps < 1:
+            raise ValueError(f"need warmup_steps >= 0 and steps >= 1, got {self.warmup_steps}, {self.steps}")
+        if self.clip <= 0 or self.weight_decay < 0 or self.mtp_weight < 0:
+            raise ValueError("clip must be > 0, weight_decay and mtp_weight >= 0")
+
+
+def learning_rate(opt: OptConfig, step: int, progress: float | None = None) -> float:
+    """Linear warmup, then cosine from lr to lr*min_lr_ratio over `progress` in [0, 1]
+    (default step/steps; a time-budgeted run passes the larger of that and elapsed/budget)."""
+    if step < opt.warmup_steps:
+        return opt.lr * (step + 1) / opt.warmup_steps
+    if progress is None:
+        progress = step / opt.steps
+    p = min(max(progress, 0.0), 1.0)
+    return opt.lr * (opt.min_lr_ratio + (1 - opt.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def _float_index(params: ModelParams) -> tuple[int, ...]:
+    """Leaf indices of the trainable (floating) params; the hash layers' token->expert tables are ints."""
+    return tuple(i for i, x in enumerate(jax.tree.leaves(params)) if jnp.issubdtype(x.dtype, jnp.floating))
+
+
+def _tx(opt: OptConfig) -> optax.GradientTransformation:
+    # The learning rate is applied outside (an argument of the step) so a time budget can drive it.
+    return optax.chain(
+        optax.clip_by_global_norm(opt.clip),
+        optax.scale_by_adam(b1=opt.b1, b2=opt.b2),
+        optax.add_decayed_weights(opt.weight_decay, mask=lambda ps: [x.ndim >= 2 for x in ps]),
+    )
+
+
+@struct.dataclass
+class TrainState:
+    params: ModelParams
+    opt_state: Any  # optax state over the list of floating leaves
+    step: jax.Array  # [] int32
+
+
+def init_train_state(cfg: ModelConfig, opt: OptConfig, key: jax.Array) -> TrainState:
+    """Fresh fp32 params (init_params) and AdamW moments."""
+    if cfg.dtype != "float32":
+        raise ValueError(f"train in float32 (cfg.dtype={cfg.dtype!r}); cast to bfloat16 only when shipping")
+    params = model_lib.init_params(cfg, key)
+    leaves = jax.tree.leaves(params)
+    trainable = [leaves[i] for i in _float_index(params)]
+    return TrainState(params=params, opt_state=_tx(opt).init(trainable), step=jnp.zeros((), jnp.int32))
+
+
+def loss_fn(
+    params: ModelParams,
+    cfg: ModelConfig,
+    tokens: jax.Array,  # [B, T+2] int32
+    mtp_weight: float,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """-> (main + mtp_weight * mtp, {"main", "mtp"}) mean cross-entropies in nats."""
+    b, t2 = tokens.shape
+    t = t2 - 2
+    x = tokens[:, :t]
+    st = state_lib.init_state(cfg, b, t)
+    valid = jnp.ones((b, t), bool)
+    out = model_lib.forward(params, cfg, st, x, model_lib.causal_context(st.length, valid))
+    main = optax.softmax_cross_entropy_with_integer_labels(out.logits, tokens[:, 1 : t + 1]).mean()
+    aux = {"main": main}
+    total = main
+    if cfg.has_mtp:
+        mtp_logits, _, _ = model_lib.mtp_forward(
+            params, cfg, st, out.hidden, tokens[:, 1 : t + 1], model_lib.causal_context(st.mtp_length, valid)
+        )
+        mtp = optax.softmax_cross_entropy_with_integer_labels(mtp_logits, tokens[:, 2:]).mean()
+        aux["mtp"] = mtp
+        total = main + mtp_weight * mtp
+    return total, aux
+
+
+def _tx_key(opt: OptConfig) -> tuple[float, ...]:
+    # What the compiled step depends on (not lr / steps / warmup): equal keys share one compilation.
+    return (opt.b1, opt.b2, opt.weight_decay, opt.clip, opt.mtp_weight)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "key"), donate_argnums=(0,))
+def _train_step(ts: TrainState, tokens: jax.Array, lr: jax.Array, cfg: ModelConfig, key: tuple[float, ...]):
+    b1, b2, wd, clip, mtp_weight = key
+    tx = _tx(OptConfig(b1=b1, b2=b2, weight_decay=wd, clip=clip, mtp_weight=mtp_weight))
+    leaves, treedef = jax.tree.flatten(ts.params)
+    index = _float_index(ts.params)
+
+    def f(trainable):
+        full = list(leaves)
+        for i, x in zip(index, trainable, strict=True):
+            full[i] = x
+        return loss_fn(jax.tree.unflatten(treedef, full), cfg, tokens, mtp_weight)
+
+    trainable = [leaves[i] for i in index]
+    (loss, aux), grads = jax.value_and_grad(f, has_aux=True)(trainable)
+    updates, opt_state = tx.update(grads, ts.opt_state, trainable)
+    new = list(leaves)
+    for i, x, u in zip(index, trainable, updates, strict=True):
+        new[i] = x - lr * u
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
+    return TrainState(jax.tree.unflatten(treedef, new), opt_state, ts.step + 1), metrics
+
+
+def make_train_step(cfg: ModelConfig, opt: OptConfig) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
+    """-> step(state, tokens [B, T+2], lr []) -> (state, metrics); one jitted program, donates `state`."""
+    if not isinstance(cfg, ModelConfig) or not isinstance(opt, OptConfig):
+        raise ValueError("make_train_step needs a ModelConfig and an OptConfig")
+    return functools.partial(_train_step, cfg=cfg, key=_tx_key(opt))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _eval_step(params: ModelParams, tokens: jax.Array, cfg: ModelConfig) -> dict[str, jax.Array]:
+    return loss_fn(params, cfg, tokens, 1.0)[1]
+
+
+def make_eval_step(cfg: ModelConfig) -> Callable[..., dict[str, jax.Array]]:
+    """-> eval(params, tokens [B, T+2]) -> {"main", "mtp"} (jitted)."""
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    return functools.partial(_eval_step, cfg=cfg)
+
+
+# ---- data --------------------------------------------------------------------------------------
+
+
+class PackedSampler:
+    """Rows of T+2 tokens packed from BOS..EOS documents of several datasets.
+
+    Row r of batch `step` depends only on (seed, step): resumed runs see the same data. Each row
+    starts at a document start (or a random offset inside a document longer than the row) and is
+    filled with further documents, each drawn by the mixture weights.
+    """
+
+    def __init__(self, docs: dict[str, list[list[int]]], weights: dict[str, float], seq_len: int, seed: int = 0):
+        if seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2, got {seq_len}")
+        if not docs or set(docs) != set(weights):
+            raise ValueError(f"docs and weights must name the same datasets, got {sorted(docs)} / {sorted(weights)}")
+        for name, d in docs.items():
+            if not d:
+                raise ValueError(f"dataset {name!r} has no documents")
+            if weights[name] < 0:
+                raise ValueError(f"weight of {name!r} must be >= 0, got {weights[name]}")
+        total = sum(weights.values())
+        if total <= 0:
+            raise ValueError("mixture weights must not all be 0")
+        self.names = sorted(docs)
+        self.docs = [[np.asarray(x, np.int32) for x in docs[n]] for n in self.names]
+        self.p = np.array([weights[n] / total for n in self.names])
+        self.seq_len, self.seed = seq_len, seed
+
+    def row(self, rng: np.random.Generator) -> np.ndarray:
+        need = self.seq_len + 2
+        parts, have, first = [], 0, True
+        while have < need:
+            d = self.docs[rng.choice(len(self.names), p=self.p)]
+            doc = d[rng.integers(len(d))]
+            if first and len(doc) > need:
+                doc = doc[rng.integers(len(doc) - need + 1):]
+            first = False
+            parts.append(doc)
+            have += len(doc)
+        return np.concatenate(parts)[:need]
+
+    def batch(self, step: int, batch: int) -> np.ndarray:  # -> [batch, T+2]
+        rng = np.random.default_rng([self.seed, step])
+        return np.stack([self.row(rng) for _ in range(batch)])
+
+
+def unigram_loss(train_rows: np.ndarray, eval_rows: np.ndarray, vocab_size: int, alpha: float = 0.5) -> float:
+    """Held-out cross-entropy (nats) of add-alpha token frequencies of the training rows' targets."""
+    counts = np.bincount(train_rows[:, 1:].ravel(), minlength=vocab_size).astype(np.float64) + alpha
+    logp = np.log(counts / counts.sum())
+    return float(-logp[eval_rows[:, 1:-1].ravel()].mean())
+
+
+def build_data(tokenizer: Any, seq_len: int, seed: int, root: str | None = None,
+               weights: dict[str, float] | None = None, eval_rows_per_dataset: int = 8,
+               console: Any = None) -> tuple[PackedSampler, dict[str, np.ndarray]]:
+    """Training sampler over the train splits and fixed held-out rows per dataset (eval splits)."""
+    from jaxspec import data as data_lib
+    from jaxspec import tokenizer as tok_lib
+
+    weights = weights or {"gsm8k": 0.4, "mbpp": 0.2, "sharegpt": 0.4}
+    train = data_lib.mixture({k: data_lib.TRAIN_SPLITS[k] for k in weights}, root=root)
+    held = data_lib.mixture({k: data_lib.HELDOUT_SPLITS[k] for k in weights}, root=root)
+    train_docs = {k: tok_lib.encode_batch(tokenizer, [e.text for e in v], bos=True, eos=True) for k, v in train.items()}
+    held_docs = {k: tok_lib.encode_batch(tokenizer, [e.text for e in v], bos=True, eos=True) for k, v in held.items()}
+    if console is not None:
+        for k in train_docs:
+            console.print(f"data {k}: train {len(train_docs[k])} docs {sum(map(len, train_docs[k]))} tokens, "
+                          f"held-out {len(held_docs[k])} docs")
+    sampler = PackedSampler(train_docs, weights, seq_len, seed)
+    eval_rows = {k: PackedSampler({k: d}, {k: 1.0}, seq_len, seed + 1).batch(0, eval_rows_per_dataset)
+                 for k, d in held_docs.items()}
+    return sampler, eval_rows
+
+
+def tokenizer_texts(root: str | None = None, sharegpt_docs: int = 3000, seed: int = 0) -> list[str]:
+    """Training-split texts for the BPE: all of GSM8K and MBPP train, a sample of ShareGPT train."""
+    from jaxspec import data as data_lib
+
+    mix = data_lib.mixture(dict(data_lib.TRAIN_SPLITS), root=root)
+    rng = np.random.default_rng(seed)
+    share = mix["sharegpt"]
+    pick = rng.permutation(len(share))[:sharegpt_docs]
+    return [e.text for e in mix["gsm8k"]] + [e.text for e in mix["mbpp"]] + [share[i].text for i in pick]
+
+
+# ---- checkpoints -------------------------------------------------------------------------------
+
+
+def _manager(run_dir: str, max_to_keep: int = 2):
+    import orbax.checkpoint as ocp
+
+    return ocp.CheckpointManager(
+        os.path.abspath(os.path.join(run_dir, "ckpt")),
+        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=False),
+        item_names=("state", "meta"),
+    )
+
+
+def save_train_state(mgr: Any, ts: TrainState, meta: dict[str, Any]) -> None:
+    import orbax.checkpoint as ocp
+
+    step = int(ts.step)
+    mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(ts), meta=ocp.args.JsonSave(meta)), force=True)
+    mgr.wait_until_finished()
+
+
+def restore_train_state(mgr: Any, template: TrainState) -> tuple[TrainState, dict[str, Any]] | None:
+    """Latest (state, meta) of the manager, or None when it holds none."""
+    import orbax.checkpoint as ocp
+
+    step = mgr.latest_step()
+    if step is None:
+        return None
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+    out = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                    meta=ocp.args.JsonRestore()))
+    return out["state"], out["meta"]
+
+
+def ship_params(cfg: ModelConfig, params: ModelParams, dtype: str) -> tuple[ModelConfig, ModelParams]:
+    """Cast to `dtype` ("float32" / "bfloat16") the way `init_params` lays a model of that dtype out."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    out_cfg = cfg.replace(dtype=dtype)
+    abstract = jax.eval_shape(lambda: model_lib.init_params(out_cfg, jax.random.key(0)))
+    return out_cfg, jax.tree.map(lambda x, a: jnp.asarray(x).astype(a.dtype), params, abstract)
+
+
+def param_bytes(params: ModelParams) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+
+
+def export_checkpoint(out: str, cfg: ModelConfig, params: ModelParams, tokenizer: Any, ship_dtype: str,
+                      extra_files: dict[str, str] | None = None) -> str:
+    """Write the `save_checkpoint` folder atomically enough (tmp folder, then swap); -> dtype used.
+    ship_dtype "auto" stores float32 unless that exceeds SHIP_LIMIT_BYTES, else bfloat16."""
+    from jaxspec.checkpoint import save_checkpoint
+
+    if ship_dtype == "auto":
+        ship_dtype = "float32" if param_bytes(params) <= SHIP_LIMIT_BYTES else "bfloat16"
+    scfg, sparams = ship_params(cfg, params, ship_dtype)
+    out = os.path.abspath(out)
+    tmp = out + ".tmp"
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    save_checkpoint(tmp, scfg, sparams, tokenizer=tokenizer)
+    for src_name, src in (extra_files or {}).items():
+        if os.path.isfile(src):
+            shutil.copyfile(src, os.path.join(tmp, src_name))
+    if os.path.exists(out):
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return ship_dtype
+
+
+# ---- logging -----------------------------------------------------------------------------------
+
+CSV_FIELDS = ("step", "elapsed_s", "lr", "train_loss", "train_main", "train_mtp", "heldout_main", "heldout_mtp",
+              "unigram")
+
+
+def write_curve(history: Sequence[dict[str, Any]], csv_path: str, png_path: str | None) -> None:
+    """History rows -> CSV (CSV_FIELDS; empty cells where a row has no value) and a small PNG."""
+    with open(csv_path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for row in history:
+            w.writerow({k: ("" if row.get(k) is None else row[k]) for k in CSV_FIELDS})
+    if png_path is None:
+        return
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
+    tr = [r for r in history if r.get("train_main") is not None]
+    ev = [r for r in history if r.get("heldout_main") is not None]
+    if tr:
+        ax.plot([r["step"] for r in tr], [r["train_main"] for r in tr], lw=0.8, alpha=0.6, label="train (next token)")
+        if any(r.get("train_mtp") is not None for r in tr):
+            ax.plot([r["step"] for r in tr], [r["train_mtp"] for r in tr], lw=0.8, alpha=0.6, label="train (MTP, +2)")
+    if ev:
+        ax.plot([r["step"] for r in ev], [r["heldout_main"] for r in ev], "o-", ms=3, label="held-out (next token)")
+        if any(r.get("heldout_mtp") is not None for r in ev):
+            ax.plot([r["step"] for r in ev], [r["heldout_mtp"] for r in ev], "s-", ms=3, label="held-out (MTP, +2)")
+    uni = next((r["unigram"] for r in history if r.get("unigram") is not None), None)
+    if uni is not None:
+        ax.axhline(uni, color="gray", ls="--", lw=1, label=f"unigram held-out ({uni:.2f})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png_path)
+    plt.close(fig)
+
+
+# ---- loop --------------------------------------------------------------------------------------
+
+
+def evaluate(eval_fn: Callable[..., Any], params: ModelParams, eval_rows: dict[str, np.ndarray],
+             batch: int) -> dict[str, float]:
+    """Mean held-out losses per dataset ("<name>/main", "<name>/mtp") and over datasets ("main", "mtp")."""
+    out: dict[str, float] = {}
+    for name, rows in eval_rows.items():
+        sums: dict[str, float] = {}
+        n = 0
+        for i in range(0, len(rows) - batch + 1, batch):
+            m = jax.device_get(eval_fn(params, jnp.asarray(rows[i : i + batch])))
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+            n += 1
+        for k, v in sums.items():
+            out[f"{name}/{k}"] = v / max(n, 1)
+    for k in ("main", "mtp"):
+        vals = [v for kk, v in out.items() if kk.endswith("/" + k)]
+        if vals:
+            out[k] = float(np.mean(vals))
+    return out
+
+
+def train_loop(
+    cfg: ModelConfig,
+    opt: OptConfig,
+    sampler: Any,  # .batch(step, batch) -> [batch, T+2]
+    eval_rows: dict[str, np.ndarray],  # name -> [n, T+2]
+    *,
+    batch: int,
+    run_dir: str,
+    out: str | None = None,
+    tokenizer: Any = None,
+    resume: bool = False,
+    time_budget_s: float | None = None,
+    eval_every: int = 25,
+    save_every: int | None = None,
+    seed: int = 0,
+    unigram: float | None = None,
+    ship_dtype: str = "auto",
+    log: Callable[[str], None] = print,
+    extra_meta: dict[str, Any] | None = None,
+) -> tuple[TrainState, list[dict[str, Any]]]:
+    """Run until opt.steps or the time budget; -> (final state, history). Saves and exports on the way."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    if eval_every < 1:
+        raise ValueError(f"eval_every must be >= 1, got {eval_every}")
+    if time_budget_s is not None and time_budget_s <= 0:
+        raise ValueError(f"time budget must be > 0, got {time_budget_s}")
+    if ship_dtype not in (*DTYPES, "auto"):
+        raise ValueError(f"ship_dtype must be one of {(*DTYPES, 'auto')}, got {ship_dtype!r}")
+    for name, rows in eval_rows.items():
+        if rows.ndim != 2 or len(rows) < batch:
+            raise ValueError(f"eval rows of {name!r} must be [n >= batch={batch}, T+2], got shape {rows.shape}")
+    save_every = save_every or eval_every
+    os.makedirs(run_dir, exist_ok=True)
+    mgr = _manager(run_dir)
+    ts = init_train_state(cfg, opt, jax.random.key(seed))
+    history: list[dict[str, Any]] = []
+    elapsed0 = 0.0
+    if resume:
+        restored = restore_train_state(mgr, ts)
+        if restored is None:
+            log(f"no checkpoint in {run_dir}/ckpt; starting fresh")
+        else:
+            ts, meta = restored
+            history = list(meta.get("history", []))
+            elapsed0 = float(meta.get("elapsed_s", 0.0))
+            log(f"resumed at step {int(ts.step)} ({elapsed0 / 60:.1f} min trained)")
+    # Fresh and restored states alike committed to one device, so a resume reuses the compiled step.
+    ts = jax.device_put(ts, jax.devices()[0])
+    step_fn = make_train_step(cfg, opt)
+    eval_fn = make_eval_step(cfg)
+    t_start = time.time() - elapsed0
+    ev_batch = batch
+    curve_csv = os.path.join(run_dir, "loss.csv")
+    curve_png = os.path.join(run_dir, "loss.png")
+
+    def meta() -> dict[str, Any]:
+        return {"elapsed_s": time.time() - t_start, "history": history, "unigram": unigram,
+                "opt": dataclasses.asdict(opt), **(extra_meta or {})}
+
+    def checkpoint(final: bool = False) -> None:
+        save_train_state(mgr, ts, meta())
+        write_curve(history, curve_csv, curve_png)
+        if out is not None:
+            used = export_checkpoint(out, cfg, ts.params, tokenizer, ship_dtype,
+                                     {"loss.csv": curve_csv, "loss.png": curve_png})
+            with open(os.path.join(out, "training.json"), "w") as f:
+                last = next((r for r in reversed(history) if r.get("heldout_main") is not None), {})
+                json.dump({"step": int(ts.step), "final": final, "ship_dtype": used, "unigram_heldout": unigram,
+                           "last_eval": last, "opt": dataclasses.asdict(opt), **(extra_meta or {})}, f, indent=2)
+
+    def do_eval() -> None:
+        m = evaluate(eval_fn, ts.params, eval_rows, ev_batch)
+        row = {"step": int(ts.step), "elapsed_s": round(time.time() - t_start, 1), "heldout_main": m.get("main"),
+               "heldout_mtp": m.get("mtp"), "unigram": unigram, "heldout": m}
+        history.append(row)
+        per = "  ".join(f"{k}={v:.3f}" for k, v in m.items() if "/" in k)
+        log(f"eval step {int(ts.step)}: held-out main {m.get('main', float('nan')):.4f} "
+            f"mtp {m.get('mtp', float('nan')):.4f} (unigram {unigram})  {per}")
+
+    if int(ts.step) == 0:
+        do_eval()
+    step_times: list[float] = []
+    while int(ts.step) < opt.steps:
+        step = int(ts.step)
+        elapsed = time.time() - t_start
+        if time_budget_s is not None:
+            est = float(np.median(step_times[-10:])) if step_times else 0.0
+            if elapsed + est > time_budget_s:
+                log(f"time budget reached at step {step} ({elapsed / 60:.1f} min)")
+                break
+            progress = max(step / opt.steps, elapsed / time_budget_s)
+        else:
+            progress = step / opt.steps
+        lr = learning_rate(opt, step, progress)
+        tokens = jnp.asarray(sampler.batch(step, batch))
+        t0 = time.time()
+        ts, m = step_fn(ts, tokens, jnp.float32(lr))
+        m = {k: float(v) for k, v in jax.device_get(m).items()}
+        dt = time.time() - t0
+        if step > 0 or elapsed0 > 0:  # the first step of a process includes compilation
+            step_times.append(dt)
+        if not all(math.isfinite(v) for v in m.values()):
+            raise FloatingPointError(f"non-finite metrics at step {step}: {m}")
+        history.append({"step": step + 1, "elapsed_s": round(time.time() - t_start, 1), "lr": lr,
+                        "train_loss": m["loss"], "train_main": m["main"], "train_mtp": m.get("mtp")})
+        eta = ""
+        if step_times:
+            per = float(np.median(step_times[-10:]))
+            left = (opt.steps - step - 1) * per
+            if time_budget_s is not None:
+                left = min(left, time_budget_s - (time.time() - t_start))
+            eta = f" {per:.2f}s/step eta {max(left, 0) / 60:.1f}min"
+        log(f"step {step + 1}/{opt.steps} loss {m['loss']:.4f} main {m['main']:.4f} mtp {m.get('mtp', 0):.4f} "
+            f"gnorm {m['grad_norm']:.3f} lr {lr:.2e} ({dt:.2f}s){eta}")
+        done = int(ts.step) >= opt.steps
+        if int(ts.step) % eval_every == 0 and not done:
+            do_eval()
+        if int(ts.step) % save_every == 0 and not done:
+            checkpoint()
+    if not history or history[-1].get("heldout_main") is None:
+        do_eval()
+    checkpoint(final=True)
+    mgr.close()
+    return ts, history
+
+
+# ---- command line ------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxspec.train",
+        description="Train a DeepSeek-V4-style target + MTP block jointly on GSM8K/MBPP/ShareGPT (train splits), "
+        "with a byte-level BPE trained on the same mixture; orbax checkpoints with resume.",
+    )
+    p.add_argument("--preset", default="tiny", help="model preset (default tiny)")
+    p.add_argument("--steps", type=int, default=1000, help="total optimizer steps (cosine schedule length)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    p.add_argument("--seq-len", type=int, default=256, help="target tokens per sequence T (rows hold T+2)")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate (default 2e-3)")
+    p.add_argument("--min-lr-ratio", type=float, default=0.1)
+    p.add_argument("--warmup", type=int, default=30, help="linear warmup steps (default 30)")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (default 1.0)")
+    p.add_argument("--mtp-weight", type=float, default=0.5, help="weight of the MTP loss (default 0.5)")
+    p.add_argument("--out", default="checkpoints/tiny-v4", help="shipped checkpoint folder")
+    p.add_argument("--run-dir", default=None, help="train states, tokenizer, curve (default runs/<out name>)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest state in --run-dir")
+    p.add_argument("--time-budget-minutes", type=float, default=None, help="stop (and save) after this long")
+    p.add_argument("--eval-every", type=int, default=25, help="held-out eval every N steps (default 25)")
+    p.add_argument("--save-every", type=int, default=None, help="save every N steps (default --eval-every)")
+    p.add_argument("--eval-rows", type=int, default=8, help="held-out rows per dataset (default 8)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-root", default=None, help="GSM8K/MBPP folder (default $JAXSPEC_DATA or ../shared/data)")
+    p.add_argument("--tokenizer", default=None, help="use this tokenizer.json instead of training one")
+    p.add_argument("--ship-dtype", default="auto", choices=("auto", *DTYPES),
+                   help="dtype of the shipped params (auto: float32 unless > 60 MB, then bfloat16)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from rich.console import Console
+
+    from jaxspec import tokenizer as tok_lib
+
+    console = Console(highlight=False, soft_wrap=True)
+    try:
+        for name in ("steps", "batch", "seq_len", "eval_every", "eval_rows"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        if args.eval_rows < args.batch:
+            raise ValueError(f"--eval-rows ({args.eval_rows}) must be >= --batch ({args.batch})")
+        run_dir = args.run_dir or os.path.join("runs", os.path.basename(os.path.normpath(args.out)))
+        os.makedirs(run_dir, exist_ok=True)
+        base = ModelConfig.preset(args.preset)
+        tok_path = os.path.join(run_dir, "tokenizer.json")
+        t0 = time.time()
+        if args.tokenizer is not None:
+            tok = tok_lib.load_tokenizer(args.tokenizer)
+        elif args.resume and os.path.isfile(tok_path):
+            tok = tok_lib.load_tokenizer(tok_path)
+        else:
+            texts = tokenizer_texts(args.data_root, seed=args.seed)
+            tok = tok_lib.train_tokenizer(texts, base.vocab_size)
+            console.print(f"trained BPE tokenizer ({base.vocab_size} ids) on {len(texts)} texts "
+                          f"in {time.time() - t0:.1f}s")
+        tok_lib.check_tokenizer(tok, base.vocab_size)
+        tok.save(tok_path)
+        cfg = base.replace(bos_id=tok_lib.BOS_ID, eos_id=tok_lib.EOS_ID)
+        opt = OptConfig(lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup, steps=args.steps,
+                        weight_decay=args.weight_decay, clip=args.clip, mtp_weight=args.mtp_weight)
+        sampler, eval_rows = build_data(tok, args.seq_len, args.seed, args.data_root,
+                                        eval_rows_per_dataset=args.eval_rows, console=console)
+        train_rows = np.concatenate([sampler.batch(10**6 + i, 64) for i in range(8)])
+        uni = unigram_loss(train_rows, np.concatenate(list(eval_rows.values())), cfg.vocab_size)
+        console.print(f"unigram baseline (held-out, all datasets): {uni:.4f} nats")
+        n_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(lambda: model_lib.init_params(
+            cfg, jax.random.key(0)))))
+        console.print(f"model {args.preset}: {n_params / 1e6:.2f}M params; batch {args.batch} x {args.seq_len} tokens; "
+                      f"opt {opt}")
+        budget = None if args.time_budget_minutes is None else 60 * args.time_budget_minutes
+        train_loop(cfg, opt, sampler, eval_rows, batch=args.batch, run_dir=run_dir, out=args.out, tokenizer=tok,
+                   resume=args.resume, time_budget_s=budget, eval_every=args.eval_every, save_every=args.save_every,
+                   seed=args.seed, unigram=uni, ship_dtype=args.ship_dtype, log=console.print,
+                   extra_meta={"argv": list(sys.argv[1:] if argv is None else argv), "preset": args.preset,
+                               "batch": args.batch, "seq_len": args.seq_len})
+        console.print(f"done: checkpoint in {args.out}, curve in {args.out}/loss.csv")
+    except (ValueError, OSError, FloatingPointError) as e:
+        console.print(f"train: error: {e}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

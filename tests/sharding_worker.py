@@ -1,0 +1,255 @@
+"""Runs in its own process with 8 simulated CPU devices (see tests/test_sharding_8dev.py).
+
+    python tests/sharding_worker.py OUT.json [--meshes 8,1,1 1,8,1 2,4,1 1,2,4]
+
+Generates with the `test`-style model (8 heads, 8 o_groups, 8 experts) on one device, then on
+each mesh, and writes per-mesh tokens and HLO findings as JSON for the test to assert on.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import json  # noqa: E402
+import re  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jaxspec as js  # noqa: E402
+from jaxspec import sharding  # noqa: E402
+from jaxspec.generate import _speculative_loop, length_bucket, prepare_prompts  # noqa: E402
+from jaxspec.sampling import Sampling  # noqa: E402
+
+# 8 heads / groups / experts split on every mesh; CSA (hash-routed) + HCA layers, MTP (sliding).
+CFG = js.ModelConfig.preset(
+    "test", num_heads=8, o_groups=8, n_routed_experts=8, num_layers=2, layer_types=("csa", "hca")
+)
+PROMPTS = [[5, 17, 3, 9, 60], [7, 8, 9], [int(t) for t in np.random.default_rng(0).integers(0, 96, 19)]]
+NEW_TOKENS = 12
+SPEC = js.SpecConfig.parse("s2_k2_d4")
+COLLECTIVE_OP = re.compile(
+    r"=\s+(\S+\[[\d,]*\])\S*\s+(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\("
+)
+GROUPS = re.compile(
+    r"replica_groups=(\{[\d,{}]*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?"
+    r"|mesh\[[^\]]*\](?:, device_ids=\([^)]*\)\)?)? \{[^}]*\})"
+    r"|source_target_pairs=(\{[\d,{}]*\})"
+)
+
+
+def _params():
+    from conftest import randomize
+
+    return randomize(js.init_params(CFG, jax.random.key(0)), jax.random.key(1))
+
+
+def _iota(text: str) -> np.ndarray:
+    """[dims]T(perm) / [shape]<=[dims]T(perm) iota device lists -> array of ids."""
+    m = re.fullmatch(r"(?:\[([\d,]+)\]<=)?\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+    dims = [int(x) for x in m.group(2).split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if m.group(3):
+        ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+    return ids.reshape(-1) if m.group(1) is None else ids.reshape([int(x) for x in m.group(1).split(",")])
+
+
+def _groups(text: str) -> list[list[int]]:
+    """One HLO collective's replica_groups / source_target_pairs -> lists of partition ids.
+
+    Forms: explicit {{0,1},{2,3}}; iota [G,S]<=[dims]T(perm); mesh['axis_0'=2,'axis_1'=4] {'axis_1'},
+    optionally with device_ids=([dims]T(perm)) (else devices numbered row-major over the axes); one
+    group per setting of the axes not named in braces.
+    """
+    if text.startswith("mesh["):
+        head, named = text.rsplit(" {", 1)
+        axes = re.findall(r"'(\w+)'=(\d+)", head.split("]", 1)[0])
+        names, dims = [a for a, _ in axes], [int(n) for _, n in axes]
+        device_ids = re.search(r"device_ids=\((.*)\)", head)
+        ids = (_iota(device_ids.group(1)) if device_ids else np.arange(int(np.prod(dims)))).reshape(dims)
+        grouped = [names.index(a) for a in re.findall(r"'(\w+)'", named)]
+        rest = [i for i in range(len(dims)) if i not in grouped]
+        size = int(np.prod([dims[i] for i in grouped], dtype=int))
+        return ids.transpose(rest + grouped).reshape(-1, size).tolist()
+    if text.startswith("["):
+        return _iota(text).tolist()
+    return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", text)]
+
+
+def hlo_findings(hlo: str, mesh, params, cfg, specs=None) -> dict:
+    """Collectives of a compiled program: which cross data shards, which gather a full parameter."""
+    per_data = mesh.shape["tensor"] * mesh.shape["expert"]
+    specs = sharding.param_specs(cfg, mesh) if specs is None else specs
+    full_param_shapes = set()
+    flat_specs = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
+    for x, spec in zip(jax.tree.leaves(params), flat_specs, strict=True):
+        if any(e is not None for e in spec):  # a split parameter: gathering it whole is the bug
+            dtype = {"float32": "f32", "bfloat16": "bf16", "int32": "s32"}[str(x.dtype)]
+            full_param_shapes.add(f"{dtype}[{','.join(map(str, x.shape))}]")
+    kinds: dict[str, int] = {}
+    cross_data, param_gathers = [], []
+    unparsed = []
+    for line in hlo.splitlines():
+        m = COLLECTIVE_OP.search(line)
+        if not m:
+            continue
+        shape, kind = m.group(1), m.group(2)
+        kinds[kind] = kinds.get(kind, 0) + 1
+        if kind == "all-gather" and shape in full_param_shapes:
+            param_gathers.append(shape)
+        g = GROUPS.search(line)
+        if not g:
+            unparsed.append(line.strip()[:300])
+            continue
+        if any(len({p // per_data for p in group}) > 1 for group in _groups(g.group(1) or g.group(2))):
+            cross_data.append(f"{kind} {shape}")
+    return {"kinds": kinds, "cross_data": cross_data, "param_gathers": param_gathers,
+            "num_split_params": len(full_param_shapes), "unparsed": unparsed}
+
+
+def controls() -> dict:
+    """The detectors must fire on programs that do what the model must not."""
+    mesh = js.make_mesh(2, 4, 1)
+    w = jax.ShapeDtypeStruct((16, 256), jnp.float32)
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "tensor"))
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    gather = jax.jit(lambda x: x * 2, in_shardings=split, out_shardings=whole).lower(w).compile().as_text()
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    cross = jax.jit(lambda x: x.sum(0), in_shardings=rows, out_shardings=whole).lower(w).compile().as_text()
+    fake_params = {"w": w}
+    specs = {"w": jax.sharding.PartitionSpec(None, "tensor")}
+    return {
+        "param_gather": hlo_findings(gather, mesh, fake_params, None, specs)["param_gathers"],
+        "cross_data": hlo_findings(cross, mesh, fake_params, None, specs)["cross_data"],
+    }
+
+
+def checkpoints(params, mesh) -> dict:
+    """orbax and safetensors loads straight into the mesh's parameter shardings."""
+    from jaxspec.checkpoint import save_hf_checkpoint
+
+    want = sharding.param_shardings(CFG, mesh)
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        js.save_checkpoint(os.path.join(tmp, "orbax"), CFG, params)
+        _, loaded, _ = js.load_checkpoint(os.path.join(tmp, "orbax"), mesh=mesh)
+        save_hf_checkpoint(os.path.join(tmp, "hf"), CFG, params)
+        _, hf_loaded = js.load_hf_checkpoint(os.path.join(tmp, "hf"), mesh=mesh)
+        for name, tree in (("orbax", loaded), ("safetensors", hf_loaded)):
+            leaves = jax.tree.leaves(tree)
+            out[name] = {
+                "shardings": all(
+                    x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(leaves, jax.tree.leaves(want), strict=True)
+                ),
+                "equal": all(
+                    np.array_equal(np.asarray(a), np.asarray(b))
+                    for a, b in zip(leaves, jax.tree.leaves(params), strict=True)
+                ),
+                "split_leaves": sum(len({d for d in x.sharding.device_set}) > 1 and not x.sharding.is_fully_replicated
+                                    for x in leaves),
+            }
+    return out
+
+
+def kernel_per_shard(mesh) -> dict:
+    """A Pallas kernel (interpret mode) run per shard by shard_kernel equals the unsharded call."""
+    from jax.experimental import pallas as pl
+
+    def call(q, k, extra, *, bias, scale):  # q [B,T,H,c], k [B,T,1,c], extra {"m": [B,T]}, bias [H, 1]
+        def kernel(q_ref, k_ref, m_ref, b_ref, o_ref):
+            o_ref[...] = q_ref[...] * scale + k_ref[...] + m_ref[...][:, :, None, None] + b_ref[...]
+
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), interpret=True)(
+            q, k, extra["m"], bias)
+
+    sharded_call = sharding.shard_kernel(
+        call, [("batch", None, "heads", None), ("batch", None, None, None), None], ("batch", None, "heads", None),
+        kw_axes={"bias": ("heads", None)},
+    )
+
+    @jax.jit
+    def program(q, k, m, bias):
+        return sharded_call(q, k, {"m": m}, bias=bias, scale=2.0)
+
+    key = jax.random.split(jax.random.key(3), 4)
+    # batch 4, 8 heads (a leading dim equal to the batch would be taken as batch-split)
+    q, k = jax.random.normal(key[0], (4, 3, 8, 16)), jax.random.normal(key[1], (4, 3, 1, 16))
+    m, bias = jax.random.normal(key[2], (4, 3)), jax.random.normal(key[3], (8, 1))
+    args = (q, k, m, bias)
+    got = sharding.run_sharded(program, mesh, args, batch=4, cfg=CFG)
+    text = sharding.lower_sharded(program, mesh, args, batch=4, cfg=CFG).as_text()
+    want = call(q, k, {"m": m}, bias=bias, scale=2.0)
+    return {"equal": bool(np.array_equal(np.asarray(got), np.asarray(want))),
+            "shard_map": "shard_map" in text or "sdy.manual_computation" in text}
+
+
+def main() -> None:
+    from conftest import high_acceptance
+
+    out_path = sys.argv[1]
+    meshes = [tuple(int(x) for x in m.split(",")) for m in sys.argv[3:]] if "--meshes" in sys.argv else [
+        (8, 1, 1), (1, 8, 1), (2, 4, 1), (1, 2, 4)]
+    params = high_acceptance(_params())  # drafts are accepted at every depth: the tree commit runs
+    prefill_tokens = np.asarray([PROMPTS[2][:16], PROMPTS[2][3:19]])
+    result: dict = {"devices": len(jax.devices()), "meshes": {}}
+    t0 = time.perf_counter()
+    ref = js.generate(params, CFG, PROMPTS, max_new_tokens=NEW_TOKENS)
+    ref_spec = js.speculative_generate(params, CFG, PROMPTS, SPEC, max_new_tokens=NEW_TOKENS)
+    result["reference"] = {
+        "generate": ref.tokens.tolist(), "generate_lengths": ref.lengths.tolist(),
+        "speculative": ref_spec.tokens.tolist(), "speculative_lengths": ref_spec.lengths.tolist(),
+        "tau": ref_spec.stats["mean_accepted_length"], "seconds": time.perf_counter() - t0,
+    }
+    for shape in meshes:
+        t0 = time.perf_counter()
+        mesh = js.make_mesh(*shape)
+        placed = js.shard_params(params, CFG, mesh)
+        gen = js.generate(placed, CFG, PROMPTS, max_new_tokens=NEW_TOKENS, mesh=mesh)
+        spec = js.speculative_generate(placed, CFG, PROMPTS, SPEC, max_new_tokens=NEW_TOKENS, mesh=mesh)
+        # The compiled speculative loop (already compiled by the call above: a cache hit).
+        batch = sharding.pad_batch(prepare_prompts(CFG, PROMPTS, NEW_TOKENS + SPEC.num_steps + 1), mesh)
+        max_len = length_bucket(
+            int(batch.lengths.max()) + NEW_TOKENS + SPEC.num_steps + 1, CFG.max_position_embeddings, minimum=64
+        )
+        args = (placed, CFG, SPEC, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), NEW_TOKENS, max_len,
+                jnp.int32(-1), Sampling(jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0), jax.random.key(0)))
+        compiled = sharding.lower_sharded(_speculative_loop, mesh, args, batch=len(batch.lengths), cfg=CFG).compile()
+        want = sharding.param_shardings(CFG, mesh)
+        kept = all(
+            a.is_equivalent_to(b, x.ndim)
+            for a, b, x in zip(jax.tree.leaves(compiled.input_shardings[0][0]), jax.tree.leaves(want),
+                               jax.tree.leaves(params), strict=True)
+        )
+        result["meshes"][",".join(map(str, shape))] = {
+            "generate": gen.tokens.tolist(), "generate_lengths": gen.lengths.tolist(),
+            "speculative": spec.tokens.tolist(), "speculative_lengths": spec.lengths.tolist(),
+            "tau": spec.stats["mean_accepted_length"],
+            "param_shardings_kept": bool(kept),
+            "spec_loop_hlo": hlo_findings(compiled.as_text(), mesh, params, CFG),
+            "seconds": time.perf_counter() - t0,
+        }
+    t0 = time.perf_counter()
+    mesh = js.make_mesh(1, 2, 4)
+    logits = np.asarray(js.prefill_logits(params, CFG, prefill_tokens, mesh=mesh))
+    result["prefill_max_abs_diff"] = float(np.max(np.abs(logits - np.asarray(js.prefill_logits(
+        params, CFG, prefill_tokens)))))
+    result["checkpoints"] = checkpoints(params, mesh)
+    result["kernel"] = kernel_per_shard(js.make_mesh(2, 4, 1))
+    result["controls"] = controls()
+    result["extras_seconds"] = time.perf_counter() - t0
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

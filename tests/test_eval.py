@@ -1,0 +1,132 @@
+"""Evaluation harness: Sequoia DP against brute force, config validation, and sweep results
+identical on 1 and 8 (simulated) devices."""
+
+import itertools
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxspec.config import SpecConfig
+from jaxspec.eval import SweepConfig, markdown_table, matched_linear, sequoia_optimum
+
+
+def _brute_force(p, budget, max_depth):
+    """Max over all rooted trees with `budget` nodes of sum over nodes of prod p[rank] on the path."""
+    best = 0.0
+    for parents in itertools.product(*[range(i) for i in range(1, budget)]):
+        depth, value, children = [0], [1.0], {}
+        ok = True
+        for node, par in enumerate(parents, start=1):
+            rank = children.get(par, 0)
+            children[par] = rank + 1
+            if rank >= len(p) or depth[par] + 1 > max_depth:
+                ok = False
+                break
+            depth.append(depth[par] + 1)
+            value.append(value[par] * p[rank])
+        if ok:
+            best = max(best, sum(value))
+    return best
+
+
+@pytest.mark.parametrize("p", [[0.7, 0.2, 0.05], [0.4, 0.35, 0.2], [0.9]])
+@pytest.mark.parametrize("budget,max_depth", [(1, 3), (4, 2), (5, 3), (6, 4), (6, 1)])
+def test_sequoia_matches_brute_force(p, budget, max_depth):
+    expected = _brute_force(p, budget, max_depth)
+    if expected == 0.0:  # no tree of that size fits
+        with pytest.raises(ValueError, match="no tree"):
+            sequoia_optimum(p, budget, max_depth)
+    else:
+        assert sequoia_optimum(p, budget, max_depth) == pytest.approx(expected)
+
+
+def test_sequoia_bad_input():
+    with pytest.raises(ValueError, match="probabilities"):
+        sequoia_optimum([1.5], 4, 2)
+    with pytest.raises(ValueError, match="budget"):
+        sequoia_optimum([0.5], 0, 2)
+
+
+def test_matched_linear_and_config():
+    assert matched_linear(SpecConfig.parse("s3_k2_d6")).name == "s5_k1_d6"
+    with pytest.raises(ValueError, match="unknown dataset"):
+        SweepConfig(datasets=("gsm8k", "imagenet"))
+    with pytest.raises(ValueError, match="batch sizes"):
+        SweepConfig(batch_sizes=(0,))
+    with pytest.raises(ValueError, match="s3_k2_d6"):
+        SweepConfig(specs=("tree",))
+
+
+def test_markdown_table_shows_gains():
+    rec = [
+        {"dataset": "gsm8k", "batch_size": 1, "spec": "s5_k1_d6", "tau": 2.0, "tau_star": 2.5,
+         "tokens_per_s": 100.0, "kind": "linear", "num_draft_tokens": 6},
+        {"dataset": "gsm8k", "batch_size": 1, "spec": "s3_k2_d6", "tau": 2.5, "tau_star": 2.9,
+         "tokens_per_s": 110.0, "kind": "tree", "num_draft_tokens": 6},
+    ]
+    table = markdown_table(rec)
+    assert "2.50 (2.90)" in table and "+25.0%" in table and "+10.0%" in table
+
+
+_SWEEP = textwrap.dedent(
+    """
+    import json, sys
+    import jax
+    jax.config.update("jax_num_cpu_devices", int(sys.argv[1]))
+    sys.path.insert(0, "tests")
+    from conftest import high_acceptance, randomize
+    import jaxspec as js
+    from jaxspec.eval import SweepConfig, run_sweep
+    cfg = js.ModelConfig.preset("test")
+    params = high_acceptance(randomize(js.init_params(cfg, jax.random.key(0)), jax.random.key(1)))
+    rng = __import__("numpy").random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, int(rng.integers(2, 12))).tolist() for _ in range(8)]
+    sweep = SweepConfig(datasets=("gsm8k",), specs=("s3_k1_d4", "s2_k2_d4"), batch_sizes=(8,), num_prompts=8,
+                        max_new_tokens=16, rank_width=2)
+    records = run_sweep(params, cfg, None, sweep, sys.argv[2], prompts_by_dataset={"gsm8k": prompts},
+                        progress=False)
+    print(json.dumps([[r["spec"], r["devices"], r.get("per_prompt_tau")] for r in records]))
+    """
+)
+
+
+def test_sweep_identical_on_1_and_8_devices(tmp_path):
+    results = {}
+    for n in (1, 8):
+        out = subprocess.run(
+            [sys.executable, "-c", _SWEEP, str(n), str(tmp_path / f"d{n}")],
+            capture_output=True, text=True, cwd=Path(__file__).parent.parent, timeout=600,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        results[n] = json.loads(out.stdout.strip().splitlines()[-1])
+    one, eight = results[1], results[8]
+    assert [r[1] for r in one] == [1, 1, 1] and [r[1] for r in eight] == [8, 8, 8]
+    for a, b in zip(one, eight, strict=True):
+        assert a[0] == b[0]
+        if a[2] is not None:
+            np.testing.assert_array_equal(a[2], b[2])
+    files = sorted(p.name for p in (tmp_path / "d8").iterdir())
+    assert files == ["fig3_tau_gain.png", "fig4_throughput_gain.png", "runs.jsonl", "table.md"]
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["sweep", "--checkpoint", "/nonexistent"], "does not exist"),
+        (["sweep", "--checkpoint", ".", "--datasets", "imagenet"], "unknown dataset"),
+        (["sweep", "--checkpoint", ".", "--specs", "tree"], "s3_k2_d6"),
+        (["sweep", "--checkpoint", ".", "--batch-sizes", "0"], "batch sizes"),
+    ],
+)
+def test_sweep_cli_bad_input(argv, match, capsys):
+    from jaxspec.cli import main
+
+    with pytest.raises(SystemExit) as err:
+        main(argv)
+    message = str(err.value.code)
+    assert message.startswith("jaxspec: error:") and match in message and "\n" not in message
