@@ -21,7 +21,7 @@ def _brute_force(p, budget, max_depth):
     for parents in itertools.product(*[range(i) for i in range(1, budget)]):
         depth, value, children = [0], [1.0], {}
         ok = True
-        for node, par in enumerate(parents, start=1):
+        for par in parents:
             rank = children.get(par, 0)
             children[par] = rank + 1
             if rank >= len(p) or depth[par] + 1 > max_depth:
