@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 . scripts/setup.sh
-ruff check jaxspec tests bench
-exec python -m pytest tests "$@"
+ruff check jaxspec tests bench notebooks
+exec python -m pytest -n 2 --durations=25 tests "$@"

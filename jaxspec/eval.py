@@ -66,12 +66,16 @@ def sequoia_optimum(acceptance: Sequence[float], budget: int, max_depth: int) ->
     for l in range(max_depth + 1):
         with_children[1, l, 0] = 1.0
         best[1, l] = 1.0
+    def attach(prob: float, subtree: float) -> float:
+        # an impossible subtree stays impossible even behind a zero-probability edge (0 * -inf)
+        return prob * subtree if np.isfinite(subtree) else neg
+
     for l in range(1, max_depth + 1):
         for m in range(2, budget + 1):
-            with_children[m, l, 1] = 1.0 + p[0] * best[m - 1, l - 1]
+            with_children[m, l, 1] = 1.0 + attach(p[0], best[m - 1, l - 1])
             for b in range(2, width + 1):
                 candidates = [
-                    with_children[y, l, b - 1] + p[b - 1] * best[m - y, l - 1] for y in range(1, m)
+                    with_children[y, l, b - 1] + attach(p[b - 1], best[m - y, l - 1]) for y in range(1, m)
                 ]
                 with_children[m, l, b] = max(candidates)
             best[m, l] = np.max(with_children[m, l])
@@ -335,10 +339,9 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
 
 def plot_gains(records: list[dict[str, Any]], out_dir: str | Path) -> list[Path]:
     """Fig. 3 / Fig. 4 analogues: tree-over-matched-linear gain in tau and tokens/s per D."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A bare Figure (no pyplot): no global backend switch, so notebooks keep inline plots.
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     out_dir = Path(out_dir)
     spec_records = [r for r in records if r["spec"] != "ar"]
@@ -348,7 +351,8 @@ def plot_gains(records: list[dict[str, Any]], out_dir: str | Path) -> list[Path]
         datasets = sorted({r["dataset"] for r in spec_records})
         if not datasets:
             continue
-        fig, axes = plt.subplots(1, len(datasets), figsize=(4.5 * len(datasets), 3.4), squeeze=False)
+        fig = Figure(figsize=(4.5 * len(datasets), 3.4))
+        axes = fig.subplots(1, len(datasets), squeeze=False)
         for ax, d in zip(axes[0], datasets, strict=True):
             for batch in sorted({r["batch_size"] for r in spec_records}):
                 best: dict[int, float] = {}
@@ -368,11 +372,11 @@ def plot_gains(records: list[dict[str, Any]], out_dir: str | Path) -> list[Path]
             ax.axhline(0, color="gray", lw=0.8)
             ax.set_title(d)
             ax.set_xlabel("verify budget D")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_ylabel(f"best tree vs linear, {label} (%)")
             ax.legend(fontsize=7)
         fig.tight_layout()
         path = out_dir / fname
         fig.savefig(path, dpi=110)
-        plt.close(fig)
         paths.append(path)
     return paths

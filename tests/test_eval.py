@@ -45,6 +45,11 @@ def test_sequoia_matches_brute_force(p, budget, max_depth):
         assert sequoia_optimum(p, budget, max_depth) == pytest.approx(expected)
 
 
+def test_sequoia_zero_acceptance_rank():
+    # a rank that is never accepted must not poison the DP with 0 * -inf
+    assert sequoia_optimum([0.2, 0.0], 5, 3) == pytest.approx(_brute_force([0.2, 0.0], 5, 3))
+
+
 def test_sequoia_bad_input():
     with pytest.raises(ValueError, match="probabilities"):
         sequoia_optimum([1.5], 4, 2)
