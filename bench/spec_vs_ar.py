@@ -8,7 +8,7 @@
 Model variants (both from `init_params(cfg, jax.random.key(0))`):
   * random   : plain random init; the MTP draft almost never agrees with the target (tau ~ 1),
                so speculation shows its pure overhead;
-  * agreeing : the same transformation as tests/conftest.py `high_acceptance` (damped sub-layers,
+  * agreeing : the same transformation as jaxspec.testing `high_acceptance` (damped sub-layers,
                MTP made to compute the target's token -> next-token function), so drafts are
                accepted often and the table shows what high acceptance buys.
 
@@ -59,6 +59,7 @@ from jaxspec.generate import (
     speculative_cycle,
 )
 from jaxspec.model import causal_context, extend, forward, mtp_forward
+from jaxspec.testing import high_acceptance
 from jaxspec.tree.commit import commit_accepted_path
 from jaxspec.tree.draft import draft_tree, prune_to_budget
 from jaxspec.tree.plan import build_plan, verify_context
@@ -81,33 +82,6 @@ def _cores() -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def high_acceptance(params, mix=0.05):
-    """Copy of tests/conftest.py `high_acceptance`: params whose MTP draft agrees with the target often.
-
-    Sub-layer outputs are scaled by `mix`, so the target's next token is mostly a function of the
-    current token (through the embedding); the MTP block is made to compute the same function of
-    the token it consumes.
-    """
-
-    def damp(block):
-        ffn = block.ffn
-        shared = ffn.shared.replace(w2=ffn.shared.w2 * mix) if ffn.shared is not None else None
-        ffn = ffn.replace(experts=ffn.experts.replace(w2=ffn.experts.w2 * mix), shared=shared)
-        return block.replace(attn=block.attn.replace(wo_b=block.attn.wo_b * mix), ffn=ffn)
-
-    d = params.embed.shape[1]
-    mtp = params.mtp
-    mtp = mtp.replace(
-        inputs=mtp.inputs.replace(
-            h_proj=jnp.zeros_like(mtp.inputs.h_proj),
-            e_proj=jnp.eye(d, dtype=mtp.inputs.e_proj.dtype),
-            enorm=jnp.ones_like(mtp.inputs.enorm),
-        ),
-        block=damp(mtp.block),
-        hc_head=params.hc_head,
-        norm=params.norm * 30.0,  # sharper than the target (same argmax): confident drafts grow deep trees
-    )
-    return params.replace(layers=tuple(damp(b) for b in params.layers), mtp=mtp)
 
 
 def make_variant(name: str, base):

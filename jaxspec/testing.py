@@ -1,0 +1,54 @@
+"""Parameter transformations for tests, benchmarks and notebooks (random weights that exercise
+every mechanism, and a draft that agrees with its target)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.model import ModelParams
+
+
+def randomize(params: ModelParams, key: jax.Array, scale: float = 0.05) -> ModelParams:
+    """Perturb every float leaf, so zero-initialised sinks, APE, biases and hc bases matter."""
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for leaf, k in zip(leaves, keys, strict=True):
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
+            leaf = leaf + scale * jax.random.normal(k, leaf.shape, leaf.dtype)
+        out.append(leaf)
+    return jax.tree.unflatten(treedef, out)
+
+
+def high_acceptance(params: ModelParams, mix: float = 0.05) -> ModelParams:
+    """Params whose MTP draft agrees with the target most of the time.
+
+    Sub-layer outputs are scaled by `mix`, so the target's next token is mostly a function of the
+    current token (through the embedding) with context-dependent perturbations; the MTP block is
+    made to compute the same function of the token it consumes. Every mechanism still runs and
+    still moves logits, so exactness tests stay meaningful; rejections happen at every depth.
+    """
+    if params.mtp is None:
+        raise ValueError("high_acceptance needs params with an MTP block")
+
+    def damp(block):
+        ffn = block.ffn
+        shared = ffn.shared.replace(w2=ffn.shared.w2 * mix) if ffn.shared is not None else None
+        ffn = ffn.replace(experts=ffn.experts.replace(w2=ffn.experts.w2 * mix), shared=shared)
+        return block.replace(attn=block.attn.replace(wo_b=block.attn.wo_b * mix), ffn=ffn)
+
+    d = params.embed.shape[1]
+    mtp = params.mtp
+    mtp = mtp.replace(
+        inputs=mtp.inputs.replace(
+            h_proj=jnp.zeros_like(mtp.inputs.h_proj),
+            e_proj=jnp.eye(d, dtype=mtp.inputs.e_proj.dtype),
+            enorm=jnp.ones_like(mtp.inputs.enorm),
+        ),
+        block=damp(mtp.block),
+        hc_head=params.hc_head,
+        # sharper than the target (same argmax): confident drafts make trees grow deep
+        norm=params.norm * 30.0,
+    )
+    return params.replace(layers=tuple(damp(b) for b in params.layers), mtp=mtp)
