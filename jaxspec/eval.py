@@ -135,18 +135,28 @@ def run_batch(
     max_new_tokens: int,
     eos_id: int | None = None,
     devices: Sequence[jax.Device] | None = None,
+    longest_prompt: int | None = None,
+    pad_batch_to: int | None = None,
 ) -> dict[str, Any]:
-    """Greedy generation of one prompt batch, data-parallel; -> tokens, lengths, stats, seconds."""
+    """Greedy generation of one prompt batch, data-parallel; -> tokens, lengths, stats, seconds.
+
+    Shapes are bucketed from the longest prompt; pass `longest_prompt` (the longest of a whole
+    dataset) so every batch of a sweep reuses one compiled program and no timing includes a compile;
+    `pad_batch_to` does the same for a short last batch.
+    """
     n_dev = len(devices or jax.local_devices())
     steps_extra = 0 if spec is None else spec.num_steps + 1
     batch = prepare_prompts(cfg, prompts, max_new_tokens + steps_extra)
-    bucket = _bucket_for_mesh(len(prompts), n_dev)
-    tokens = np.zeros((bucket, batch.tokens.shape[1]), np.int32)
+    longest = int(batch.lengths.max()) if longest_prompt is None else int(longest_prompt)
+    if longest < int(batch.lengths.max()):
+        raise ValueError(f"longest_prompt={longest} is shorter than a prompt of {int(batch.lengths.max())} tokens")
+    bucket = _bucket_for_mesh(max(len(prompts), int(pad_batch_to or 0)), n_dev)
+    tokens = np.zeros((bucket, length_bucket(longest, cfg.max_position_embeddings)), np.int32)
     lengths = np.ones((bucket,), np.int32)
-    tokens[: len(prompts)] = batch.tokens[: len(prompts)]
+    tokens[: len(prompts), : batch.tokens.shape[1]] = batch.tokens[: len(prompts)]
     lengths[: len(prompts)] = batch.lengths[: len(prompts)]
     mesh = data_mesh(bucket, devices)
-    max_len = length_bucket(int(lengths.max()) + max_new_tokens + steps_extra, cfg.max_position_embeddings, 64)
+    max_len = length_bucket(longest + max_new_tokens + steps_extra, cfg.max_position_embeddings, 64)
     runner = _sharded_runner(cfg, spec, int(max_new_tokens), max_len, mesh)
     eos = jnp.int32(-1 if eos_id is None else eos_id)
     start = time.perf_counter()
@@ -171,8 +181,12 @@ def measure_rank_acceptance(
     spec = SpecConfig(1, width, width + 1)
     hist = np.zeros(width)
     cycles = 0
+    longest = max(len(p) for p in prompts)
     for start in range(0, len(prompts), batch_size):
-        result = run_batch(params, cfg, spec, prompts[start : start + batch_size], max_new_tokens)
+        chunk = prompts[start : start + batch_size]
+        result = run_batch(
+            params, cfg, spec, chunk, max_new_tokens, longest_prompt=longest, pad_batch_to=batch_size
+        )
         hist += np.asarray(result["stats"]["rank_histogram"], float)
         cycles += result["stats"]["cycles"]
     return hist / max(cycles, 1)
@@ -241,6 +255,8 @@ def run_sweep(
         for name in sweep.datasets:
             examples = load_dataset(name, HELDOUT_SPLITS[name])[: sweep.num_prompts]
             prompts_by_dataset[name] = encode_prompts(tokenizer, examples, sweep.max_prompt_tokens)
+    # One prompt width for every dataset, so all datasets share each (spec, batch) compiled program.
+    longest = max(len(p) for name in sweep.datasets for p in prompts_by_dataset[name])
     total = len(sweep.datasets) * len(sweep.batch_sizes) * (len(specs) + 1)
     runs_path = out_dir / "runs.jsonl"
     with open(runs_path, "w") as sink, Progress(disable=not progress) as bar:
@@ -253,10 +269,14 @@ def run_sweep(
                 baseline = None
                 for spec in [None, *specs]:
                     bar.update(task, description=f"{name} b={batch_size} {spec.name if spec else 'AR'}")
-                    run_batch(params, cfg, spec, batches[0], sweep.max_new_tokens, devices=devices)  # compile
+                    run = functools.partial(
+                        run_batch, params, cfg, spec, max_new_tokens=sweep.max_new_tokens, devices=devices,
+                        longest_prompt=longest, pad_batch_to=batch_size,
+                    )
+                    run(batches[0])  # compile
                     seconds, generated, per_prompt_tau, accepted, cycles, depth = 0.0, 0, [], 0, 0, None
                     for chunk in batches:
-                        res = run_batch(params, cfg, spec, chunk, sweep.max_new_tokens, devices=devices)
+                        res = run(chunk)
                         seconds += res["seconds"]
                         generated += int(res["lengths"].sum())
                         if spec is not None:
