@@ -51,14 +51,14 @@ from rich.console import Console
 from rich.table import Table
 
 import jaxspec as js
-from jaxspec import state as state_lib
 from jaxspec.generate import (
     compile_count,
     length_bucket,
+    prefill_for_speculation,
     speculative_compile_count,
     speculative_cycle,
 )
-from jaxspec.model import causal_context, extend, forward, mtp_forward
+from jaxspec.model import extend, forward
 from jaxspec.testing import high_acceptance
 from jaxspec.tree.commit import commit_accepted_path
 from jaxspec.tree.draft import draft_tree, prune_to_budget
@@ -156,18 +156,8 @@ def bench_end_to_end(params, cfg, prompts, specs, new_tokens: int, repeats: int)
 @functools.partial(jax.jit, static_argnums=(1, 3))
 def _prefill(params, cfg, prompt_tokens, max_len):
     """Prompt prefill exactly as `_speculative_loop` (full-length prompts): -> state, root, last_hidden."""
-    bb, sb = prompt_tokens.shape
-    batch_index = jnp.arange(bb)
-    state = state_lib.init_state(cfg, bb, max_len)
-    out, state = extend(params, cfg, state, prompt_tokens, jnp.ones((bb, sb), bool))
-    root = jnp.argmax(out.logits[:, -1], axis=-1).astype(jnp.int32)
-    last_hidden = out.hidden[batch_index, sb - 1]
-    next_tokens = jnp.concatenate([prompt_tokens[:, 1:], jnp.zeros((bb, 1), jnp.int32)], axis=1)
-    mtp_valid = jnp.broadcast_to(jnp.arange(sb)[None, :] < sb - 1, (bb, sb))
-    ctx = causal_context(state.mtp_length, mtp_valid)
-    _, _, rows = mtp_forward(params, cfg, state, out.hidden, next_tokens, ctx)
-    state = state_lib.commit_mtp(cfg, state, rows, ctx.positions, mtp_valid)
-    return state, root, last_hidden
+    lengths = jnp.full((prompt_tokens.shape[0],), prompt_tokens.shape[1], jnp.int32)
+    return prefill_for_speculation(params, cfg, prompt_tokens, lengths, max_len)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))

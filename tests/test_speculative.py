@@ -12,7 +12,7 @@ import pytest
 import jaxspec as js
 from jaxspec import model
 from jaxspec import state as state_lib
-from jaxspec.generate import speculative_compile_count, speculative_cycle
+from jaxspec.generate import prefill_for_speculation, speculative_compile_count, speculative_cycle
 from jaxspec.tree.plan import build_plan, completes_block, verify_context
 
 extend = jax.jit(model.extend, static_argnums=(1,))
@@ -86,13 +86,28 @@ _GRID = os.environ.get("JAXSPEC_SPEC_GRID", "")
 SPECS = _grid(corners_only=True) if _GRID == "corners" else _grid(False) if _GRID == "full" else CI_SPECS
 
 
-@pytest.mark.parametrize("spec", SPECS)
+# Batch 3 (PROMPTS) always; the full grid adds a single sequence and a ragged batch of 8 whose
+# prompt lengths sit on and beside the CSA (4), window (8) and HCA (16) boundaries.
+PROMPT_SETS = {
+    3: PROMPTS,
+    1: [[9, 8, 7, 6, 5]],
+    8: [list(range(11, 11 + n)) for n in (1, 3, 4, 7, 8, 15, 16, 17)],
+}
+# Each (spec, batch) compiles its own loop, so batches 1 and 8 run at the (S, K) corners only.
+_CORNERS = set(_grid(corners_only=True))
+SPEC_BATCHES = [(spec, 3) for spec in SPECS]
+SPEC_BATCHES += [(spec, batch) for spec in SPECS if _GRID and spec in _CORNERS for batch in (1, 8)]
+
+
+# "which" varies fastest, so both models reuse one compiled loop back to back.
 @pytest.mark.parametrize("which", ["random", "agreeing"])
-def test_greedy_speculative_equals_generate(test_params, agreeing_params, test_cfg, spec, which):
+@pytest.mark.parametrize("spec,batch", SPEC_BATCHES)
+def test_greedy_speculative_equals_generate(test_params, agreeing_params, test_cfg, spec, which, batch):
     params = test_params if which == "random" else agreeing_params
+    prompts = PROMPT_SETS[batch]
     n = 56  # from each prompt this crosses the window (8) and HCA blocks (16) several times
-    ref = js.generate(params, test_cfg, PROMPTS, max_new_tokens=n)
-    out = js.speculative_generate(params, test_cfg, PROMPTS, spec, max_new_tokens=n)
+    ref = js.generate(params, test_cfg, prompts, max_new_tokens=n)
+    out = js.speculative_generate(params, test_cfg, prompts, spec, max_new_tokens=n)
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     np.testing.assert_array_equal(out.lengths, ref.lengths)
     stats = out.stats
@@ -100,7 +115,7 @@ def test_greedy_speculative_equals_generate(test_params, agreeing_params, test_c
     if which == "agreeing":
         assert stats["mean_accepted_length"] > 1.5, stats  # long accepts are exercised
     emitted = sum(stats["per_sequence"]["accepted"]) + stats["cycles"]
-    assert emitted >= out.lengths.sum() - len(PROMPTS)  # every token after the first came from a cycle
+    assert emitted >= out.lengths.sum() - len(prompts)  # every token after the first came from a cycle
 
 
 @pytest.mark.parametrize("batch", [1, 8])
@@ -120,23 +135,15 @@ cycle = jax.jit(speculative_cycle, static_argnums=(1, 2, 7))
 
 
 def _prefilled(params, cfg, prompts, max_len=128):
-    """Target prefill + MTP prefill, as the speculative loop does; -> state, root, last_hidden."""
+    """Target prefill + MTP prefill, as the speculative loop does; -> state, root, last_hidden, tokens, lengths."""
     b, width = len(prompts), max(len(p) for p in prompts)
     tokens = np.zeros((b, width), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
     lengths = jnp.asarray([len(p) for p in prompts])
     tokens = jnp.asarray(tokens)
-    valid = jnp.arange(width)[None, :] < lengths[:, None]
-    out, state = extend(params, cfg, state_lib.init_state(cfg, b, max_len), tokens, valid)
-    last = lengths - 1
-    root = jnp.argmax(out.logits[jnp.arange(b), last], -1).astype(jnp.int32)
-    next_tokens = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
-    mtp_valid = jnp.arange(width)[None, :] < last[:, None]
-    ctx = model.causal_context(state.mtp_length, mtp_valid)
-    _, _, rows = model.mtp_forward(params, cfg, state, out.hidden, next_tokens, ctx)
-    state = state_lib.commit_mtp(cfg, state, rows, ctx.positions, mtp_valid)
-    return state, root, out.hidden[jnp.arange(b), last], tokens, lengths
+    state, root, last_hidden = prefill_for_speculation(params, cfg, tokens, lengths, max_len)
+    return state, root, last_hidden, tokens, lengths
 
 
 def test_poisoned_rejected_branches_do_not_leak_and_state_equals_prefill(agreeing_params, test_cfg):
