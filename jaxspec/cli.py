@@ -4,6 +4,7 @@
                  [--mesh D,T,E] [--coordinator HOST:PORT --num-processes N --process-id I]
     jaxspec plan [--preset v4-flash] [--devices 8] [--mesh D,T,E] [--batch 16] [--context 65536]
     jaxspec sweep --checkpoint PATH [--datasets gsm8k,mbpp,sharegpt] [--specs ...] [--batch-sizes 1,4,16,64]
+    jaxspec tune --checkpoint PATH [--candidates ...] [--batch-sizes 1,4,16,64] [--compare RUNS_JSONL]
 
 Subcommands are argparse subparsers: add one with a `_add_<name>(subparsers)` builder that sets
 `func=<handler(args, console) -> int>`, and list it in `_build_parser`.
@@ -356,21 +357,96 @@ def _run_sweep(args: argparse.Namespace, console: Console) -> int:
         datasets=args.datasets, specs=args.specs, batch_sizes=args.batch_sizes, num_prompts=args.num_prompts,
         max_new_tokens=args.new_tokens, max_prompt_tokens=args.max_prompt_tokens,
     )
-    path = os.path.expanduser(args.checkpoint)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint folder {args.checkpoint!r} does not exist")
-    from jaxspec.checkpoint import load_checkpoint
-
-    cfg, params, tokenizer = load_checkpoint(path)
-    if tokenizer is None:
-        raise ValueError(f"checkpoint {args.checkpoint!r} has no tokenizer.json; the sweep encodes text prompts")
-    if cfg.dtype != "float32" and jax.default_backend() == "cpu":
-        # bf16 matmuls are slow on CPU; the shipped checkpoint is stored in bf16 only for size.
-        cfg, params = _as_float32(cfg, params)
+    cfg, params, tokenizer = _load_text_checkpoint(args.checkpoint, "the sweep")
     console.print(f"sweep on {len(jax.local_devices())} device(s): {sweep}")
     records = run_sweep(params, cfg, tokenizer, sweep, args.out)
     console.print((Path(args.out) / "table.md").read_text())
     console.print(f"{len(records)} runs written to {args.out}/runs.jsonl")
+    return 0
+
+
+def _load_text_checkpoint(folder: str, user: str):
+    """-> (cfg, params, tokenizer) of a checkpoint that has a tokenizer, float32 on a CPU."""
+    import jax
+
+    from jaxspec.checkpoint import load_checkpoint
+
+    path = os.path.expanduser(folder)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint folder {folder!r} does not exist")
+    cfg, params, tokenizer = load_checkpoint(path)
+    if tokenizer is None:
+        raise ValueError(f"checkpoint {folder!r} has no tokenizer.json; {user} encodes text prompts")
+    if cfg.dtype != "float32" and jax.default_backend() == "cpu":
+        # bf16 matmuls are slow on CPU; the shipped checkpoint is stored in bf16 only for size.
+        cfg, params = _as_float32(cfg, params)
+    return cfg, params, tokenizer
+
+
+# ---- tune -------------------------------------------------------------------------------------
+
+
+def _add_tune(subparsers: Any) -> None:
+    from jaxspec.tune import DEFAULT_CANDIDATES, ESTIMATORS
+
+    p = subparsers.add_parser(
+        "tune",
+        help="choose the speculation config (or none) per batch size from a calibration run",
+        description="Measure the draft's per-rank acceptance and the step times of every candidate per batch "
+        "bucket on calibration prompts (train splits), pick the config with the most expected tokens/s per "
+        "bucket (Sequoia's objective; 'ar' = no speculation) and save it as tune.json beside the checkpoint, "
+        "where speculative_generate(spec='auto', tuning=FOLDER) reads it.",
+    )
+    p.add_argument("--checkpoint", required=True, help="orbax checkpoint folder (with tokenizer)")
+    p.add_argument("--datasets", type=_csv(str), default=("gsm8k", "mbpp", "sharegpt"))
+    p.add_argument("--num-prompts", type=int, default=8, help="calibration prompts per dataset (default 8)")
+    p.add_argument("--batch-sizes", type=_csv(int), default=(1, 4, 16, 64))
+    p.add_argument("--candidates", type=_csv(str), default=DEFAULT_CANDIDATES, help="specs to choose from")
+    p.add_argument("--new-tokens", type=int, default=128, help="generation length the choice is for")
+    p.add_argument("--max-prompt-tokens", type=int, default=192)
+    p.add_argument("--iters", type=int, default=6, help="timed cycles per measurement (median)")
+    p.add_argument("--estimator", choices=ESTIMATORS, default="sequoia",
+                   help="expected tokens per cycle: Sequoia's optimum from the per-rank acceptance, or the "
+                   "mean accepted length measured on the calibration prompts")
+    p.add_argument("--out", default=None, help="tuning file (default CHECKPOINT/tune.json)")
+    p.add_argument("--compare", default=None, metavar="RUNS_JSONL",
+                   help="a `jaxspec sweep` runs.jsonl: report the choice's measured tokens/s against the best")
+    p.set_defaults(func=_run_tune)
+
+
+def _run_tune(args: argparse.Namespace, console: Console) -> int:
+    import json
+
+    from jaxspec.data import TRAIN_SPLITS, load_dataset
+    from jaxspec.eval import encode_prompts
+    from jaxspec.tune import calibrate, compare_with_sweep, comparison_table, load_tuning, tuning_table
+
+    for name in ("num_prompts", "new_tokens", "max_prompt_tokens", "iters"):
+        _positive(name.replace("_", "-"), getattr(args, name))
+    for b in args.batch_sizes:
+        _positive("batch-sizes", b)
+    if args.compare is not None and not os.path.isfile(args.compare):
+        raise FileNotFoundError(f"--compare file {args.compare!r} does not exist")
+    cfg, params, tokenizer = _load_text_checkpoint(args.checkpoint, "tuning")
+    prompts = []
+    for name in args.datasets:
+        examples = load_dataset(name, TRAIN_SPLITS[name])[: args.num_prompts]
+        prompts += encode_prompts(tokenizer, examples, args.max_prompt_tokens)
+    console.print(f"calibrating on {len(prompts)} train-split prompts, {len(args.candidates)} candidates, "
+                  f"batch sizes {list(args.batch_sizes)}")
+    tuning = calibrate(
+        params, cfg, prompts, args.batch_sizes, args.candidates, args.new_tokens, args.iters, args.estimator
+    )
+    out = tuning.save(args.out or os.path.expanduser(args.checkpoint))
+    console.print(tuning_table(tuning))
+    console.print("chosen: " + ", ".join(f"batch {b}: {name}" for b, name in tuning.choices.items()))
+    console.print(f"saved to {out}")
+    load_tuning(out)  # what speculative_generate(spec="auto") will read must parse
+    if args.compare is not None:
+        records = [json.loads(line) for line in open(args.compare) if line.strip()]
+        table = comparison_table(compare_with_sweep(tuning, records))
+        console.print(table)
+        out.with_name(out.stem + "_vs_sweep.md").write_text(table)
     return 0
 
 
@@ -391,6 +467,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_demo(subparsers)
     _add_plan(subparsers)
     _add_sweep(subparsers)
+    _add_tune(subparsers)
     return parser
 
 

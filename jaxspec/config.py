@@ -420,6 +420,16 @@ class SpecConfig:
             raise ValueError(f"spec name must look like 's3_k2_d6' (steps, topk, draft tokens), got {name!r}")
         return cls(*(int(g) for g in match.groups()))
 
+    @staticmethod
+    def auto(tuning: Any, batch_size: int) -> SpecConfig | None:
+        """The spec `jaxspec tune` chose for this batch size; None where no speculation is fastest.
+
+        `tuning` is a `jaxspec.tune.Tuning`, a tuning JSON file, or the checkpoint folder holding one.
+        """
+        from jaxspec.tune import as_tuning
+
+        return as_tuning(tuning).spec_for(batch_size)
+
     def validate_for(self, cfg: ModelConfig) -> None:
         if self.num_steps >= cfg.sliding_window:
             raise ValueError(

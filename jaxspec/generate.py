@@ -242,14 +242,32 @@ def speculative_generate(
     rng: jax.Array | None = None,
     mesh: Any = None,
     prompt_lengths: Any = None,
+    tuning: Any = None,
 ) -> GenerateOutput:
     """Tree speculative decoding; greedy output is token-identical to `generate`, and with
     temperature > 0 every token is an exact draw from the distribution `generate` samples from
-    (same temperature / top-k / top-p processing; lossless tree acceptance)."""
+    (same temperature / top-k / top-p processing; lossless tree acceptance).
+
+    spec="auto" takes the spec `jaxspec tune` chose for this batch size from `tuning` (a `Tuning`,
+    its JSON file or the checkpoint folder holding it); where it chose no speculation this is
+    `generate`, and stats["spec"] says which ran.
+    """
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
     if mesh is not None:
         sharding.check_mesh(mesh)
+    if isinstance(spec, str) and spec == "auto":
+        if tuning is None:
+            raise ValueError('spec="auto" needs tuning= (a Tuning, or the folder `jaxspec tune` wrote tune.json to)')
+        num_prompts = len(prompts) if isinstance(prompts, (list, tuple)) else int(np.shape(prompts)[0])
+        spec = SpecConfig.auto(tuning, max(num_prompts, 1))
+        if spec is None:
+            out = generate(
+                params, cfg, prompts, max_new_tokens, temperature, top_k, top_p, eos_id, rng, mesh, prompt_lengths
+            )
+            return dataclasses.replace(out, stats={**out.stats, "spec": "ar"})
+    elif tuning is not None:
+        raise ValueError('tuning= is only used with spec="auto"')
     spec = _check_spec(cfg, spec)
     if params.mtp is None:
         raise ValueError("speculation needs an MTP draft block; these params have none")
@@ -332,6 +350,48 @@ def speculative_cycle(
     return state, last_hidden, tree, acc
 
 
+def prefill_for_speculation(
+    params: ModelParams,
+    cfg: ModelConfig,
+    prompt_tokens: jax.Array,  # [B, S] int32, left-aligned, zero padded
+    prompt_lengths: jax.Array,  # [B] int32, >= 1
+    max_len: int,
+    sampling: Sampling | None = None,
+) -> tuple[state_lib.DecodeState, jax.Array, jax.Array]:
+    """Target prefill + the MTP ring over the prompt; -> (state, root [B], last_hidden [B, hc, d]).
+
+    The root is the first generated token, drawn exactly as `generate` draws it (greedy when
+    `sampling` is None), not yet committed: it is the root of the first cycle's tree.
+    """
+    if prompt_tokens.ndim != 2 or prompt_lengths.shape != prompt_tokens.shape[:1]:
+        raise ValueError(
+            f"prompt_tokens must be [B, S] and prompt_lengths [B], got {prompt_tokens.shape} and {prompt_lengths.shape}"
+        )
+    bb, sb = prompt_tokens.shape
+    if sb > max_len:
+        raise ValueError(f"max_len={max_len} is shorter than the prompt width {sb}")
+    batch_index = jnp.arange(bb)
+    state = sharding.constrain_state(state_lib.init_state(cfg, bb, max_len))
+    valid = jnp.arange(sb)[None, :] < prompt_lengths[:, None]
+    out, state = extend(params, cfg, state, prompt_tokens, valid)
+    last = prompt_lengths - 1
+    last_logits = out.logits[batch_index, last]
+    if sampling is None:
+        root = jnp.argmax(last_logits, axis=-1).astype(jnp.int32)
+    else:
+        root = sample_tokens(
+            last_logits, jax.random.fold_in(sampling.key, 0), sampling.temperature, sampling.top_k, sampling.top_p
+        )
+    last_hidden = out.hidden[batch_index, last]
+    # The MTP ring over the prompt: position i consumes (H_i, token i+1), i < P-1.
+    next_tokens = jnp.concatenate([prompt_tokens[:, 1:], jnp.zeros((bb, 1), jnp.int32)], axis=1)
+    mtp_valid = jnp.arange(sb)[None, :] < last[:, None]
+    ctx = causal_context(state.mtp_length, mtp_valid)
+    _, _, rows = mtp_forward(params, cfg, state, out.hidden, next_tokens, ctx)
+    state = state_lib.commit_mtp(cfg, state, rows, ctx.positions, mtp_valid)
+    return state, root, last_hidden
+
+
 def speculative_compile_count() -> int:
     return _speculative_loop._cache_size()
 
@@ -349,25 +409,10 @@ def _speculative_loop(
     sampling: Sampling,
 ):
     s_steps, k = spec.num_steps, spec.topk
-    bb, sb = prompt_tokens.shape
+    bb = prompt_tokens.shape[0]
     batch_index = jnp.arange(bb)
     pad_id = jnp.maximum(eos_id, 0)
-    state = sharding.constrain_state(state_lib.init_state(cfg, bb, max_len))
-    valid = jnp.arange(sb)[None, :] < prompt_lengths[:, None]
-    out, state = extend(params, cfg, state, prompt_tokens, valid)
-    last = prompt_lengths - 1
-    # The first token exactly as `generate` draws it (same key, same processing).
-    root = sample_tokens(
-        out.logits[batch_index, last], jax.random.fold_in(sampling.key, 0),
-        sampling.temperature, sampling.top_k, sampling.top_p,
-    )
-    last_hidden = out.hidden[batch_index, last]
-    # The MTP ring over the prompt: position i consumes (H_i, token i+1), i < P-1.
-    next_tokens = jnp.concatenate([prompt_tokens[:, 1:], jnp.zeros((bb, 1), jnp.int32)], axis=1)
-    mtp_valid = jnp.arange(sb)[None, :] < last[:, None]
-    ctx = causal_context(state.mtp_length, mtp_valid)
-    _, _, rows = mtp_forward(params, cfg, state, out.hidden, next_tokens, ctx)
-    state = state_lib.commit_mtp(cfg, state, rows, ctx.positions, mtp_valid)
+    state, root, last_hidden = prefill_for_speculation(params, cfg, prompt_tokens, prompt_lengths, max_len, sampling)
 
     width = max_new_tokens + s_steps + 1
     tokens = jnp.full((bb, width), pad_id, jnp.int32).at[:, 0].set(root)
