@@ -192,6 +192,23 @@ def measure_rank_acceptance(
     return hist / max(cycles, 1)
 
 
+def distinct_ngram_ratio(tokens: np.ndarray, lengths: np.ndarray, n: int = 4) -> float:
+    """Mean over sequences of distinct n-grams / n-grams in each generated continuation (1.0 = no
+    n-gram repeats; a model stuck in a loop scores near 0). Sequences shorter than n are skipped."""
+    tokens, lengths = np.asarray(tokens), np.asarray(lengths)
+    if tokens.ndim != 2 or lengths.shape != tokens.shape[:1] or n < 1:
+        raise ValueError(f"need tokens [B, T], lengths [B] and n >= 1, got {tokens.shape}, {lengths.shape}, {n}")
+    ratios = []
+    for row, length in zip(tokens, lengths, strict=True):
+        seq = row[: int(length)].tolist()
+        grams = [tuple(seq[i : i + n]) for i in range(len(seq) - n + 1)]
+        if grams:
+            ratios.append(len(set(grams)) / len(grams))
+    if not ratios:
+        raise ValueError(f"no continuation has {n} tokens")
+    return float(np.mean(ratios))
+
+
 # ---- the sweep --------------------------------------------------------------------------------
 
 
@@ -275,10 +292,12 @@ def run_sweep(
                     )
                     run(batches[0])  # compile
                     seconds, generated, per_prompt_tau, accepted, cycles, depth = 0.0, 0, [], 0, 0, None
+                    continuations = []
                     for chunk in batches:
                         res = run(chunk)
                         seconds += res["seconds"]
                         generated += int(res["lengths"].sum())
+                        continuations += list(zip(res["tokens"], res["lengths"], strict=True))
                         if spec is not None:
                             st = res["stats"]
                             per_prompt_tau += st["per_sequence"]["mean_accepted_length"]
@@ -294,6 +313,8 @@ def run_sweep(
                     }
                     if spec is None:
                         baseline = record
+                        rows, lengths = zip(*continuations, strict=True)
+                        record["distinct_4gram"] = distinct_ngram_ratio(np.stack(rows), np.asarray(lengths), 4)
                     else:
                         record.update({
                             "kind": "linear" if spec.topk == 1 else "tree",
@@ -354,6 +375,31 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
                 f"| {r['dataset']} | {r['spec']} | {lin} | {r['batch_size']} | "
                 f"{100 * (r['tau'] / b['tau'] - 1):+.1f}% | {100 * (r['tokens_per_s'] / b['tokens_per_s'] - 1):+.1f}% |"
             )
+    batches = sorted({r["batch_size"] for r in records})
+    ar = {(r["dataset"], r["batch_size"]): r for r in records if r["spec"] == "ar"}
+    lines += [
+        "",
+        f"Tokens/s relative to autoregressive decoding ({' / '.join(datasets)}), per batch size",
+        "",
+        "| spec | " + " | ".join(f"batch {b}" for b in batches) + " |",
+        "|---|" + "---:|" * len(batches),
+    ]
+    rate = {(r["spec"], r["dataset"], r["batch_size"]): r["tokens_per_s"] for r in records}
+    for s in ["ar", *specs]:
+        cells = []
+        for b in batches:
+            vals = [
+                f"{rate[(s, d, b)] / ar[(d, b)]['tokens_per_s']:.2f}" if (s, d, b) in rate and (d, b) in ar else "-"
+                for d in datasets
+            ]
+            if s == "ar":
+                vals = [f"{rate[(s, d, b)]:.0f}" if (s, d, b) in rate else "-" for d in datasets]
+            cells.append(" / ".join(vals))
+        lines.append(f"| {'AR tokens/s' if s == 'ar' else s} | " + " | ".join(cells) + " |")
+    distinct = {r["dataset"]: r["distinct_4gram"] for r in records if "distinct_4gram" in r}
+    if distinct:
+        lines += ["", "Distinct-4-gram ratio of the greedy continuations: "
+                  + ", ".join(f"{d} {v:.3f}" for d, v in sorted(distinct.items()))]
     return "\n".join(lines) + "\n"
 
 

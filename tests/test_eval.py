@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxspec.config import SpecConfig
-from jaxspec.eval import SweepConfig, markdown_table, matched_linear, sequoia_optimum
+from jaxspec.eval import SweepConfig, distinct_ngram_ratio, markdown_table, matched_linear, sequoia_optimum
 
 
 def _brute_force(p, budget, max_depth):
@@ -76,6 +76,26 @@ def test_markdown_table_shows_gains():
     ]
     table = markdown_table(rec)
     assert "2.50 (2.90)" in table and "+25.0%" in table and "+10.0%" in table
+
+
+def test_markdown_table_relative_throughput_and_distinct_ngrams():
+    rec = [
+        {"dataset": "gsm8k", "batch_size": 4, "spec": "ar", "tokens_per_s": 200.0, "distinct_4gram": 0.5},
+        {"dataset": "gsm8k", "batch_size": 4, "spec": "s5_k1_d6", "tau": 2.0, "tau_star": 2.5,
+         "tokens_per_s": 300.0, "kind": "linear", "num_draft_tokens": 6},
+    ]
+    table = markdown_table(rec)
+    assert "| AR tokens/s | 200 |" in table and "| s5_k1_d6 | 1.50 |" in table
+    assert "gsm8k 0.500" in table
+
+
+def test_distinct_ngram_ratio():
+    tokens = np.array([[1, 2, 3, 4, 1, 2, 3, 4], [5, 5, 5, 5, 5, 5, 5, 5], [1, 2, 3, 0, 0, 0, 0, 0]])
+    # row 0: 5 four-grams, 4 distinct; row 1: 5 four-grams, 1 distinct; row 2: 3 tokens, skipped
+    assert distinct_ngram_ratio(tokens, np.array([8, 8, 3]), 4) == pytest.approx((4 / 5 + 1 / 5) / 2)
+    assert distinct_ngram_ratio(tokens[:1], np.array([4]), 4) == 1.0
+    with pytest.raises(ValueError):
+        distinct_ngram_ratio(tokens[2:], np.array([3]), 4)
 
 
 _SWEEP = textwrap.dedent(
