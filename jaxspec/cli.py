@@ -404,8 +404,8 @@ def _add_tune(subparsers: Any) -> None:
     p.add_argument("--candidates", type=_csv(str), default=DEFAULT_CANDIDATES, help="specs to choose from")
     p.add_argument("--new-tokens", type=int, default=128, help="generation length the choice is for")
     p.add_argument("--max-prompt-tokens", type=int, default=192)
-    p.add_argument("--iters", type=int, default=6, help="timed cycles per measurement (median)")
-    p.add_argument("--estimator", choices=ESTIMATORS, default="sequoia",
+    p.add_argument("--iters", type=int, default=16, help="timed cycles per measurement (median)")
+    p.add_argument("--estimator", choices=ESTIMATORS, default="measured",
                    help="expected tokens per cycle: Sequoia's optimum from the per-rank acceptance, or the "
                    "mean accepted length measured on the calibration prompts")
     p.add_argument("--out", default=None, help="tuning file (default CHECKPOINT/tune.json)")
