@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxspec.sharding import global_rows
+
 
 @struct.dataclass
 class Sampling:
@@ -84,9 +86,15 @@ def sample_tokens(
     top_k: jax.Array,
     top_p: jax.Array,
 ) -> jax.Array:
-    """-> [B] int32: argmax when temperature == 0, else a draw from `processed_logprobs`."""
+    """-> [B] int32: argmax when temperature == 0, else a draw from `processed_logprobs`.
+
+    Row r draws with fold_in(key, global row r), so a sequence's draws do not depend on how the
+    batch is split over devices (or padded into a bucket).
+    """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    drawn = jax.random.categorical(key, processed_logprobs(logits, temperature, top_k, top_p), axis=-1)
+    row_keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(global_rows(logits.shape[0]))
+    logp = processed_logprobs(logits, temperature, top_k, top_p)
+    drawn = jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(row_keys, logp)
     return jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy)
 
 

@@ -193,6 +193,16 @@ def kernel_per_shard(mesh) -> dict:
             "shard_map": "shard_map" in text or "sdy.manual_computation" in text}
 
 
+def pallas_loop(params, mesh) -> dict:
+    """The speculative loop with the Pallas tree-attention kernel (interpret mode on CPU), which
+    shard_kernel runs per tensor shard on its own heads: tokens equal the one-device run."""
+    cfg = CFG.replace(attention_impl="pallas")
+    one = js.speculative_generate(params, cfg, PROMPTS[:2], SPEC, max_new_tokens=6)
+    placed = js.shard_params(params, cfg, mesh)
+    many = js.speculative_generate(placed, cfg, PROMPTS[:2], SPEC, max_new_tokens=6, mesh=mesh)
+    return {"one_device": one.tokens.tolist(), "mesh": many.tokens.tolist()}
+
+
 def main() -> None:
     from conftest import high_acceptance
 
@@ -205,9 +215,14 @@ def main() -> None:
     t0 = time.perf_counter()
     ref = js.generate(params, CFG, PROMPTS, max_new_tokens=NEW_TOKENS)
     ref_spec = js.speculative_generate(params, CFG, PROMPTS, SPEC, max_new_tokens=NEW_TOKENS)
+    # Sampling settings are traced: these reuse the greedy programs.
+    sampled = dict(max_new_tokens=NEW_TOKENS, temperature=1.0, rng=jax.random.key(7))
+    ref_sampled = js.generate(params, CFG, PROMPTS, **sampled)
+    ref_spec_sampled = js.speculative_generate(params, CFG, PROMPTS, SPEC, **sampled)
     result["reference"] = {
         "generate": ref.tokens.tolist(), "generate_lengths": ref.lengths.tolist(),
         "speculative": ref_spec.tokens.tolist(), "speculative_lengths": ref_spec.lengths.tolist(),
+        "generate_sampled": ref_sampled.tokens.tolist(), "speculative_sampled": ref_spec_sampled.tokens.tolist(),
         "tau": ref_spec.stats["mean_accepted_length"], "seconds": time.perf_counter() - t0,
     }
     for shape in meshes:
@@ -216,6 +231,8 @@ def main() -> None:
         placed = js.shard_params(params, CFG, mesh)
         gen = js.generate(placed, CFG, PROMPTS, max_new_tokens=NEW_TOKENS, mesh=mesh)
         spec = js.speculative_generate(placed, CFG, PROMPTS, SPEC, max_new_tokens=NEW_TOKENS, mesh=mesh)
+        gen_sampled = js.generate(placed, CFG, PROMPTS, **sampled, mesh=mesh)
+        spec_sampled = js.speculative_generate(placed, CFG, PROMPTS, SPEC, **sampled, mesh=mesh)
         # The compiled speculative loop (already compiled by the call above: a cache hit).
         batch = sharding.pad_batch(prepare_prompts(CFG, PROMPTS, NEW_TOKENS + SPEC.num_steps + 1), mesh)
         max_len = length_bucket(
@@ -233,6 +250,7 @@ def main() -> None:
         result["meshes"][",".join(map(str, shape))] = {
             "generate": gen.tokens.tolist(), "generate_lengths": gen.lengths.tolist(),
             "speculative": spec.tokens.tolist(), "speculative_lengths": spec.lengths.tolist(),
+            "generate_sampled": gen_sampled.tokens.tolist(), "speculative_sampled": spec_sampled.tokens.tolist(),
             "tau": spec.stats["mean_accepted_length"],
             "param_shardings_kept": bool(kept),
             "spec_loop_hlo": hlo_findings(compiled.as_text(), mesh, params, CFG),
@@ -245,6 +263,7 @@ def main() -> None:
         params, CFG, prefill_tokens)))))
     result["checkpoints"] = checkpoints(params, mesh)
     result["kernel"] = kernel_per_shard(js.make_mesh(2, 4, 1))
+    result["pallas_loop"] = pallas_loop(params, js.make_mesh(2, 4, 1))
     result["controls"] = controls()
     result["extras_seconds"] = time.perf_counter() - t0
     with open(out_path, "w") as f:

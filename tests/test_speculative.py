@@ -97,6 +97,9 @@ PROMPT_SETS = {
 _CORNERS = set(_grid(corners_only=True))
 SPEC_BATCHES = [(spec, 3) for spec in SPECS]
 SPEC_BATCHES += [(spec, batch) for spec in SPECS if _GRID and spec in _CORNERS for batch in (1, 8)]
+if os.environ.get("JAXSPEC_SPEC_GRID_BATCHES"):  # e.g. "1,8": split a long grid run over processes
+    _keep = {int(b) for b in os.environ["JAXSPEC_SPEC_GRID_BATCHES"].split(",")}
+    SPEC_BATCHES = [(spec, batch) for spec, batch in SPEC_BATCHES if batch in _keep]
 
 
 # "which" varies fastest, so both models reuse one compiled loop back to back.

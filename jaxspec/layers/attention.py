@@ -15,11 +15,14 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxspec import sharding
 from jaxspec.config import ModelConfig
 from jaxspec.layers.compressor import CompressorParams, compressor_rows, init_compressor, pool_entries
 from jaxspec.layers.indexer import IndexerParams, index_queries, index_scores, init_indexer
 from jaxspec.layers.norms import rms_norm, unweighted_rms_norm
 from jaxspec.layers.rope import apply_rope, inv_freq, rope_angles
+
+_QUERY_AXES = ("batch", None, "heads", None)  # [B, T, H, c]
 
 
 @struct.dataclass
@@ -192,7 +195,14 @@ def attention(
             comp = dict(cache=cache, num_committed_entries=num_committed_entries, entry=entry, emits=emits)
             if kind == "csa":
                 comp.update(top_index=top_index, selected_ok=selected_ok)
-        out = attention_from_context(q, kv, ring, ring_pos, ctx, p.sink, window=window, scale=scale, kind=kind, **comp)
+        # Under a mesh the kernel runs once per shard on its own heads (shard_kernel); every other
+        # argument holds this data shard's rows whole.
+        kernel = sharding.shard_kernel(
+            attention_from_context,
+            in_axes=[_QUERY_AXES, None, None, None, None, ("heads",)],
+            out_axes=_QUERY_AXES,
+        )
+        out = kernel(q, kv, ring, ring_pos, ctx, p.sink, window=window, scale=scale, kind=kind, **comp)
     else:
         probs = _sink_softmax(logits, p.sink)  # [B, T, H, W+T (+ compressed)]
         n_win = win_keys.shape[1]

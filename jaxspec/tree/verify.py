@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec.sampling import Sampling, gumbel_choice
+from jaxspec.sharding import global_rows
 
 
 @struct.dataclass
@@ -75,9 +76,10 @@ def node_keys(
     """-> [B, D] independent keys: fold(fold(fold(key, cycle + 1), row), node).
 
     fold_in(key, 0) is left to the first token (sampled from the prefill, as `generate` does).
-    Folding in the row makes a sequence's draws independent of the batch bucket it lands in.
+    Folding in the global row makes a sequence's draws independent of the batch bucket it lands
+    in and of how the batch is split over devices.
     """
-    rows = jnp.arange(cycle.shape[0], dtype=jnp.int32)
+    rows = global_rows(cycle.shape[0])
     nodes = jnp.arange(num_nodes, dtype=jnp.int32)
 
     def per_row(c, r):
