@@ -16,11 +16,12 @@ partitioned by the compiler (GSPMD) from the parameter placement, except where t
 explicit: the expert-parallel MoE (`routed_experts`, shard_map + psum) and kernels run per shard
 (`shard_kernel`, check_vma=False).
 
-Mesh axes are `AxisType.Auto` (`jax.make_mesh`, `jax.set_mesh`, placement by `NamedSharding`):
-`Explicit` axes would make the layers annotate every contraction over a split axis (e.g. the
-grouped output projection over tensor-split groups) with an `out_sharding`; the data split, where
-explicit control matters, is manual instead. Multi-host: `initialize_distributed` on every host,
-then the same program; nothing else changes.
+Mesh axes: "data" is `AxisType.Explicit` (`jax.make_mesh`, `jax.set_mesh`): batch rows are placed
+on their data shard by `jax.reshard` before a program runs and are a manual axis inside it.
+"tensor" and "expert" are `AxisType.Auto`: Explicit there would make the layers annotate every
+contraction over a split axis (e.g. the grouped output projection over tensor-split groups) with
+an `out_sharding`, for no change in the partitioning. Multi-host: `initialize_distributed` on
+every host, then the same program; nothing else changes.
 """
 
 from __future__ import annotations
@@ -120,6 +121,11 @@ DEFAULT_MESH_SHAPES: dict[int, tuple[int, int, int]] = {
 # ---------------------------------------------------------------------------------------------
 # meshes
 # ---------------------------------------------------------------------------------------------
+# "data" is Explicit: a batch array's split is part of its type outside the per-shard loop (and is
+# manual inside it). "tensor" and "expert" are Auto: the layers carry no out_sharding annotations.
+MESH_AXIS_TYPES = (AxisType.Explicit, AxisType.Auto, AxisType.Auto)
+
+
 def _size(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -131,8 +137,9 @@ def make_mesh(
 ) -> jax.sharding.Mesh:
     """A ("data", "tensor", "expert") mesh over the first data*tensor*expert devices.
 
-    Axes are `AxisType.Auto`: parameters and state are placed by `NamedSharding`s and the model's
-    einsums are partitioned by the compiler, so the layers carry no `out_sharding` annotations.
+    "data" is an Explicit axis (batch rows are placed by `jax.reshard`); "tensor" and "expert" are
+    Auto: parameters are placed by `NamedSharding`s and the model's einsums are partitioned by the
+    compiler, so the layers carry no `out_sharding` annotations.
     """
     shape = (_size("data", data), _size("tensor", tensor), _size("expert", expert))
     available = list(jax.devices() if devices is None else devices)
@@ -142,7 +149,7 @@ def make_mesh(
             f"mesh data={shape[0]} x tensor={shape[1]} x expert={shape[2]} needs {need} devices, "
             f"{len(available)} available"
         )
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=available[:need])
+    return jax.make_mesh(shape, MESH_AXES, axis_types=MESH_AXIS_TYPES, devices=available[:need])
 
 
 def default_mesh_shape(num_devices: int, cfg: ModelConfig | None = None) -> tuple[int, int, int]:
@@ -579,9 +586,17 @@ def _program(
     args = list(args)
     static = tuple(i for i, a in enumerate(args) if not _is_dynamic(a))
     dynamic = [i for i in range(len(args)) if i not in static]
+    data_split = mesh.shape[DATA] > 1 and batch % mesh.shape[DATA] == 0
+    rows = NamedSharding(mesh, P(DATA))
     for i in dynamic:
         if isinstance(args[i], ModelParams):
             args[i] = shard_params(args[i], cfg, mesh, rules)
+        elif data_split:
+            # Batch rows go to their data shard before the call (an explicit-axis reshard); inside,
+            # the loop never moves them again.
+            args[i] = jax.tree.map(
+                lambda x: jax.reshard(x, rows) if np.ndim(x) and np.shape(x)[0] == batch else x, args[i]
+            )
     dyn_args = [args[i] for i in dynamic]
     avals = tuple(
         (jax.tree.structure(a), tuple((np.shape(x), str(x.dtype)) for x in jax.tree.leaves(a))) for a in dyn_args
@@ -615,7 +630,8 @@ def _build_program(raw, mesh, rules, cfg, args, static, batch):
         return P(DATA) if shape and shape[0] == batch else P()
 
     data_manual = mesh.shape[DATA] > 1 and batch % mesh.shape[DATA] == 0
-    out_shapes = jax.eval_shape(fn, *dyn_args)  # global shapes: as traced without a mesh
+    # Global shapes, as traced without a mesh (the unsharded types: no data-split inputs).
+    out_shapes = jax.eval_shape(fn, *jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), dyn_args))
     if data_manual:
         in_specs = tuple(P() if isinstance(a, ModelParams) else jax.tree.map(batch_spec, a) for a in dyn_args)
         # Scalars (step counters) come back per shard, [data], and are reduced by `post`.
