@@ -72,7 +72,7 @@ def _add_demo(subparsers: Any) -> None:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--spec", default="s3_k2_d6", help="tree speculation to compare against (default s3_k2_d6); "
-                   "'none' skips speculation")
+                   "'auto' takes the checkpoint's tune.json choice for this batch; 'none' skips speculation")
     _add_mesh_arguments(p)
     p.set_defaults(func=_run_demo)
 
@@ -239,7 +239,16 @@ def _demo_speculative(args, console, cfg, params, prompts, kwargs, reference, ar
     from jaxspec.config import SpecConfig
     from jaxspec.generate import speculative_generate
 
-    spec = SpecConfig.parse(args.spec)
+    if args.spec.lower() == "auto":
+        if args.checkpoint is None:
+            raise ValueError("--spec auto reads the checkpoint's tune.json: pass --checkpoint")
+        spec = SpecConfig.auto(os.path.expanduser(args.checkpoint), len(prompts))
+        if spec is None:
+            console.print(f"tune.json chose no speculation for batch {len(prompts)}: autoregressive is fastest")
+            return
+        console.print(f"tune.json chose {spec.name} for batch {len(prompts)}")
+    else:
+        spec = SpecConfig.parse(args.spec)
     speculative_generate(params, cfg, prompts, spec, **kwargs)  # compile
     t0 = time.perf_counter()
     out = speculative_generate(params, cfg, prompts, spec, **kwargs)

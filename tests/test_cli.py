@@ -24,6 +24,7 @@ def test_demo_random_init_reports_throughput(capsys):
         (["demo", "--checkpoint", "/nonexistent"], "/nonexistent"),
         (["demo", "--batch", "x"], "invalid int"),
         (["nope"], "invalid choice"),
+        (["demo", "--preset", "test", "--batch", "1", "--new-tokens", "2", "--spec", "auto"], "--checkpoint"),
     ],
 )
 def test_bad_input_exits_with_one_line_message(argv, expected):
