@@ -98,8 +98,30 @@ def pool_entries(
             ring_kv, ring_gate, new_kv, new_gate, positions, committed, ancestor_at_depth, p.norm, freqs,
             ratio=ratio, overlap=overlap, eps=cfg.rms_norm_eps,
         )
+    return pool_rows(
+        ring_kv, ring_gate, new_kv, new_gate, positions, committed, ancestor_at_depth, p.norm, freqs,
+        ratio=ratio, overlap=overlap, eps=cfg.rms_norm_eps,
+    )
+
+
+def pool_rows(
+    ring_kv: jax.Array,  # [B, R, coff*D] committed rows, slot = pos mod R
+    ring_gate: jax.Array,  # [B, R, coff*D]
+    new_kv: jax.Array,  # [B, T, coff*D]
+    new_gate: jax.Array,  # [B, T, coff*D]
+    positions: jax.Array,  # [B, T]
+    committed: jax.Array,  # [B]
+    ancestor_at_depth: jax.Array,  # [B, T, T]
+    norm: jax.Array,  # [D] fp32 RMSNorm weight
+    freqs,
+    *,
+    ratio: int,
+    overlap: bool,
+    eps: float,
+) -> jax.Array:
+    """The jnp pooling behind `pool_entries` (also the Pallas chain-compress kernel's reference)."""
     coff = 2 if overlap else 1
-    width = p.norm.shape[0]
+    width = norm.shape[0]
     num_sources = coff * ratio
     ring_size = ring_kv.shape[1]
     index, src_valid = source_indices(positions, committed, ancestor_at_depth, num_sources, ring_size)
@@ -118,6 +140,6 @@ def pool_entries(
     kv = jnp.where(src_valid[..., None], kv, 0.0)
     weights = jax.nn.softmax(gate, axis=2)
     pooled = jnp.sum(kv * weights, axis=2)
-    pooled = rms_norm(pooled, p.norm, cfg.rms_norm_eps)
+    pooled = rms_norm(pooled, norm, eps)
     cos, sin = rope_angles((positions // ratio) * ratio, freqs)
     return apply_rope(pooled, cos, sin)

@@ -11,8 +11,8 @@ RoPE without lane shuffles: the rotation needs each channel's pair partner, so t
 pools the partner-permuted columns of the same rows (the second read hits the cache) and
 combines normed * cos + normed_partner * signed_sin, with cos = 1, sin = 0 off the rope channels.
 
-`chain_compress_reference` is the jnp version (it equals layers.compressor.pool_entries on
-emitting nodes).
+`chain_compress_reference` is the jnp version: layers.compressor.pool_rows (what pool_entries
+runs without the kernel), zeroed on nodes that close no block.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxspec.layers.norms import rms_norm
-from jaxspec.layers.rope import apply_rope, rope_angles
+from jaxspec.layers.compressor import pool_rows, source_indices
+from jaxspec.layers.rope import rope_angles
 from jaxspec.pallas._common import SQUEEZED, resolve_interpret, triton_params
 
 GPU_NUM_WARPS, GPU_NUM_STAGES = 4, 1
@@ -42,13 +42,10 @@ def source_rows(
 ) -> jax.Array:
     """Where the rows of positions pos-num_sources+1 .. pos live -> [B, T, S] int32:
     ring slot (pos mod R) for positions < P, R + ancestor node for positions >= P, -1 before 0."""
-    offsets = jnp.arange(num_sources, dtype=jnp.int32) - (num_sources - 1)
-    src_pos = positions[..., None].astype(jnp.int32) + offsets
-    p = committed[:, None, None]
-    depth = jnp.clip(src_pos - p, 0, ancestor_at_depth.shape[-1] - 1)
-    from_new = ring_size + jnp.take_along_axis(ancestor_at_depth.astype(jnp.int32), depth, axis=-1)
-    index = jnp.where(src_pos >= p, from_new, src_pos % ring_size)
-    return jnp.where(src_pos >= 0, index, -1).astype(jnp.int32)
+    index, valid = source_indices(
+        positions.astype(jnp.int32), committed, ancestor_at_depth.astype(jnp.int32), num_sources, ring_size
+    )
+    return jnp.where(valid, index, -1)
 
 
 def _check(ring_kv, ring_gate, new_kv, new_gate, positions, committed, ancestor_at_depth, norm, ratio, overlap):
@@ -90,27 +87,11 @@ def chain_compress_reference(
 ) -> jax.Array:
     """Entry of every node as if it closed a block -> [B, T, D] fp32; zeros on nodes that do not."""
     _check(ring_kv, ring_gate, new_kv, new_gate, positions, committed, ancestor_at_depth, norm, ratio, overlap)
-    coff = 2 if overlap else 1
-    width = norm.shape[0]
-    s = coff * ratio
-    index = source_rows(positions, committed, ancestor_at_depth, s, ring_kv.shape[1])
-    valid = index >= 0
-    all_kv = jnp.concatenate([ring_kv, new_kv], axis=1).astype(jnp.float32)
-    all_gate = jnp.concatenate([ring_gate, new_gate], axis=1).astype(jnp.float32)
-    b, t, _ = index.shape
-    flat = jnp.maximum(index, 0).reshape(b, t * s, 1)
-    kv = jnp.take_along_axis(all_kv, flat, axis=1).reshape(b, t, s, -1)
-    gate = jnp.take_along_axis(all_gate, flat, axis=1).reshape(b, t, s, -1)
-    if overlap:
-        first = (jnp.arange(s) < ratio)[None, None, :, None]
-        kv = jnp.where(first, kv[..., :width], kv[..., width:])
-        gate = jnp.where(first, gate[..., :width], gate[..., width:])
-    gate = jnp.where(valid[..., None], gate, -jnp.inf)
-    kv = jnp.where(valid[..., None], kv, 0.0)
-    pooled = jnp.sum(kv * jax.nn.softmax(gate, axis=2), axis=2)
-    pooled = rms_norm(pooled, norm, eps)
-    cos, sin = rope_angles((positions // ratio) * ratio, freqs)
-    entry = apply_rope(pooled, cos, sin)
+    f32 = [x.astype(jnp.float32) for x in (ring_kv, ring_gate, new_kv, new_gate)]
+    entry = pool_rows(
+        *f32, positions, committed, ancestor_at_depth.astype(jnp.int32), norm, freqs,
+        ratio=ratio, overlap=overlap, eps=eps,
+    )
     emits = (positions + 1) % ratio == 0
     return jnp.where(emits[..., None], entry, 0.0)
 
