@@ -3,8 +3,9 @@ tokens per second at each batch bucket.
 
 Sequoia's objective (survey section 5): expected accepted tokens per cycle over the time of one
 cycle. A short calibration run measures what that needs on this machine and model:
-- expected tokens per cycle of each candidate, two ways: the mean accepted length the real engine
-  reaches on the calibration prompts (`estimator="measured"`, the default), and Sequoia's dynamic
+- expected tokens per cycle of each candidate, two ways: from the accepted length the real engine
+  reaches on each calibration prompt, with a batch taking as many cycles as its slowest row
+  (`batch_tokens_per_cycle`; `estimator="measured"`, the default), and Sequoia's dynamic
   program over the draft's per-rank acceptance vector (a one-level tree of width max K,
   `eval.measure_rank_acceptance`; `estimator="sequoia"`). Sequoia assumes every depth accepts
   independently; on repetitive text acceptance along a path is correlated and the DP
@@ -131,6 +132,18 @@ def expected_tokens_per_cycle(acceptance: Sequence[float], spec: SpecConfig) -> 
     return sequoia_optimum(ranked, spec.num_draft_tokens, spec.num_steps)
 
 
+def batch_tokens_per_cycle(per_prompt_tau: Sequence[float], batch: int, draws: int = 256) -> float:
+    """Tokens per row per cycle of a batch generating a fixed length: the loop runs until its
+    slowest row is done, so a batch takes E[max over its rows of length / tau] cycles. For batch 1
+    this is the harmonic mean of tau, not the mean: low-acceptance prompts take the most cycles.
+    Estimated by drawing batches from the calibration prompts (fixed seed)."""
+    cycles_per_token = 1.0 / np.asarray(per_prompt_tau, np.float64)
+    if cycles_per_token.size == 0 or np.any(~np.isfinite(cycles_per_token)):
+        raise ValueError(f"need per-prompt accepted lengths >= 1, got {per_prompt_tau!r}")
+    rows = np.random.default_rng(0).integers(0, cycles_per_token.size, (draws, batch))
+    return float(1.0 / np.mean(cycles_per_token[rows].max(axis=1)))
+
+
 def choose(measurements: Sequence[dict[str, Any]], estimator: str) -> dict[int, str]:
     """Per bucket, the candidate with the highest predicted tokens/s ("ar" included)."""
     if estimator not in ESTIMATORS:
@@ -238,7 +251,7 @@ def calibrate(
     acceptance = measure_rank_acceptance(params, cfg, prompts, width=max(width_k, 2), max_new_tokens=64)
     buckets = sorted({batch_bucket(int(b)) for b in batch_sizes})
     measurements: list[dict[str, Any]] = []
-    accepted: dict[str, list[int]] = {}
+    accepted: dict[str, dict[int, list[int]]] = {}  # spec -> prompt -> accepted drafts per cycle
     with Progress(disable=not progress) as bar:
         task = bar.add_task("calibrating", total=len(buckets) * (len(specs) + 1))
         for b in buckets:
@@ -260,21 +273,25 @@ def calibrate(
                     lambda c, spec=spec: _cycle(params, cfg, spec, c[0], c[1], c[2]),
                     (start_state, root0, hidden0, jnp.zeros_like(root0)), cycles,
                 )
-                accepted.setdefault(spec.name, []).extend(np.concatenate([np.asarray(c[3]) for c in seen]).tolist())
+                per_row = np.stack([np.asarray(c[3]) for c in seen])  # [cycles, b] accepted drafts
+                for row in range(b):
+                    accepted.setdefault(spec.name, {}).setdefault(row % len(prompts), []).extend(per_row[:, row])
                 measurements.append({
                     "batch": b, "spec": spec.name, "draft_seconds": draft_seconds,
                     "verify_commit_seconds": max(cycle_seconds - draft_seconds, 0.0), "cycle_seconds": cycle_seconds,
                 })
                 bar.advance(task)
-    # Accepted length does not depend on the batch (greedy rows are independent): pool every bucket's cycles.
+    # A prompt's accepted length does not depend on the batch (greedy rows are independent): pool
+    # every bucket's cycles per prompt.
     for m in measurements:
         if m["spec"] != NO_SPECULATION:
-            tau = {
-                "sequoia": expected_tokens_per_cycle(acceptance, SpecConfig.parse(m["spec"])),
-                "measured": float(np.mean(accepted[m["spec"]])) + 1.0,
+            per_prompt = np.asarray([np.mean(v) + 1.0 for v in accepted[m["spec"]].values()])
+            sequoia = expected_tokens_per_cycle(acceptance, SpecConfig.parse(m["spec"]))
+            m["tau"] = {"sequoia": sequoia, "measured": float(np.mean(per_prompt))}
+            m["predicted_tokens_per_s"] = {
+                "sequoia": m["batch"] * sequoia / m["cycle_seconds"],
+                "measured": m["batch"] * batch_tokens_per_cycle(per_prompt, m["batch"]) / m["cycle_seconds"],
             }
-            m["tau"] = tau
-            m["predicted_tokens_per_s"] = {k: m["batch"] * v / m["cycle_seconds"] for k, v in tau.items()}
     return Tuning(
         acceptance=tuple(float(x) for x in acceptance),
         choices=choose(measurements, estimator),

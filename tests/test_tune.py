@@ -12,6 +12,7 @@ from jaxspec.eval import sequoia_optimum
 from jaxspec.tune import (
     NO_SPECULATION,
     Tuning,
+    batch_tokens_per_cycle,
     calibrate,
     choose,
     compare_with_sweep,
@@ -55,6 +56,16 @@ def test_expected_tokens_per_cycle_is_sequoia_restricted_to_topk():
     # A wider tree than the measured ranks: missing ranks count as never accepted.
     wide = js.SpecConfig.parse("s1_k4_d5")
     assert expected_tokens_per_cycle([0.5, 0.3], wide) == pytest.approx(1.8)
+
+
+def test_batch_tokens_per_cycle_waits_for_the_slowest_row():
+    # Batch 1: harmonic mean over prompts (a tau-1 prompt costs 4x the cycles of a tau-4 one).
+    assert batch_tokens_per_cycle([1.0, 4.0], 1, draws=4096) == pytest.approx(1 / (0.5 * 1 + 0.5 * 0.25), rel=0.03)
+    # A large batch almost surely holds a tau-1 row: it runs as many cycles as autoregressive decoding.
+    assert batch_tokens_per_cycle([1.0, 4.0], 64) == pytest.approx(1.0)
+    assert batch_tokens_per_cycle([3.0, 3.0, 3.0], 8) == pytest.approx(3.0)
+    with pytest.raises(ValueError):
+        batch_tokens_per_cycle([], 1)
 
 
 def test_tuning_round_trip_nearest_bucket_and_bad_files(tmp_path):
