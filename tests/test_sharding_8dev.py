@@ -16,6 +16,10 @@ import sys
 
 import pytest
 
+# One xdist worker runs the whole module (./test.sh uses --dist loadgroup): the 8-device report
+# fixture is module-scoped, and two workers would each run the ~3-minute subprocess.
+pytestmark = pytest.mark.xdist_group("eight_devices")
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 MESHES = ["8,1,1", "1,8,1", "2,4,1", "1,2,4"]
 

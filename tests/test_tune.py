@@ -121,7 +121,7 @@ def test_calibrate_measures_every_candidate_per_bucket(agreeing_params, test_cfg
         assert 0 < m["draft_seconds"] and m["verify_commit_seconds"] >= 0
         assert 1.0 <= m["tau"]["measured"] <= spec.num_steps + 1
         assert m["tau"]["sequoia"] == pytest.approx(expected_tokens_per_cycle(tuning.acceptance, spec))
-    assert tuning.choices == choose(tuning.measurements, "sequoia")
+    assert tuning.estimator == "measured" and tuning.choices == choose(tuning.measurements, "measured")
     assert "predicted tok/s" in tuning_table(tuning)
     with pytest.raises(ValueError, match="allowed 1.."):
         calibrate(agreeing_params, test_cfg, PROMPTS, (1,), ("s9_k1_d10",), progress=False)
