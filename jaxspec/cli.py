@@ -15,6 +15,7 @@ Bad input raises ValueError / OSError inside a handler; `main` turns it into a o
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -327,7 +328,7 @@ def _run_plan(args: argparse.Namespace, console: Console) -> int:
 # ---- sweep ------------------------------------------------------------------------------------
 
 
-def _csv(kind, allowed=None):
+def _csv(kind):
     def parse(text: str):
         items = [x.strip() for x in text.split(",") if x.strip()]
         if not items:
@@ -346,29 +347,47 @@ def _add_sweep(subparsers: Any) -> None:
         description="Run the tree-vs-linear evaluation (accepted length, tokens/s, Sequoia tau*) on a checkpoint; "
         "writes runs.jsonl, table.md and the gain figures to --out. Data-parallel over all local devices.",
     )
-    p.add_argument("--checkpoint", required=True, help="orbax checkpoint folder (with tokenizer)")
+    p.add_argument("--checkpoint", help="orbax checkpoint folder (with tokenizer); not needed with --merge")
     p.add_argument("--datasets", type=_csv(str), default=("gsm8k", "mbpp", "sharegpt"))
-    p.add_argument("--specs", type=_csv(str), default=LINEAR_SPECS + TREE_SPECS, help="e.g. s5_k1_d6,s3_k2_d6")
+    p.add_argument("--specs", type=_csv(str), default=LINEAR_SPECS + TREE_SPECS,
+                   help="e.g. s5_k1_d6,s3_k2_d6 (AR always runs; 'ar' alone runs only AR)")
     p.add_argument("--batch-sizes", type=_csv(int), default=(1, 4, 16, 64))
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--max-prompt-tokens", type=int, default=192)
     p.add_argument("--out", default="runs/sweep", help="output folder")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the (dataset, batch) groups --out/runs.jsonl already finished; run the rest")
+    p.add_argument("--merge", type=_csv(str), default=None, metavar="RUNS,RUNS",
+                   help="run nothing: join these runs.jsonl files (e.g. one process per dataset) into --out")
     p.set_defaults(func=_run_sweep)
 
 
 def _run_sweep(args: argparse.Namespace, console: Console) -> int:
     import jax
 
-    from jaxspec.eval import SweepConfig, run_sweep
+    from jaxspec.eval import SweepConfig, load_runs, run_sweep, write_report
 
+    if args.merge:
+        missing = [p for p in args.merge if not Path(p).is_file()]
+        if missing:
+            raise ValueError(f"no such runs file: {missing[0]}")
+        records = [r for p in args.merge for r in load_runs(p)]
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        write_report(records, args.out)
+        console.print((Path(args.out) / "table.md").read_text())
+        console.print(f"{len(records)} runs from {len(args.merge)} file(s) written to {args.out}/runs.jsonl")
+        return 0
+    if args.checkpoint is None:
+        raise ValueError("sweep needs --checkpoint (or --merge)")
     sweep = SweepConfig(
-        datasets=args.datasets, specs=args.specs, batch_sizes=args.batch_sizes, num_prompts=args.num_prompts,
-        max_new_tokens=args.new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+        datasets=args.datasets, specs=tuple(s for s in args.specs if s != "ar"), batch_sizes=args.batch_sizes,
+        num_prompts=args.num_prompts, max_new_tokens=args.new_tokens, max_prompt_tokens=args.max_prompt_tokens,
     )
     cfg, params, tokenizer = _load_text_checkpoint(args.checkpoint, "the sweep")
     console.print(f"sweep on {len(jax.local_devices())} device(s): {sweep}")
-    records = run_sweep(params, cfg, tokenizer, sweep, args.out)
+    records = run_sweep(params, cfg, tokenizer, sweep, args.out, resume=args.resume)
     console.print((Path(args.out) / "table.md").read_text())
     console.print(f"{len(records)} runs written to {args.out}/runs.jsonl")
     return 0

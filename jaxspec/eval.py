@@ -257,8 +257,13 @@ def run_sweep(
     devices: Sequence[jax.Device] | None = None,
     prompts_by_dataset: dict[str, list[list[int]]] | None = None,
     progress: bool = True,
+    resume: bool = False,
 ) -> list[dict[str, Any]]:
-    """Run every (dataset, spec, batch size) and write runs.jsonl, table.md and the figures."""
+    """Run every (dataset, spec, batch size) and write runs.jsonl, table.md and the figures.
+
+    resume=True keeps the (dataset, batch size) groups an earlier, interrupted run of the same sweep
+    finished in out_dir/runs.jsonl and runs the rest; a half-finished group is run again whole, so
+    every speed ratio still compares runs made back to back in one process."""
     from rich.progress import Progress
 
     from jaxspec.data import HELDOUT_SPLITS, load_dataset
@@ -266,22 +271,33 @@ def run_sweep(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     specs = [SpecConfig.parse(s) for s in sweep.specs]
-    records: list[dict[str, Any]] = []
     if prompts_by_dataset is None:
         prompts_by_dataset = {}
         for name in sweep.datasets:
             examples = load_dataset(name, HELDOUT_SPLITS[name])[: sweep.num_prompts]
             prompts_by_dataset[name] = encode_prompts(tokenizer, examples, sweep.max_prompt_tokens)
-    # One prompt width for every dataset, so all datasets share each (spec, batch) compiled program.
-    longest = max(len(p) for name in sweep.datasets for p in prompts_by_dataset[name])
-    total = len(sweep.datasets) * len(sweep.batch_sizes) * (len(specs) + 1)
+    # One prompt width for every dataset (and for every process of a sweep split by dataset), so all
+    # datasets share each (spec, batch) compiled program.
+    longest = max(sweep.max_prompt_tokens, *(len(p) for name in sweep.datasets for p in prompts_by_dataset[name]))
     runs_path = out_dir / "runs.jsonl"
+    done: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    if resume and runs_path.exists():
+        counts = {name: len(prompts_by_dataset[name]) for name in sweep.datasets}
+        done = _finished_groups(load_runs(runs_path), sweep, counts)
+    records: list[dict[str, Any]] = [r for group in done.values() for r in group]
+    todo = [(name, b) for name in sweep.datasets for b in sweep.batch_sizes if (name, b) not in done]
     with open(runs_path, "w") as sink, Progress(disable=not progress) as bar:
-        task = bar.add_task("sweep", total=total)
+        for r in records:
+            sink.write(json.dumps(r) + "\n")
+        task = bar.add_task("sweep", total=len(todo) * (len(specs) + 1))
         for name in sweep.datasets:
+            if not any(n == name for n, _ in todo):
+                continue
             prompts = prompts_by_dataset[name]
             acceptance = measure_rank_acceptance(params, cfg, prompts, sweep.rank_width)
             for batch_size in sweep.batch_sizes:
+                if (name, batch_size) not in todo:
+                    continue
                 batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
                 baseline = None
                 for spec in [None, *specs]:
@@ -330,9 +346,41 @@ def run_sweep(
                     sink.write(json.dumps(record) + "\n")
                     sink.flush()
                     bar.advance(task)
-    (out_dir / "table.md").write_text(markdown_table(records))
-    plot_gains(records, out_dir)
+    write_report(records, out_dir)
     return records
+
+
+def load_runs(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a sweep's runs.jsonl (a cut-off last line, from a killed run, is dropped)."""
+    records = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def _finished_groups(
+    records: list[dict[str, Any]], sweep: SweepConfig, num_prompts: dict[str, int]
+) -> dict[tuple[str, int], list[dict[str, Any]]]:
+    """(dataset, batch size) -> its records, for the groups of `sweep` that hold AR and every spec, run
+    on as many prompts and new tokens as this sweep."""
+    wanted = {"ar", *sweep.specs}
+    groups: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
+    for r in records:
+        if r.get("dataset") not in num_prompts or r.get("batch_size") not in sweep.batch_sizes:
+            continue
+        if r.get("num_prompts") != num_prompts[r["dataset"]] or r.get("max_new_tokens") != sweep.max_new_tokens:
+            continue
+        groups.setdefault((r["dataset"], r["batch_size"]), {})[r["spec"]] = r
+    return {key: [g[s] for s in ["ar", *sweep.specs]] for key, g in groups.items() if wanted <= set(g)}
+
+
+def write_report(records: list[dict[str, Any]], out_dir: str | Path) -> None:
+    """table.md and the Fig. 3 / Fig. 4 analogues of a sweep's records."""
+    (Path(out_dir) / "table.md").write_text(markdown_table(records))
+    plot_gains(records, out_dir)
 
 
 # ---- reporting ----------------------------------------------------------------------------------
@@ -342,7 +390,10 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
     """Table 1 analogue: tau per spec and dataset (smallest batch size), with tau* beside it."""
     spec_records = [r for r in records if r["spec"] != "ar"]
     if not spec_records:
-        return "no speculative runs\n"
+        distinct = {r["dataset"]: r["distinct_4gram"] for r in records if "distinct_4gram" in r}
+        ar = ", ".join(f"{r['dataset']} batch {r['batch_size']}: {r['tokens_per_s']:.0f}" for r in records)
+        return (f"no speculative runs; AR tokens/s {ar}\n\nDistinct-4-gram ratio of the greedy continuations: "
+                + ", ".join(f"{d} {v:.3f}" for d, v in sorted(distinct.items())) + "\n")
     batch = min(r["batch_size"] for r in spec_records)
     datasets = sorted({r["dataset"] for r in spec_records})
     specs = sorted({r["spec"] for r in spec_records}, key=lambda s: (SpecConfig.parse(s).num_draft_tokens, s))
@@ -440,7 +491,8 @@ def plot_gains(records: list[dict[str, Any]], out_dir: str | Path) -> list[Path]
             ax.set_xlabel("verify budget D")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_ylabel(f"best tree vs linear, {label} (%)")
-            ax.legend(fontsize=7)
+            if ax.get_legend_handles_labels()[0]:  # no matched linear run, no lines
+                ax.legend(fontsize=7)
         fig.tight_layout()
         path = out_dir / fname
         fig.savefig(path, dpi=110)

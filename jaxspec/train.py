@@ -57,6 +57,7 @@ class OptConfig:
     b2: float = 0.95
     clip: float = 1.0
     mtp_weight: float = 0.5
+    unlikelihood_weight: float = 0.0
 
     def __post_init__(self):
         if not self.lr > 0:
@@ -65,8 +66,8 @@ class OptConfig:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.warmup_steps < 0 or self.steps < 1:
             raise ValueError(f"need warmup_steps >= 0 and steps >= 1, got {self.warmup_steps}, {self.steps}")
-        if self.clip <= 0 or self.weight_decay < 0 or self.mtp_weight < 0:
-            raise ValueError("clip must be > 0, weight_decay and mtp_weight >= 0")
+        if self.clip <= 0 or self.weight_decay < 0 or self.mtp_weight < 0 or self.unlikelihood_weight < 0:
+            raise ValueError("clip must be > 0, weight_decay, mtp_weight and unlikelihood_weight >= 0")
 
 
 def learning_rate(opt: OptConfig, step: int, progress: float | None = None) -> float:
@@ -111,13 +112,49 @@ def init_train_state(cfg: ModelConfig, opt: OptConfig, key: jax.Array) -> TrainS
     return TrainState(params=params, opt_state=_tx(opt).init(trainable), step=jnp.zeros((), jnp.int32))
 
 
+def seen_in_document(
+    tokens: jax.Array,  # [B, L] int32, packed BOS..EOS documents
+    vocab_size: int,
+    bos_id: int | None,
+) -> jax.Array:  # [B, L, V] bool
+    """seen[b, i, v]: token v occurs in row b at or before position i, inside the document that holds i
+    (documents start at BOS; without a BOS id the row is one document)."""
+    length = tokens.shape[1]
+    positions = jnp.arange(length, dtype=jnp.int32)[None, :]
+    if bos_id is None:
+        doc_start = jnp.zeros(tokens.shape, jnp.int32)
+    else:
+        doc_start = jax.lax.cummax(jnp.where(tokens == bos_id, positions, 0), axis=1)  # [B, L]
+    hits = jnp.where(jax.nn.one_hot(tokens, vocab_size, dtype=bool), positions[:, :, None], -1)
+    last_seen = jax.lax.cummax(hits, axis=1)  # [B, L, V]: last position of each token so far
+    return last_seen >= doc_start[:, :, None]
+
+
+def unlikelihood_loss(
+    logits: jax.Array,  # [B, T, V]
+    targets: jax.Array,  # [B, T] int32
+    seen: jax.Array,  # [B, T, V] bool: tokens already in the context of each prediction
+) -> jax.Array:  # []
+    """Token-level unlikelihood (Welleck et al. 2019): -sum over earlier context tokens c != target of
+    log(1 - p(c)), mean over positions. It pushes down the probability of repeating the context, the
+    failure that makes a small model's greedy continuations loop."""
+    candidates = seen & ~jax.nn.one_hot(targets, logits.shape[-1], dtype=bool)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    penalty = -jnp.log1p(-jnp.minimum(probs, 1.0 - 1e-6))
+    return jnp.sum(jnp.where(candidates, penalty, 0.0), axis=-1).mean()
+
+
 def loss_fn(
     params: ModelParams,
     cfg: ModelConfig,
     tokens: jax.Array,  # [B, T+2] int32
     mtp_weight: float,
+    unlikelihood_weight: float = 0.0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """-> (main + mtp_weight * mtp, {"main", "mtp"}) mean cross-entropies in nats."""
+    """-> (main + mtp_weight * mtp [+ unlikelihood terms], {"main", "mtp", ...}); main and mtp are mean
+    cross-entropies in nats. With unlikelihood_weight > 0 both heads also get the token-level
+    unlikelihood term ("main_ul", "mtp_ul"), the MTP head weighted by mtp_weight like its CE, so the
+    draft keeps predicting what the target will say."""
     b, t2 = tokens.shape
     t = t2 - 2
     x = tokens[:, :t]
@@ -127,24 +164,31 @@ def loss_fn(
     main = optax.softmax_cross_entropy_with_integer_labels(out.logits, tokens[:, 1 : t + 1]).mean()
     aux = {"main": main}
     total = main
+    if unlikelihood_weight > 0:
+        seen = seen_in_document(tokens[:, : t + 1], cfg.vocab_size, cfg.bos_id)  # [B, T+1, V]
+        aux["main_ul"] = unlikelihood_loss(out.logits, tokens[:, 1 : t + 1], seen[:, :t])
+        total = total + unlikelihood_weight * aux["main_ul"]
     if cfg.has_mtp:
         mtp_logits, _, _ = model_lib.mtp_forward(
             params, cfg, st, out.hidden, tokens[:, 1 : t + 1], model_lib.causal_context(st.mtp_length, valid)
         )
         mtp = optax.softmax_cross_entropy_with_integer_labels(mtp_logits, tokens[:, 2:]).mean()
         aux["mtp"] = mtp
-        total = main + mtp_weight * mtp
+        total = total + mtp_weight * mtp
+        if unlikelihood_weight > 0:
+            aux["mtp_ul"] = unlikelihood_loss(mtp_logits, tokens[:, 2:], seen[:, 1:])
+            total = total + mtp_weight * unlikelihood_weight * aux["mtp_ul"]
     return total, aux
 
 
 def _tx_key(opt: OptConfig) -> tuple[float, ...]:
     # What the compiled step depends on (not lr / steps / warmup): equal keys share one compilation.
-    return (opt.b1, opt.b2, opt.weight_decay, opt.clip, opt.mtp_weight)
+    return (opt.b1, opt.b2, opt.weight_decay, opt.clip, opt.mtp_weight, opt.unlikelihood_weight)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "key"), donate_argnums=(0,))
 def _train_step(ts: TrainState, tokens: jax.Array, lr: jax.Array, cfg: ModelConfig, key: tuple[float, ...]):
-    b1, b2, wd, clip, mtp_weight = key
+    b1, b2, wd, clip, mtp_weight, unlikelihood_weight = key
     tx = _tx(OptConfig(b1=b1, b2=b2, weight_decay=wd, clip=clip, mtp_weight=mtp_weight))
     leaves, treedef = jax.tree.flatten(ts.params)
     index = _float_index(ts.params)
@@ -153,7 +197,7 @@ def _train_step(ts: TrainState, tokens: jax.Array, lr: jax.Array, cfg: ModelConf
         full = list(leaves)
         for i, x in zip(index, trainable, strict=True):
             full[i] = x
-        return loss_fn(jax.tree.unflatten(treedef, full), cfg, tokens, mtp_weight)
+        return loss_fn(jax.tree.unflatten(treedef, full), cfg, tokens, mtp_weight, unlikelihood_weight)
 
     trainable = [leaves[i] for i in index]
     (loss, aux), grads = jax.value_and_grad(f, has_aux=True)(trainable)
@@ -344,7 +388,7 @@ def export_checkpoint(out: str, cfg: ModelConfig, params: ModelParams, tokenizer
 # ---- logging -----------------------------------------------------------------------------------
 
 CSV_FIELDS = ("step", "elapsed_s", "lr", "train_loss", "train_main", "train_mtp", "heldout_main", "heldout_mtp",
-              "unigram")
+              "unigram", "train_main_ul")
 
 
 def write_curve(history: Sequence[dict[str, Any]], csv_path: str, png_path: str | None) -> None:
@@ -515,7 +559,8 @@ def train_loop(
         if not all(math.isfinite(v) for v in m.values()):
             raise FloatingPointError(f"non-finite metrics at step {step}: {m}")
         history.append({"step": step + 1, "elapsed_s": round(time.time() - t_start, 1), "lr": lr,
-                        "train_loss": m["loss"], "train_main": m["main"], "train_mtp": m.get("mtp")})
+                        "train_loss": m["loss"], "train_main": m["main"], "train_mtp": m.get("mtp"),
+                        "train_main_ul": m.get("main_ul")})
         eta = ""
         if step_times:
             per = float(np.median(step_times[-10:]))
@@ -524,7 +569,8 @@ def train_loop(
                 left = min(left, time_budget_s - (time.time() - t_start))
             eta = f" {per:.2f}s/step eta {max(left, 0) / 60:.1f}min"
         log(f"step {step + 1}/{opt.steps} loss {m['loss']:.4f} main {m['main']:.4f} mtp {m.get('mtp', 0):.4f} "
-            f"gnorm {m['grad_norm']:.3f} lr {lr:.2e} ({dt:.2f}s){eta}")
+            + (f"ul {m['main_ul']:.4f} " if "main_ul" in m else "")
+            + f"gnorm {m['grad_norm']:.3f} lr {lr:.2e} ({dt:.2f}s){eta}")
         done = int(ts.step) >= opt.steps
         if int(ts.step) % eval_every == 0 and not done:
             do_eval()
@@ -556,6 +602,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (default 1.0)")
     p.add_argument("--mtp-weight", type=float, default=0.5, help="weight of the MTP loss (default 0.5)")
+    p.add_argument("--unlikelihood-weight", type=float, default=0.0,
+                   help="weight of the token-level unlikelihood term against repeating the context (default 0)")
     p.add_argument("--out", default="checkpoints/tiny-v4", help="shipped checkpoint folder")
     p.add_argument("--run-dir", default=None, help="train states, tokenizer, curve (default runs/<out name>)")
     p.add_argument("--resume", action="store_true", help="continue from the latest state in --run-dir")
@@ -602,7 +650,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         tok.save(tok_path)
         cfg = base.replace(bos_id=tok_lib.BOS_ID, eos_id=tok_lib.EOS_ID)
         opt = OptConfig(lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup, steps=args.steps,
-                        weight_decay=args.weight_decay, clip=args.clip, mtp_weight=args.mtp_weight)
+                        weight_decay=args.weight_decay, clip=args.clip, mtp_weight=args.mtp_weight,
+                        unlikelihood_weight=args.unlikelihood_weight)
         sampler, eval_rows = build_data(tok, args.seq_len, args.seed, args.data_root,
                                         eval_rows_per_dataset=args.eval_rows, console=console)
         train_rows = np.concatenate([sampler.batch(10**6 + i, 64) for i in range(8)])

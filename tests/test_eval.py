@@ -112,7 +112,7 @@ _SWEEP = textwrap.dedent(
     rng = __import__("numpy").random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, int(rng.integers(2, 12))).tolist() for _ in range(8)]
     sweep = SweepConfig(datasets=("gsm8k",), specs=("s2_k2_d4",), batch_sizes=(8,), num_prompts=8,
-                        max_new_tokens=10, rank_width=2)
+                        max_new_tokens=10, max_prompt_tokens=12, rank_width=2)
     records = run_sweep(params, cfg, None, sweep, sys.argv[2], prompts_by_dataset={"gsm8k": prompts},
                         progress=False)
     print(json.dumps([[r["spec"], r["devices"], r.get("per_prompt_tau")] for r in records]))
@@ -155,3 +155,34 @@ def test_sweep_cli_bad_input(argv, match, capsys):
         main(argv)
     message = str(err.value.code)
     assert message.startswith("jaxspec: error:") and match in message and "\n" not in message
+
+
+def _record(batch, spec, tau=2.0):
+    base = {"dataset": "gsm8k", "batch_size": batch, "spec": spec, "num_prompts": 8, "max_new_tokens": 10,
+            "tokens_per_s": 100.0 * tau, "seconds": 0.8, "generated": 80, "devices": 1}
+    if spec != "ar":
+        base.update({"kind": "tree", "num_draft_tokens": 4, "tau": tau, "per_prompt_tau": [tau] * 8,
+                     "per_depth_acceptance": [0.5, 0.2], "speedup_vs_ar": tau, "tau_star": tau + 0.1,
+                     "rank_acceptance": [0.5, 0.1]})
+    return base
+
+
+def test_sweep_resume_keeps_finished_groups_and_reruns_partial_ones(tmp_path):
+    from jaxspec.eval import SweepConfig, _finished_groups, load_runs, run_sweep
+
+    sweep = SweepConfig(datasets=("gsm8k",), specs=("s2_k2_d4",), batch_sizes=(4, 8), num_prompts=8,
+                        max_new_tokens=10, max_prompt_tokens=12)
+    finished = [_record(4, "ar"), _record(4, "s2_k2_d4"), _record(8, "ar"), _record(8, "s2_k2_d4", 2.5)]
+    runs = tmp_path / "runs.jsonl"
+    runs.write_text("".join(json.dumps(r) + "\n" for r in finished) + '{"dataset": "gsm8k", "bat')  # killed mid-line
+    assert load_runs(runs) == finished
+    counts = {"gsm8k": 8}
+    assert set(_finished_groups(finished, sweep, counts)) == {("gsm8k", 4), ("gsm8k", 8)}
+    # a group missing a spec, or run on other sizes, is not finished
+    assert set(_finished_groups(finished[:3], sweep, counts)) == {("gsm8k", 4)}
+    assert _finished_groups(finished, sweep, {"gsm8k": 16}) == {}
+    # everything finished: nothing runs (no params needed), the records and report are rewritten whole
+    records = run_sweep(None, None, None, sweep, tmp_path, prompts_by_dataset={"gsm8k": [[3, 4]] * 8},
+                        progress=False, resume=True)
+    assert records == finished and load_runs(runs) == finished
+    assert "s2_k2_d4" in (tmp_path / "table.md").read_text()

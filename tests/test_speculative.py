@@ -93,10 +93,11 @@ PROMPT_SETS = {
     1: [[9, 8, 7, 6, 5]],
     8: [list(range(11, 11 + n)) for n in (1, 3, 4, 7, 8, 15, 16, 17)],
 }
-# Each (spec, batch) compiles its own loop, so batches 1 and 8 run at the (S, K) corners only.
+# Each (spec, batch) compiles its own loop: the full grid runs batches 1 and 8 for every config (464
+# more compiles, hours of CPU), the corners grid at its 25 (S, K) corners, CI at batch 3 only.
 _CORNERS = set(_grid(corners_only=True))
 SPEC_BATCHES = [(spec, 3) for spec in SPECS]
-SPEC_BATCHES += [(spec, batch) for spec in SPECS if _GRID and spec in _CORNERS for batch in (1, 8)]
+SPEC_BATCHES += [(spec, batch) for spec in SPECS if _GRID == "full" or (_GRID and spec in _CORNERS) for batch in (1, 8)]
 if os.environ.get("JAXSPEC_SPEC_GRID_BATCHES"):  # e.g. "1,8": split a long grid run over processes
     _keep = {int(b) for b in os.environ["JAXSPEC_SPEC_GRID_BATCHES"].split(",")}
     SPEC_BATCHES = [(spec, batch) for spec, batch in SPEC_BATCHES if batch in _keep]

@@ -107,3 +107,33 @@ def test_packed_sampler_deterministic():
     x = s.batch(4, 3)
     assert x.shape == (3, 8)
     np.testing.assert_array_equal(x, s.batch(4, 3))
+
+
+def test_unlikelihood_candidates_stay_inside_each_document():
+    bos = 0
+    tokens = jnp.asarray([[0, 5, 6, 5, 0, 7, 5]])  # two packed documents
+    seen = np.asarray(train_lib.seen_in_document(tokens, 8, bos))  # [1, 7, 8]
+    # position 3 (second 5) has seen BOS, 5, 6 of its document
+    assert sorted(np.flatnonzero(seen[0, 3])) == [0, 5, 6]
+    # position 5 (7) is in the second document: 6 and the first document's 5 are forgotten
+    assert sorted(np.flatnonzero(seen[0, 5])) == [0, 7]
+    assert sorted(np.flatnonzero(seen[0, 6])) == [0, 5, 7]
+
+    # the loss sums -log(1 - p) over seen tokens except the target, and is 0 when only the target was seen
+    logits = jnp.log(jnp.asarray([[[0.5, 0.25, 0.25]]]))
+    only_target = jnp.asarray([[[False, True, False]]])
+    assert float(train_lib.unlikelihood_loss(logits, jnp.asarray([[1]]), only_target)) == 0.0
+    both = jnp.asarray([[[True, True, False]]])
+    got = float(train_lib.unlikelihood_loss(logits, jnp.asarray([[1]]), both))
+    np.testing.assert_allclose(got, -np.log(0.5), rtol=1e-6)
+
+
+def test_unlikelihood_weight_adds_to_the_loss(cfg):
+    params = model_lib.init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 18), 2, cfg.vocab_size)
+    plain, aux = train_lib.loss_fn(params, cfg, tokens, 0.5)
+    with_ul, aux_ul = train_lib.loss_fn(params, cfg, tokens, 0.5, unlikelihood_weight=1.0)
+    assert "main_ul" not in aux and aux_ul["main_ul"] > 0 and aux_ul["mtp_ul"] > 0
+    np.testing.assert_allclose(float(with_ul), float(plain + aux_ul["main_ul"] + 0.5 * aux_ul["mtp_ul"]), rtol=1e-5)
+    with pytest.raises(ValueError, match="unlikelihood_weight"):
+        train_lib.OptConfig(unlikelihood_weight=-1.0)
