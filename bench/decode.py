@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -27,18 +25,12 @@ from typing import Any
 
 import jax
 import numpy as np
+from _machine import machine_facts, machine_header
 from rich.console import Console
 from rich.table import Table
 
 import jaxspec as js
 from jaxspec.generate import compile_count
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def _timed(params, cfg, prompts, new_tokens: int) -> tuple[float, js.GenerateOutput]:
@@ -118,14 +110,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except ValueError as e:
         sys.exit(f"decode.py: error: {e}")
 
-    backend = jax.default_backend()
-    devices = jax.devices()
-    device_str = ", ".join(str(d) for d in devices)
-    kind = devices[0].device_kind if devices else "?"
-    header = f"backend: {backend}  devices: {device_str} ({kind})  jax {jax.__version__}"
-    if backend == "cpu":
-        header += f"\n[bold yellow]CPU numbers[/] ({_cores()} cores usable, {platform.machine()}): " \
-                  "not representative of accelerator throughput"
+    facts = machine_facts()
+    header = machine_header(facts, "accelerator throughput")
     console.print(f"[bold]jaxspec decode benchmark[/]  preset={args.preset} dtype={cfg.dtype} "
                   f"prompt_len={args.prompt_len} new_tokens={args.new_tokens} repeats={args.repeats}")
     console.print(header)
@@ -140,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         with console.status(f"batch {b}: compiling + timing..."):
             rows.append(bench_batch(params, cfg, b, args.prompt_len, args.new_tokens, args.repeats, args.seed))
 
-    table = Table(title=f"generate() decode throughput: {args.preset} ({backend.upper()})")
+    table = Table(title=f"generate() decode throughput: {args.preset} ({facts['backend'].upper()})")
     table.add_column("batch", justify="right", no_wrap=True)
     for name in ("decode tok/s", "ms/step", "prefill ms", "loop ms/step", "steps", "run s", "warm-up s"):
         table.add_column(name, justify="right", no_wrap=True)
@@ -166,12 +152,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {
         "preset": args.preset,
         "dtype": cfg.dtype,
-        "backend": backend,
-        "devices": [str(d) for d in devices],
-        "device_kind": kind,
-        "cpu_numbers": backend == "cpu",
-        "cpu_cores_usable": _cores(),
-        "jax_version": jax.__version__,
+        **facts,
         "init_s": init_s,
         "results": rows,
     }

@@ -29,6 +29,7 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np  # noqa: E402
+from _machine import usable_cores  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -42,13 +43,6 @@ def _agreeing(params):
     from conftest import high_acceptance  # the same transformation the tests use
 
     return high_acceptance(params)
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -82,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f"prompt_len={args.prompt_len} new_tokens={args.new_tokens} spec={args.spec.name}")
     console.print(f"backend {backend}, {n_dev} devices ({jax.devices()[0].device_kind}), jax {jax.__version__}")
     if backend == "cpu":
-        console.print(f"[bold yellow]CPU numbers[/]: {n_dev} simulated devices share {_cores()} cores; "
+        console.print(f"[bold yellow]CPU numbers[/]: {n_dev} simulated devices share {usable_cores()} cores; "
                       "a mesh shows sharding overhead here, not a speedup")
     params = _agreeing(js.init_params(cfg, jax.random.key(0)))
     prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (args.batch, args.prompt_len), dtype=np.int32)
@@ -131,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       "ok" if r["check"] else "DIFFERS")
     console.print(table)
     result = {"preset": args.preset, "backend": backend, "devices": n_dev, "cpu_numbers": backend == "cpu",
-              "cores": _cores(), "jax_version": jax.__version__, "rows": rows}
+              "cores": usable_cores(), "jax_version": jax.__version__, "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

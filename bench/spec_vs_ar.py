@@ -36,8 +36,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -47,6 +45,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _machine import machine_facts, machine_header
 from rich.console import Console
 from rich.table import Table
 
@@ -68,13 +67,6 @@ from jaxspec.tree.verify import greedy_accept
 DEFAULT_SPECS = ["s3_k1_d4", "s7_k1_d8", "s3_k2_d6", "s4_k2_d8"]
 VARIANTS = ("random", "agreeing")
 STAGES = ("draft", "plan", "verify", "accept")
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,14 +295,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except ValueError as e:
         sys.exit(f"spec_vs_ar.py: error: {e}")
 
-    backend = jax.default_backend()
-    devices = jax.devices()
-    device_str = ", ".join(str(d) for d in devices)
-    kind = devices[0].device_kind if devices else "?"
-    header = f"backend: {backend}  devices: {device_str} ({kind})  jax {jax.__version__}"
-    if backend == "cpu":
-        header += f"\n[bold yellow]CPU numbers[/] ({_cores()} cores usable, {platform.machine()}): " \
-                  "not representative of accelerator throughput or of the spec/AR trade-off there"
+    facts = machine_facts()
+    header = machine_header(facts, "accelerator throughput or of the spec/AR trade-off there")
     console.print(f"[bold]jaxspec speculative vs autoregressive benchmark[/]  preset={args.preset} dtype={cfg.dtype} "
                   f"prompt_len={args.prompt_len} new_tokens={args.new_tokens} repeats={args.repeats} "
                   f"batch={args.batch} greedy, no eos")
@@ -335,7 +321,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 r.update(variant=variant, batch=b)
             e2e.extend(rows)
 
-    table = Table(title=f"end-to-end decode: {args.preset}, {args.new_tokens} new tokens ({backend.upper()})")
+    table = Table(title=f"end-to-end decode: {args.preset}, {args.new_tokens} new tokens ({facts['backend'].upper()})")
     for name in ("variant", "batch", "method", "tok/s", "x AR", "tau", "cycles", "check", "run s", "warm-up s"):
         table.add_column(name, justify="left" if name in ("variant", "method", "check") else "right", no_wrap=True)
     last_group = None
@@ -374,7 +360,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 r["e2e_ms_per_cycle"] = None if e is None else 1e3 * e["time_s"] / max(e["loop_cycles"], 1)
         for b, res in stages.items():
             table = Table(title=f"one cycle, per stage, ms (% of sum): batch {b}, prompt {args.prompt_len}, "
-                                f"'{args.variants[0]}' params ({backend.upper()})")
+                                f"'{args.variants[0]}' params ({facts['backend'].upper()})")
             table.add_column("spec", no_wrap=True)
             names = ["draft+prune", "plan", "verify fwd", "accept+commit", "sum", "break-even tau", "e2e ms/cycle"]
             if args.fused_cycle:
@@ -401,12 +387,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {
         "preset": args.preset,
         "dtype": cfg.dtype,
-        "backend": backend,
-        "devices": [str(d) for d in devices],
-        "device_kind": kind,
-        "cpu_numbers": backend == "cpu",
-        "cpu_cores_usable": _cores(),
-        "jax_version": jax.__version__,
+        **facts,
         "init_s": init_s,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
