@@ -95,6 +95,10 @@ PROMPT_SETS = {
 }
 # Each (spec, batch) compiles its own loop: the full grid runs batches 1 and 8 for every config (464
 # more compiles, hours of CPU), the corners grid at its 25 (S, K) corners, CI at batch 3 only.
+# A process that compiles more than ~60 of these loops can die in XLA's CPU compiler with a segfault:
+# each compiled loop holds ~1000 memory maps and Linux's default vm.max_map_count is 65530. Run long
+# grids under xdist (`-n 1 --max-worker-restart 40` replaces a crashed worker) or raise the limit
+# (`sysctl -w vm.max_map_count=262144`).
 _CORNERS = set(_grid(corners_only=True))
 SPEC_BATCHES = [(spec, 3) for spec in SPECS]
 SPEC_BATCHES += [(spec, batch) for spec in SPECS if _GRID == "full" or (_GRID and spec in _CORNERS) for batch in (1, 8)]
