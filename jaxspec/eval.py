@@ -276,9 +276,9 @@ def run_sweep(
         for name in sweep.datasets:
             examples = load_dataset(name, HELDOUT_SPLITS[name])[: sweep.num_prompts]
             prompts_by_dataset[name] = encode_prompts(tokenizer, examples, sweep.max_prompt_tokens)
-    # One prompt width for every dataset (and for every process of a sweep split by dataset), so all
-    # datasets share each (spec, batch) compiled program.
-    longest = max(sweep.max_prompt_tokens, *(len(p) for name in sweep.datasets for p in prompts_by_dataset[name]))
+    # One prompt width for every dataset, so all datasets share each (spec, batch) compiled program. (Split
+    # a long sweep over processes by batch size, each with every dataset, and the width stays the same.)
+    longest = max(len(p) for name in sweep.datasets for p in prompts_by_dataset[name])
     runs_path = out_dir / "runs.jsonl"
     done: dict[tuple[str, int], list[dict[str, Any]]] = {}
     if resume and runs_path.exists():
