@@ -359,20 +359,22 @@ def _add_sweep(subparsers: Any) -> None:
     p.add_argument("--resume", action="store_true",
                    help="keep the (dataset, batch) groups --out/runs.jsonl already finished; run the rest")
     p.add_argument("--merge", type=_csv(str), default=None, metavar="RUNS,RUNS",
-                   help="run nothing: join these runs.jsonl files (e.g. one process per dataset) into --out")
+                   help="run nothing: join the complete (dataset, batch) groups of these runs.jsonl files into --out")
     p.set_defaults(func=_run_sweep)
 
 
 def _run_sweep(args: argparse.Namespace, console: Console) -> int:
     import jax
 
-    from jaxspec.eval import SweepConfig, load_runs, run_sweep, write_report
+    from jaxspec.eval import SweepConfig, merge_runs, run_sweep, write_report
 
     if args.merge:
         missing = [p for p in args.merge if not Path(p).is_file()]
         if missing:
             raise ValueError(f"no such runs file: {missing[0]}")
-        records = [r for p in args.merge for r in load_runs(p)]
+        records, left_out = merge_runs(args.merge)
+        for dataset, batch in left_out:
+            console.print(f"left out: {dataset} batch {batch} (AR or a spec missing: a stopped run)")
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         write_report(records, args.out)

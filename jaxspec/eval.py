@@ -285,19 +285,17 @@ def run_sweep(
         counts = {name: len(prompts_by_dataset[name]) for name in sweep.datasets}
         done = _finished_groups(load_runs(runs_path), sweep, counts)
     records: list[dict[str, Any]] = [r for group in done.values() for r in group]
-    todo = [(name, b) for name in sweep.datasets for b in sweep.batch_sizes if (name, b) not in done]
+    batches_left = {name: [b for b in sweep.batch_sizes if (name, b) not in done] for name in sweep.datasets}
     with open(runs_path, "w") as sink, Progress(disable=not progress) as bar:
         for r in records:
             sink.write(json.dumps(r) + "\n")
-        task = bar.add_task("sweep", total=len(todo) * (len(specs) + 1))
+        task = bar.add_task("sweep", total=sum(map(len, batches_left.values())) * (len(specs) + 1))
         for name in sweep.datasets:
-            if not any(n == name for n, _ in todo):
+            if not batches_left[name]:
                 continue
             prompts = prompts_by_dataset[name]
             acceptance = measure_rank_acceptance(params, cfg, prompts, sweep.rank_width)
-            for batch_size in sweep.batch_sizes:
-                if (name, batch_size) not in todo:
-                    continue
+            for batch_size in batches_left[name]:
                 batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
                 baseline = None
                 for spec in [None, *specs]:
@@ -359,6 +357,24 @@ def load_runs(path: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return records
+
+
+def merge_runs(paths: Sequence[str | Path]) -> tuple[list[dict[str, Any]], list[tuple[str, int]]]:
+    """Records of several runs.jsonl files (e.g. one sweep split over processes) -> (the records of every
+    complete (dataset, batch size) group, the groups left out). A group is taken whole from one file, the
+    last in which it is complete (it holds AR and every spec any file ran), so its speed ratios compare
+    runs of one process; a group a stopped process cut short is left out unless another file finished it."""
+    per_file = [load_runs(path) for path in paths]
+    specs = {r["spec"] for records in per_file for r in records} | {"ar"}
+    complete: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    seen: set[tuple[str, int]] = set()
+    for records in per_file:
+        groups: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
+        for r in records:
+            groups.setdefault((r["dataset"], r["batch_size"]), {})[r["spec"]] = r
+        seen |= set(groups)
+        complete.update({key: list(g.values()) for key, g in groups.items() if set(g) == specs})
+    return [r for group in complete.values() for r in group], sorted(seen - set(complete))
 
 
 def _finished_groups(

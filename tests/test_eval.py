@@ -112,7 +112,7 @@ _SWEEP = textwrap.dedent(
     rng = __import__("numpy").random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, int(rng.integers(2, 12))).tolist() for _ in range(8)]
     sweep = SweepConfig(datasets=("gsm8k",), specs=("s2_k2_d4",), batch_sizes=(8,), num_prompts=8,
-                        max_new_tokens=10, max_prompt_tokens=12, rank_width=2)
+                        max_new_tokens=10, rank_width=2)
     records = run_sweep(params, cfg, None, sweep, sys.argv[2], prompts_by_dataset={"gsm8k": prompts},
                         progress=False)
     print(json.dumps([[r["spec"], r["devices"], r.get("per_prompt_tau")] for r in records]))
@@ -186,3 +186,18 @@ def test_sweep_resume_keeps_finished_groups_and_reruns_partial_ones(tmp_path):
                         progress=False, resume=True)
     assert records == finished and load_runs(runs) == finished
     assert "s2_k2_d4" in (tmp_path / "table.md").read_text()
+
+
+def test_merge_keeps_complete_groups_only(tmp_path):
+    from jaxspec.eval import merge_runs
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps(r) + "\n" for r in [_record(4, "ar"), _record(4, "s2_k2_d4")]))
+    b.write_text("".join(json.dumps(r) + "\n" for r in [_record(8, "ar")]))  # stopped before its spec ran
+    records, left_out = merge_runs([a, b])
+    assert records == [_record(4, "ar"), _record(4, "s2_k2_d4")] and left_out == [("gsm8k", 8)]
+    # a group finished by a later process replaces the cut-short one whole, records never mix
+    c = tmp_path / "c.jsonl"
+    c.write_text("".join(json.dumps(r) + "\n" for r in [_record(8, "ar", 3.0), _record(8, "s2_k2_d4", 3.0)]))
+    records, left_out = merge_runs([a, b, c])
+    assert records[2:] == [_record(8, "ar", 3.0), _record(8, "s2_k2_d4", 3.0)] and left_out == []
