@@ -99,9 +99,8 @@ PROMPT_SETS = {
 # each compiled loop holds ~1000 memory maps and Linux's default vm.max_map_count is 65530. Run long
 # grids under xdist (`-n 1 --max-worker-restart 40` replaces a crashed worker) or raise the limit
 # (`sysctl -w vm.max_map_count=262144`).
-_CORNERS = set(_grid(corners_only=True))
 SPEC_BATCHES = [(spec, 3) for spec in SPECS]
-SPEC_BATCHES += [(spec, batch) for spec in SPECS if _GRID == "full" or (_GRID and spec in _CORNERS) for batch in (1, 8)]
+SPEC_BATCHES += [(spec, batch) for spec in SPECS if _GRID for batch in (1, 8)]
 if os.environ.get("JAXSPEC_SPEC_GRID_BATCHES"):  # e.g. "1,8": split a long grid run over processes
     _keep = {int(b) for b in os.environ["JAXSPEC_SPEC_GRID_BATCHES"].split(",")}
     SPEC_BATCHES = [(spec, batch) for spec, batch in SPEC_BATCHES if batch in _keep]
