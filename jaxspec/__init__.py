@@ -2,12 +2,15 @@
 
 from jaxspec.checkpoint import load_checkpoint, load_hf_checkpoint, save_checkpoint
 from jaxspec.config import ModelConfig, SpecConfig
-from jaxspec.generate import GenerateOutput, generate, speculative_generate
-from jaxspec.model import ModelParams, forward, init_params, prefill_logits
-from jaxspec.sharding import make_mesh, memory_plan, shard_params
+from jaxspec.generate import DecodeOptions, GenerateOutput, generate, speculative_generate
+from jaxspec.model import ModelParams, forward, init_params
+from jaxspec.sharding.placement import memory_plan, shard_params
+from jaxspec.sharding.rules import make_mesh
+from jaxspec.sharding.runner import prefill_logits
 from jaxspec.state import DecodeState, init_state
 
 __all__ = [
+    "DecodeOptions",
     "DecodeState",
     "GenerateOutput",
     "generate",

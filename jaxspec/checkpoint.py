@@ -31,6 +31,7 @@ import numpy as np
 
 from jaxspec.config import DTYPES, ModelConfig
 from jaxspec.model import ModelParams, init_params
+from jaxspec.sharding.placement import param_shardings, sharded_abstract
 
 _CONFIG = "config.json"
 _TOKENIZER = "tokenizer.json"
@@ -124,7 +125,7 @@ def load_checkpoint(
     """-> (cfg, params, tokenizer or None) from a folder written by `save_checkpoint`.
 
     With `mesh` (see `jaxspec.make_mesh`) every leaf is restored straight into its parameter
-    sharding (`sharding.param_shardings(cfg, mesh, rules)`): each device reads only its slice.
+    sharding (`sharding.placement.param_shardings(cfg, mesh, rules)`): each device reads only its slice.
     """
     import orbax.checkpoint as ocp
 
@@ -138,9 +139,7 @@ def load_checkpoint(
         cfg = _cfg_from_json(json.load(f))
     abstract = _abstract_params(cfg)
     if mesh is not None:
-        from jaxspec import sharding
-
-        abstract = sharding.sharded_abstract(abstract, sharding.param_shardings(cfg, mesh, rules))
+        abstract = sharded_abstract(abstract, param_shardings(cfg, mesh, rules))
     ckptr = ocp.StandardCheckpointer()
     try:
         params = ckptr.restore(params_dir, abstract)
@@ -352,7 +351,7 @@ def load_hf_checkpoint(
     biases and the compressor / indexer-weight projections stay fp32 as `init_params` lays out.
     A checkpoint without `mtp.*` tensors loads with num_mtp_layers=0 and params.mtp=None.
     Raises ValueError naming the tensor on a missing, unexpected or misshaped tensor.
-    With `mesh`, each leaf goes to its devices (`sharding.param_shardings(cfg, mesh, rules)`), each
+    With `mesh`, each leaf goes to its devices (`sharding.placement.param_shardings`), each
     device receiving only its slice, as soon as it is complete; its host copy is then dropped.
     """
     path = os.path.abspath(os.fspath(path))
@@ -399,9 +398,7 @@ def load_hf_checkpoint(
     out: dict[str, np.ndarray] = {}
     shardings: dict[str, Any] = {}
     if mesh is not None:
-        from jaxspec import sharding
-
-        shardings = _leaves_by_path(sharding.param_shardings(cfg, mesh, rules))
+        shardings = _leaves_by_path(param_shardings(cfg, mesh, rules))
     remaining = collections.Counter(s.ours for s in table.values())
     placed: dict[str, Any] = {}
     for norm, spec in table.items():

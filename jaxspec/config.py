@@ -7,7 +7,7 @@ the model is a function of it.
 from __future__ import annotations
 
 import dataclasses
-import math
+import re
 from typing import Any
 
 LAYER_TYPES = ("sliding", "csa", "hca")
@@ -366,13 +366,9 @@ _TINY = ModelConfig(
 _PRESETS = {"test": _TEST, "tiny": _TINY, "v4-flash": _flash(), "v4-pro": _pro()}
 
 
-def round_up(value: int, multiple: int) -> int:
-    return int(math.ceil(value / multiple) * multiple)
-
-
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
-    """Tree speculation shape in the report's naming `sS_kK_dD`.
+    """Tree speculation shape, named `sS_kK_dD` as in the DeepSeek-V4 report.
 
     num_steps S: MTP draft steps (tree depth); topk K: children per expanded node (K = 1 is the
     linear chain); num_draft_tokens D: tokens the target verifies per cycle, root included.
@@ -413,22 +409,10 @@ class SpecConfig:
 
     @classmethod
     def parse(cls, name: str) -> SpecConfig:
-        import re
-
         match = re.fullmatch(r"s(\d+)_k(\d+)_d(\d+)", str(name).strip())
         if not match:
             raise ValueError(f"spec name must look like 's3_k2_d6' (steps, topk, draft tokens), got {name!r}")
         return cls(*(int(g) for g in match.groups()))
-
-    @staticmethod
-    def auto(tuning: Any, batch_size: int) -> SpecConfig | None:
-        """The spec `jaxspec tune` chose for this batch size; None where no speculation is fastest.
-
-        `tuning` is a `jaxspec.tune.Tuning`, a tuning JSON file, or the checkpoint folder holding one.
-        """
-        from jaxspec.tune import as_tuning
-
-        return as_tuning(tuning).spec_for(batch_size)
 
     def validate_for(self, cfg: ModelConfig) -> None:
         if self.num_steps >= cfg.sliding_window:

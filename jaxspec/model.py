@@ -8,7 +8,6 @@ tokens `visible` to them, and the per-token rows come back for the caller to com
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,15 +27,16 @@ from jaxspec.layers.mhc import (
 )
 from jaxspec.layers.moe import MoEParams, init_moe, moe
 from jaxspec.layers.mtp import MTPInputParams, init_mtp_input, mtp_inputs
-from jaxspec.layers.norms import rms_norm
+from jaxspec.ops.norms import rms_norm
+from jaxspec.sharding.rules import axes
 from jaxspec.state import DecodeState
 
 
 @struct.dataclass
 class BlockParams:
-    attn_norm: jax.Array  # [d] fp32
+    attn_norm: jax.Array = axes("embed")  # [d] fp32
     attn: AttentionParams
-    ffn_norm: jax.Array  # [d] fp32
+    ffn_norm: jax.Array = axes("embed")  # [d] fp32
     ffn: MoEParams
     hc_attn: HyperConnParams
     hc_ffn: HyperConnParams
@@ -47,16 +47,16 @@ class MTPParams:
     inputs: MTPInputParams
     block: BlockParams
     hc_head: HyperHeadParams
-    norm: jax.Array  # [d] fp32
+    norm: jax.Array = axes("embed")  # [d] fp32
 
 
 @struct.dataclass
 class ModelParams:
-    embed: jax.Array  # [V, d]
+    embed: jax.Array = axes("vocab", "embed")  # [V, d]
     layers: tuple[BlockParams, ...]
     hc_head: HyperHeadParams
-    norm: jax.Array  # [d] fp32
-    head: jax.Array  # [d, V]
+    norm: jax.Array = axes("embed")  # [d] fp32
+    head: jax.Array = axes("embed", "vocab")  # [d, V]
     mtp: MTPParams | None
 
 
@@ -190,24 +190,21 @@ def mtp_forward(
     return head_logits(params, cfg, z, mtp=True), z, rows
 
 
-def prefill_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, mesh: Any = None) -> jax.Array:
-    """One full causal forward of `tokens` [B, S] from an empty state -> logits [B, S, V].
-
-    With `mesh` (see `jaxspec.make_mesh`) it runs sharded (batch over "data", padded to a multiple)."""
+def prefill_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """One full causal forward of `tokens` [B, S] from an empty state -> logits [B, S, V] (on a mesh:
+    `jaxspec.prefill_logits(..., mesh=)`)."""
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2 or tokens.shape[1] < 1:
         raise ValueError(f"tokens must be a [B, S] int array with S >= 1, got shape {tokens.shape}")
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
-    if mesh is not None:
-        from jaxspec import sharding
-
-        return sharding.prefill_logits(params, cfg, tokens.astype(jnp.int32), mesh)
-    return _prefill_logits(params, cfg, tokens.astype(jnp.int32))
+    return jitted_prefill_logits(params, cfg, tokens.astype(jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnums=(1,))
-def _prefill_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+def jitted_prefill_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """`prefill_logits` without the input checks (tokens [B, S] int32): the program the sharded runner
+    places on a mesh."""
     b, s = tokens.shape
     state = state_lib.init_state(cfg, b, s)
     out, _ = extend(params, cfg, state, tokens, jnp.ones((b, s), bool))

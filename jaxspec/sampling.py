@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec.sharding import global_rows
+from jaxspec.sharding.active import global_rows
 
 
 @struct.dataclass

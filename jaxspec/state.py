@@ -1,4 +1,4 @@
-"""Decode state: static-shape pytrees addressed by absolute position (reference doc 4.3-4.6).
+"""Decode state: static-shape pytrees addressed by absolute position (docs/architecture.md §7).
 
 Per layer: the sliding-window ring (slot = pos mod W), and on compressed layers the compressor's
 fp32 rows (slot = pos mod coff*ratio: exactly the history a block closed later still needs), the
@@ -15,25 +15,27 @@ from flax import struct
 
 from jaxspec.config import ModelConfig
 from jaxspec.layers.attention import AttentionRows
+from jaxspec.sharding.rules import axes
 
 
 @struct.dataclass
 class LayerState:
-    swa_kv: jax.Array  # [B, W, c]
-    comp_kv: jax.Array | None = None  # [B, Lc, c] compressed entries, Lc = ceil(max_len / ratio)
-    comp_rows_kv: jax.Array | None = None  # [B, coff*ratio, coff*c] fp32
-    comp_rows_gate: jax.Array | None = None  # [B, coff*ratio, coff*c] fp32
-    idx_kv: jax.Array | None = None  # [B, Lc, c_I] indexer keys (CSA only)
-    idx_rows_kv: jax.Array | None = None  # [B, 2*ratio, 2*c_I] fp32
-    idx_rows_gate: jax.Array | None = None
+    swa_kv: jax.Array = axes("batch", "window", "kv")  # [B, W, c]
+    # [B, Lc, c] compressed entries, Lc = ceil(max_len / ratio)
+    comp_kv: jax.Array | None = axes("batch", "entries", "kv", default=None)
+    comp_rows_kv: jax.Array | None = axes("batch", "rows", "compress", default=None)  # [B, coff*ratio, coff*c] fp32
+    comp_rows_gate: jax.Array | None = axes("batch", "rows", "compress", default=None)  # [B, coff*ratio, coff*c] fp32
+    idx_kv: jax.Array | None = axes("batch", "entries", "index_kv", default=None)  # [B, Lc, c_I] indexer keys (CSA)
+    idx_rows_kv: jax.Array | None = axes("batch", "rows", "index_compress", default=None)  # [B, 2*ratio, 2*c_I] fp32
+    idx_rows_gate: jax.Array | None = axes("batch", "rows", "index_compress", default=None)  # [B, 2*ratio, 2*c_I]
 
 
 @struct.dataclass
 class DecodeState:
     layers: tuple[LayerState, ...]
-    length: jax.Array  # [B] int32 committed tokens per sequence
+    length: jax.Array = axes("batch")  # [B] int32 committed tokens per sequence
     mtp: LayerState | None  # window ring of the MTP block
-    mtp_length: jax.Array  # [B] int32 MTP positions filled (position i consumes token i+1)
+    mtp_length: jax.Array = axes("batch")  # [B] int32 MTP positions filled (position i consumes token i+1)
     max_len: int = struct.field(pytree_node=False, default=0)
 
     @property

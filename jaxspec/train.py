@@ -5,8 +5,7 @@ state (every V4 mechanism on: SWA, CSA + indexer, HCA, sinks, mHC, hash + routed
 x_{i+1}; the MTP step at position i consumes the target's final streams H_i (pre hc_head) and the
 embedding of x_{i+1}, and predicts x_{i+2}. total = main + mtp_weight * mtp.
 
-    python -m jaxspec.train --steps 2000 --batch 8 --seq-len 256 --out checkpoints/tiny-v4 \
-        --time-budget-minutes 80
+    jaxspec train --steps 2000 --batch 8 --seq-len 256 --out checkpoints/tiny-v4 --time-budget-minutes 80
 
 Intermediate train states (params + AdamW moments + step + history) go to `<run-dir>/ckpt`
 (orbax CheckpointManager); `--resume` continues from the latest one. At every save the shippable
@@ -16,7 +15,6 @@ so a stopped run leaves something usable.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import dataclasses
 import functools
@@ -24,7 +22,6 @@ import json
 import math
 import os
 import shutil
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,6 +34,7 @@ from flax import struct
 
 from jaxspec import model as model_lib
 from jaxspec import state as state_lib
+from jaxspec.checkpoint import save_checkpoint
 from jaxspec.config import DTYPES, ModelConfig
 from jaxspec.model import ModelParams
 
@@ -228,93 +226,6 @@ def make_eval_step(cfg: ModelConfig) -> Callable[..., dict[str, jax.Array]]:
     return functools.partial(_eval_step, cfg=cfg)
 
 
-# ---- data --------------------------------------------------------------------------------------
-
-
-class PackedSampler:
-    """Rows of T+2 tokens packed from BOS..EOS documents of several datasets.
-
-    Row r of batch `step` depends only on (seed, step): resumed runs see the same data. Each row
-    starts at a document start (or a random offset inside a document longer than the row) and is
-    filled with further documents, each drawn by the mixture weights.
-    """
-
-    def __init__(self, docs: dict[str, list[list[int]]], weights: dict[str, float], seq_len: int, seed: int = 0):
-        if seq_len < 2:
-            raise ValueError(f"seq_len must be >= 2, got {seq_len}")
-        if not docs or set(docs) != set(weights):
-            raise ValueError(f"docs and weights must name the same datasets, got {sorted(docs)} / {sorted(weights)}")
-        for name, d in docs.items():
-            if not d:
-                raise ValueError(f"dataset {name!r} has no documents")
-            if weights[name] < 0:
-                raise ValueError(f"weight of {name!r} must be >= 0, got {weights[name]}")
-        total = sum(weights.values())
-        if total <= 0:
-            raise ValueError("mixture weights must not all be 0")
-        self.names = sorted(docs)
-        self.docs = [[np.asarray(x, np.int32) for x in docs[n]] for n in self.names]
-        self.p = np.array([weights[n] / total for n in self.names])
-        self.seq_len, self.seed = seq_len, seed
-
-    def row(self, rng: np.random.Generator) -> np.ndarray:
-        need = self.seq_len + 2
-        parts, have, first = [], 0, True
-        while have < need:
-            d = self.docs[rng.choice(len(self.names), p=self.p)]
-            doc = d[rng.integers(len(d))]
-            if first and len(doc) > need:
-                doc = doc[rng.integers(len(doc) - need + 1):]
-            first = False
-            parts.append(doc)
-            have += len(doc)
-        return np.concatenate(parts)[:need]
-
-    def batch(self, step: int, batch: int) -> np.ndarray:  # -> [batch, T+2]
-        rng = np.random.default_rng([self.seed, step])
-        return np.stack([self.row(rng) for _ in range(batch)])
-
-
-def unigram_loss(train_rows: np.ndarray, eval_rows: np.ndarray, vocab_size: int, alpha: float = 0.5) -> float:
-    """Held-out cross-entropy (nats) of add-alpha token frequencies of the training rows' targets."""
-    counts = np.bincount(train_rows[:, 1:].ravel(), minlength=vocab_size).astype(np.float64) + alpha
-    logp = np.log(counts / counts.sum())
-    return float(-logp[eval_rows[:, 1:-1].ravel()].mean())
-
-
-def build_data(tokenizer: Any, seq_len: int, seed: int, root: str | None = None,
-               weights: dict[str, float] | None = None, eval_rows_per_dataset: int = 8,
-               console: Any = None) -> tuple[PackedSampler, dict[str, np.ndarray]]:
-    """Training sampler over the train splits and fixed held-out rows per dataset (eval splits)."""
-    from jaxspec import data as data_lib
-    from jaxspec import tokenizer as tok_lib
-
-    weights = weights or {"gsm8k": 0.4, "mbpp": 0.2, "sharegpt": 0.4}
-    train = data_lib.mixture({k: data_lib.TRAIN_SPLITS[k] for k in weights}, root=root)
-    held = data_lib.mixture({k: data_lib.HELDOUT_SPLITS[k] for k in weights}, root=root)
-    train_docs = {k: tok_lib.encode_batch(tokenizer, [e.text for e in v], bos=True, eos=True) for k, v in train.items()}
-    held_docs = {k: tok_lib.encode_batch(tokenizer, [e.text for e in v], bos=True, eos=True) for k, v in held.items()}
-    if console is not None:
-        for k in train_docs:
-            console.print(f"data {k}: train {len(train_docs[k])} docs {sum(map(len, train_docs[k]))} tokens, "
-                          f"held-out {len(held_docs[k])} docs")
-    sampler = PackedSampler(train_docs, weights, seq_len, seed)
-    eval_rows = {k: PackedSampler({k: d}, {k: 1.0}, seq_len, seed + 1).batch(0, eval_rows_per_dataset)
-                 for k, d in held_docs.items()}
-    return sampler, eval_rows
-
-
-def tokenizer_texts(root: str | None = None, sharegpt_docs: int = 3000, seed: int = 0) -> list[str]:
-    """Training-split texts for the BPE: all of GSM8K and MBPP train, a sample of ShareGPT train."""
-    from jaxspec import data as data_lib
-
-    mix = data_lib.mixture(dict(data_lib.TRAIN_SPLITS), root=root)
-    rng = np.random.default_rng(seed)
-    share = mix["sharegpt"]
-    pick = rng.permutation(len(share))[:sharegpt_docs]
-    return [e.text for e in mix["gsm8k"]] + [e.text for e in mix["mbpp"]] + [share[i].text for i in pick]
-
-
 # ---- checkpoints -------------------------------------------------------------------------------
 
 
@@ -366,8 +277,6 @@ def export_checkpoint(out: str, cfg: ModelConfig, params: ModelParams, tokenizer
                       extra_files: dict[str, str] | None = None) -> str:
     """Write the `save_checkpoint` folder atomically enough (tmp folder, then swap); -> dtype used.
     ship_dtype "auto" stores float32 unless that exceeds SHIP_LIMIT_BYTES, else bfloat16."""
-    from jaxspec.checkpoint import save_checkpoint
-
     if ship_dtype == "auto":
         ship_dtype = "float32" if param_bytes(params) <= SHIP_LIMIT_BYTES else "bfloat16"
     scfg, sparams = ship_params(cfg, params, ship_dtype)
@@ -581,98 +490,3 @@ def train_loop(
     checkpoint(final=True)
     mgr.close()
     return ts, history
-
-
-# ---- command line ------------------------------------------------------------------------------
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m jaxspec.train",
-        description="Train a DeepSeek-V4-style target + MTP block jointly on GSM8K/MBPP/ShareGPT (train splits), "
-        "with a byte-level BPE trained on the same mixture; orbax checkpoints with resume.",
-    )
-    p.add_argument("--preset", default="tiny", help="model preset (default tiny)")
-    p.add_argument("--steps", type=int, default=1000, help="total optimizer steps (cosine schedule length)")
-    p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
-    p.add_argument("--seq-len", type=int, default=256, help="target tokens per sequence T (rows hold T+2)")
-    p.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate (default 2e-3)")
-    p.add_argument("--min-lr-ratio", type=float, default=0.1)
-    p.add_argument("--warmup", type=int, default=30, help="linear warmup steps (default 30)")
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (default 1.0)")
-    p.add_argument("--mtp-weight", type=float, default=0.5, help="weight of the MTP loss (default 0.5)")
-    p.add_argument("--unlikelihood-weight", type=float, default=0.0,
-                   help="weight of the token-level unlikelihood term against repeating the context (default 0)")
-    p.add_argument("--out", default="checkpoints/tiny-v4", help="shipped checkpoint folder")
-    p.add_argument("--run-dir", default=None, help="train states, tokenizer, curve (default runs/<out name>)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest state in --run-dir")
-    p.add_argument("--time-budget-minutes", type=float, default=None, help="stop (and save) after this long")
-    p.add_argument("--eval-every", type=int, default=25, help="held-out eval every N steps (default 25)")
-    p.add_argument("--save-every", type=int, default=None, help="save every N steps (default --eval-every)")
-    p.add_argument("--eval-rows", type=int, default=8, help="held-out rows per dataset (default 8)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data-root", default=None, help="GSM8K/MBPP folder (default $JAXSPEC_DATA or ../shared/data)")
-    p.add_argument("--tokenizer", default=None, help="use this tokenizer.json instead of training one")
-    p.add_argument("--ship-dtype", default="auto", choices=("auto", *DTYPES),
-                   help="dtype of the shipped params (auto: float32 unless > 60 MB, then bfloat16)")
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    from rich.console import Console
-
-    from jaxspec import tokenizer as tok_lib
-
-    console = Console(highlight=False, soft_wrap=True)
-    try:
-        for name in ("steps", "batch", "seq_len", "eval_every", "eval_rows"):
-            if getattr(args, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-        if args.eval_rows < args.batch:
-            raise ValueError(f"--eval-rows ({args.eval_rows}) must be >= --batch ({args.batch})")
-        run_dir = args.run_dir or os.path.join("runs", os.path.basename(os.path.normpath(args.out)))
-        os.makedirs(run_dir, exist_ok=True)
-        base = ModelConfig.preset(args.preset)
-        tok_path = os.path.join(run_dir, "tokenizer.json")
-        t0 = time.time()
-        if args.tokenizer is not None:
-            tok = tok_lib.load_tokenizer(args.tokenizer)
-        elif args.resume and os.path.isfile(tok_path):
-            tok = tok_lib.load_tokenizer(tok_path)
-        else:
-            texts = tokenizer_texts(args.data_root, seed=args.seed)
-            tok = tok_lib.train_tokenizer(texts, base.vocab_size)
-            console.print(f"trained BPE tokenizer ({base.vocab_size} ids) on {len(texts)} texts "
-                          f"in {time.time() - t0:.1f}s")
-        tok_lib.check_tokenizer(tok, base.vocab_size)
-        tok.save(tok_path)
-        cfg = base.replace(bos_id=tok_lib.BOS_ID, eos_id=tok_lib.EOS_ID)
-        opt = OptConfig(lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup, steps=args.steps,
-                        weight_decay=args.weight_decay, clip=args.clip, mtp_weight=args.mtp_weight,
-                        unlikelihood_weight=args.unlikelihood_weight)
-        sampler, eval_rows = build_data(tok, args.seq_len, args.seed, args.data_root,
-                                        eval_rows_per_dataset=args.eval_rows, console=console)
-        train_rows = np.concatenate([sampler.batch(10**6 + i, 64) for i in range(8)])
-        uni = unigram_loss(train_rows, np.concatenate(list(eval_rows.values())), cfg.vocab_size)
-        console.print(f"unigram baseline (held-out, all datasets): {uni:.4f} nats")
-        n_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(lambda: model_lib.init_params(
-            cfg, jax.random.key(0)))))
-        console.print(f"model {args.preset}: {n_params / 1e6:.2f}M params; batch {args.batch} x {args.seq_len} tokens; "
-                      f"opt {opt}")
-        budget = None if args.time_budget_minutes is None else 60 * args.time_budget_minutes
-        train_loop(cfg, opt, sampler, eval_rows, batch=args.batch, run_dir=run_dir, out=args.out, tokenizer=tok,
-                   resume=args.resume, time_budget_s=budget, eval_every=args.eval_every, save_every=args.save_every,
-                   seed=args.seed, unigram=uni, ship_dtype=args.ship_dtype, log=console.print,
-                   extra_meta={"argv": list(sys.argv[1:] if argv is None else argv), "preset": args.preset,
-                               "batch": args.batch, "seq_len": args.seq_len})
-        console.print(f"done: checkpoint in {args.out}, curve in {args.out}/loss.csv")
-    except (ValueError, OSError, FloatingPointError) as e:
-        console.print(f"train: error: {e}")
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -30,6 +30,7 @@ import jaxspec as js  # noqa: E402
 from jaxspec import sharding  # noqa: E402
 from jaxspec.generate import _speculative_loop, length_bucket, prepare_prompts  # noqa: E402
 from jaxspec.sampling import Sampling  # noqa: E402
+from jaxspec.sharding import placement, runner  # noqa: E402
 
 # 8 heads / groups / experts split on every mesh; CSA (hash-routed) + HCA layers, MTP (sliding).
 CFG = js.ModelConfig.preset(
@@ -49,7 +50,7 @@ GROUPS = re.compile(
 
 
 def _params():
-    from conftest import randomize
+    from jaxspec.testing import randomize
 
     return randomize(js.init_params(CFG, jax.random.key(0)), jax.random.key(1))
 
@@ -89,7 +90,7 @@ def _groups(text: str) -> list[list[int]]:
 def hlo_findings(hlo: str, mesh, params, cfg, specs=None) -> dict:
     """Collectives of a compiled program: which cross data shards, which gather a full parameter."""
     per_data = mesh.shape["tensor"] * mesh.shape["expert"]
-    specs = sharding.param_specs(cfg, mesh) if specs is None else specs
+    specs = placement.param_specs(cfg, mesh) if specs is None else specs
     full_param_shapes = set()
     flat_specs = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
     for x, spec in zip(jax.tree.leaves(params), flat_specs, strict=True):
@@ -138,7 +139,7 @@ def checkpoints(params, mesh) -> dict:
     """orbax and safetensors loads straight into the mesh's parameter shardings."""
     from jaxspec.checkpoint import save_hf_checkpoint
 
-    want = sharding.param_shardings(CFG, mesh)
+    want = placement.param_shardings(CFG, mesh)
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         js.save_checkpoint(os.path.join(tmp, "orbax"), CFG, params)
@@ -186,8 +187,8 @@ def kernel_per_shard(mesh) -> dict:
     q, k = jax.random.normal(key[0], (4, 3, 8, 16)), jax.random.normal(key[1], (4, 3, 1, 16))
     m, bias = jax.random.normal(key[2], (4, 3)), jax.random.normal(key[3], (8, 1))
     args = (q, k, m, bias)
-    got = sharding.run_sharded(program, mesh, args, batch=4, cfg=CFG)
-    text = sharding.lower_sharded(program, mesh, args, batch=4, cfg=CFG).as_text()
+    got = runner.run_sharded(program, mesh, args, batch=4, cfg=CFG)
+    text = runner.lower_sharded(program, mesh, args, batch=4, cfg=CFG).as_text()
     want = call(q, k, {"m": m}, bias=bias, scale=2.0)
     return {"equal": bool(np.array_equal(np.asarray(got), np.asarray(want))),
             "shard_map": "shard_map" in text or "sdy.manual_computation" in text}
@@ -204,7 +205,7 @@ def pallas_loop(params, mesh) -> dict:
 
 
 def main() -> None:
-    from conftest import high_acceptance
+    from jaxspec.testing import high_acceptance
 
     out_path = sys.argv[1]
     meshes = [tuple(int(x) for x in m.split(",")) for m in sys.argv[3:]] if "--meshes" in sys.argv else [
@@ -234,14 +235,14 @@ def main() -> None:
         gen_sampled = js.generate(placed, CFG, PROMPTS, **sampled, mesh=mesh)
         spec_sampled = js.speculative_generate(placed, CFG, PROMPTS, SPEC, **sampled, mesh=mesh)
         # The compiled speculative loop (already compiled by the call above: a cache hit).
-        batch = sharding.pad_batch(prepare_prompts(CFG, PROMPTS, NEW_TOKENS + SPEC.num_steps + 1), mesh)
+        batch = runner.pad_batch(prepare_prompts(CFG, PROMPTS, NEW_TOKENS + SPEC.num_steps + 1), mesh)
         max_len = length_bucket(
             int(batch.lengths.max()) + NEW_TOKENS + SPEC.num_steps + 1, CFG.max_position_embeddings, minimum=64
         )
         args = (placed, CFG, SPEC, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), NEW_TOKENS, max_len,
                 jnp.int32(-1), Sampling(jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0), jax.random.key(0)))
-        compiled = sharding.lower_sharded(_speculative_loop, mesh, args, batch=len(batch.lengths), cfg=CFG).compile()
-        want = sharding.param_shardings(CFG, mesh)
+        compiled = runner.lower_sharded(_speculative_loop, mesh, args, batch=len(batch.lengths), cfg=CFG).compile()
+        want = placement.param_shardings(CFG, mesh)
         kept = all(
             a.is_equivalent_to(b, x.ndim)
             for a, b, x in zip(jax.tree.leaves(compiled.input_shardings[0][0]), jax.tree.leaves(want),

@@ -25,6 +25,9 @@ def test_demo_random_init_reports_throughput(capsys):
         (["demo", "--batch", "x"], "invalid int"),
         (["nope"], "invalid choice"),
         (["demo", "--preset", "test", "--batch", "1", "--new-tokens", "2", "--spec", "auto"], "--checkpoint"),
+        (["train", "--steps", "0"], "--steps must be >= 1"),
+        (["train", "--batch", "4", "--eval-rows", "2"], "--eval-rows"),
+        (["sweep", "--merge", "/nonexistent.jsonl"], "no such runs file"),
     ],
 )
 def test_bad_input_exits_with_one_line_message(argv, expected):

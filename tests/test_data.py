@@ -80,8 +80,11 @@ def test_data_root_and_errors(tmp_path, monkeypatch):
     (tmp_path / "gsm8k" / "test.jsonl").write_text(json.dumps({"question": "1+1?", "answer": "2\n#### 2"}) + "\n")
     [e] = data_lib.load_gsm8k("test")
     assert e.meta["final"] == "2"
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(ValueError, match="does not exist") as missing:
         data_lib.load_gsm8k("test", root=tmp_path / "nope")
+    # one line that names both places the data can come from
+    assert "\n" not in str(missing.value) and "JAXSPEC_DATA" in str(missing.value)
+    assert "source='hf'" in str(missing.value) and "openai/gsm8k" in str(missing.value)
     with pytest.raises(ValueError, match="split must be one of"):
         data_lib.load_mbpp("dev", root=tmp_path)
     with pytest.raises(ValueError, match="source must be one of"):

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from jaxspec.config import SpecConfig
-from jaxspec.eval import SweepConfig, distinct_ngram_ratio, markdown_table, matched_linear, sequoia_optimum
+from jaxspec.eval import SweepConfig, distinct_ngram_ratio
+from jaxspec.report import markdown_table
+from jaxspec.tree.budget import matched_linear, sequoia_optimum
 
 
 def _brute_force(p, budget, max_depth):
@@ -103,8 +105,7 @@ _SWEEP = textwrap.dedent(
     import json, sys
     import jax
     jax.config.update("jax_num_cpu_devices", int(sys.argv[1]))
-    sys.path.insert(0, "tests")
-    from conftest import high_acceptance, randomize
+    from jaxspec.testing import high_acceptance, randomize
     import jaxspec as js
     from jaxspec.eval import SweepConfig, run_sweep
     cfg = js.ModelConfig.preset("test")

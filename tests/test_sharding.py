@@ -5,14 +5,21 @@ from __future__ import annotations
 
 import jax
 import pytest
+from flax import struct
 from jax.sharding import PartitionSpec as P
 
 import jaxspec as js
 from jaxspec import sharding
 from jaxspec.cli import main
+from jaxspec.sharding import placement
 from jaxspec.state import abstract_state
 
 PRESETS = ["test", "tiny", "v4-flash", "v4-pro"]
+
+
+@struct.dataclass
+class _Undeclared:
+    new_weight: jax.Array  # a parameter whose field declares no logical axes
 
 
 def _is_axes(a):
@@ -23,21 +30,21 @@ def _is_axes(a):
 @pytest.mark.parametrize("mtp", [1, 0])
 def test_every_param_and_state_leaf_has_logical_axes(preset, mtp):
     cfg = js.ModelConfig.preset(preset, num_mtp_layers=mtp)
-    params = sharding.abstract_params(cfg)
+    params = placement.abstract_params(cfg)
     axes = sharding.logical_axes(params)
     for leaf, names in zip(jax.tree.leaves(params), jax.tree.leaves(axes, is_leaf=_is_axes),
                            strict=True):
         assert len(names) == leaf.ndim
     state = abstract_state(cfg, 2, 256)
     for leaf, names in zip(jax.tree.leaves(state),
-                           jax.tree.leaves(sharding.state_logical_axes(state), is_leaf=_is_axes),
+                           jax.tree.leaves(sharding.logical_axes(state), is_leaf=_is_axes),
                            strict=True):
         assert len(names) == leaf.ndim and names[0] == "batch"
 
 
 def test_flash_on_eight_devices_splits_heads_groups_experts_vocab():
     cfg = js.ModelConfig.preset("v4-flash")
-    specs = sharding.param_specs(cfg, (1, 8, 1))
+    specs = placement.param_specs(cfg, (1, 8, 1))
     attn = specs.layers[4].attn
     assert attn.wq_b == P(None, "tensor")
     assert attn.wo_a == P("tensor") and attn.wo_b == P("tensor") and attn.sink == P("tensor")
@@ -46,17 +53,17 @@ def test_flash_on_eight_devices_splits_heads_groups_experts_vocab():
     assert specs.layers[4].ffn.shared.w2 == P("tensor")  # shared expert: hidden over tensor
     assert specs.embed == P("tensor") and specs.head == P(None, "tensor")
     assert specs.layers[4].ffn.gate == P() and specs.norm == P()
-    ep = sharding.param_specs(cfg, (1, 2, 4)).layers[4].ffn.experts
+    ep = placement.param_specs(cfg, (1, 2, 4)).layers[4].ffn.experts
     assert ep.w1 == P(("expert", "tensor")) and ep.w2 == P(("expert", "tensor"))
 
 
 def test_indivisible_dims_fall_back_consistently():
     cfg = js.ModelConfig.preset("test")  # 4 heads, 2 o_groups, 4 experts
-    specs = sharding.param_specs(cfg, (1, 8, 1))
+    specs = placement.param_specs(cfg, (1, 8, 1))
     attn = specs.layers[1].attn
     assert attn.wq_b == P() and attn.sink == P()  # 4 heads over 8: whole
     assert attn.wo_a == P() and attn.wo_b == P()  # 2 groups: g*o_lora=32 divides 8, but whole groups don't
-    specs = sharding.param_specs(cfg, (1, 2, 4))
+    specs = placement.param_specs(cfg, (1, 2, 4))
     assert specs.layers[1].attn.wq_b == P(None, "tensor") and specs.layers[1].attn.wo_b == P("tensor")
     experts = specs.layers[1].ffn.experts  # 4 experts over expert=4; tensor left for the hidden width
     assert experts.w1 == P("expert", None, "tensor") and experts.w2 == P("expert", "tensor")
@@ -64,16 +71,16 @@ def test_indivisible_dims_fall_back_consistently():
 
 def test_rules_override_and_validation():
     cfg = js.ModelConfig.preset("v4-flash")
-    specs = sharding.param_specs(cfg, (1, 8, 1), rules={"vocab": None, "index_heads": "tensor"})
+    specs = placement.param_specs(cfg, (1, 8, 1), rules={"vocab": None, "index_heads": "tensor"})
     assert specs.embed == P() and specs.layers[2].attn.indexer.wq_b == P(None, "tensor")
     state = abstract_state(cfg, 16, 512)
-    assert sharding.state_specs(cfg, state, (8, 1, 1)).layers[3].comp_kv == P("data")
-    assert sharding.state_specs(cfg, abstract_state(cfg, 4, 512), (8, 1, 1)).layers[3].comp_kv == P()
+    assert placement.state_specs(cfg, state, (8, 1, 1)).layers[3].comp_kv == P("data")
+    assert placement.state_specs(cfg, abstract_state(cfg, 4, 512), (8, 1, 1)).layers[3].comp_kv == P()
     for bad in ({"heads": "model"}, {"heads": ("tensor", "tensor")}):
         with pytest.raises(ValueError, match="mesh axes must be"):
-            sharding.param_specs(cfg, (1, 8, 1), rules=bad)
+            placement.param_specs(cfg, (1, 8, 1), rules=bad)
     with pytest.raises(ValueError, match="no logical-axis rule"):
-        sharding.param_axes_for("layers.0.attn.new_weight", 2)
+        sharding.logical_axes(_Undeclared(new_weight=jax.numpy.zeros((2, 2))))
 
 
 def test_meshes():

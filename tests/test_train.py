@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jaxspec import model as model_lib
+from jaxspec import packing
 from jaxspec import train as train_lib
 from jaxspec.checkpoint import load_checkpoint
 from jaxspec.config import ModelConfig
@@ -87,7 +88,7 @@ def test_ship_bf16_and_validation(cfg):
     with pytest.raises(ValueError, match="lr must be > 0"):
         train_lib.OptConfig(lr=0.0)
     with pytest.raises(ValueError, match="seq_len"):
-        train_lib.PackedSampler({"a": [[1, 2]]}, {"a": 1.0}, seq_len=1)
+        packing.PackedSampler({"a": [[1, 2]]}, {"a": 1.0}, seq_len=1)
 
 
 def test_schedule_and_unigram():
@@ -97,13 +98,13 @@ def test_schedule_and_unigram():
     assert train_lib.learning_rate(opt, 50, 1.0) == pytest.approx(0.1)
     rows = np.zeros((4, 10), np.int64)
     rows[:, ::2] = 1
-    u = train_lib.unigram_loss(rows, rows, vocab_size=4)
+    u = packing.unigram_loss(rows, rows, vocab_size=4)
     assert 0.5 < u < 1.0  # about ln 2 for a 50/50 two-token stream
 
 
 def test_packed_sampler_deterministic():
     docs = {"a": [[0, 5, 6, 1], [0, 7, 1]], "b": [[0, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 1]]}
-    s = train_lib.PackedSampler(docs, {"a": 0.5, "b": 0.5}, seq_len=6, seed=3)
+    s = packing.PackedSampler(docs, {"a": 0.5, "b": 0.5}, seq_len=6, seed=3)
     x = s.batch(4, 3)
     assert x.shape == (3, 8)
     np.testing.assert_array_equal(x, s.batch(4, 3))

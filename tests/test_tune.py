@@ -8,19 +8,10 @@ import numpy as np
 import pytest
 
 import jaxspec as js
-from jaxspec.eval import sequoia_optimum
-from jaxspec.tune import (
-    NO_SPECULATION,
-    Tuning,
-    batch_tokens_per_cycle,
-    calibrate,
-    choose,
-    compare_with_sweep,
-    comparison_table,
-    expected_tokens_per_cycle,
-    load_tuning,
-    tuning_table,
-)
+from jaxspec.report import comparison_table, tuning_table
+from jaxspec.tree.budget import expected_tokens_per_cycle, sequoia_optimum
+from jaxspec.tune import auto_spec, batch_tokens_per_cycle, calibrate, choose, compare_with_sweep
+from jaxspec.tuning import NO_SPECULATION, Tuning, load_tuning
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
 
@@ -77,7 +68,7 @@ def test_tuning_round_trip_nearest_bucket_and_bad_files(tmp_path):
     assert back.spec_for(1) == js.SpecConfig(3, 2, 6)
     assert back.spec_for(3) == js.SpecConfig(3, 2, 6)  # log2 distance 1.6 vs 2.4
     assert back.spec_for(64) is None
-    assert js.SpecConfig.auto(tmp_path, 2) == js.SpecConfig(3, 2, 6)
+    assert auto_spec(tmp_path, 2) == js.SpecConfig(3, 2, 6)
     with pytest.raises(ValueError, match="batch_size"):
         back.spec_for(0)
     with pytest.raises(FileNotFoundError, match="jaxspec tune"):

@@ -1,10 +1,14 @@
 """V4 attention: MQA with one shared K=V head, sliding window + compressed entries (CSA top-k or
 HCA dense) under one softmax with a per-head sink, inverse RoPE on the output, grouped low-rank
-output projection (reference doc section 3).
+output projection (docs/architecture.md §2).
 
 `attention` reads the committed decode state and returns the new tokens' rows (their window kv,
 compressor rows and candidate compressed entries) instead of writing them: the caller either
 commits every valid token (prefill / extend / decode) or only an accepted tree path.
+
+The key sets a token reads are built once, as lengths and index lists (never as masks over the
+history), and handed either to `attend` (the jnp path, the reference the kernel is tested
+against) or to the Pallas kernel `pallas.tree_attention.tree_attention`, which share one contract.
 """
 
 from __future__ import annotations
@@ -15,26 +19,28 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec import sharding
 from jaxspec.config import ModelConfig
 from jaxspec.layers.compressor import CompressorParams, compressor_rows, init_compressor, pool_entries
 from jaxspec.layers.indexer import IndexerParams, index_queries, index_scores, init_indexer
-from jaxspec.layers.norms import rms_norm, unweighted_rms_norm
-from jaxspec.layers.rope import apply_rope, inv_freq, rope_angles
+from jaxspec.ops.norms import rms_norm, unweighted_rms_norm
+from jaxspec.ops.rope import apply_rope, inv_freq, rope_angles
+from jaxspec.pallas.tree_attention import tree_attention
+from jaxspec.sharding.active import shard_kernel
+from jaxspec.sharding.rules import axes
 
 _QUERY_AXES = ("batch", None, "heads", None)  # [B, T, H, c]
 
 
 @struct.dataclass
 class AttentionParams:
-    wq_a: jax.Array  # [d, q_lora_rank]
-    q_norm: jax.Array  # [q_lora_rank] fp32
-    wq_b: jax.Array  # [q_lora_rank, H*c]
-    wkv: jax.Array  # [d, c]
-    kv_norm: jax.Array  # [c] fp32
-    wo_a: jax.Array  # [g, H*c/g, o_lora_rank]
-    wo_b: jax.Array  # [g*o_lora_rank, d]
-    sink: jax.Array  # [H] fp32
+    wq_a: jax.Array = axes("embed", "q_lora")  # [d, q_lora_rank]
+    q_norm: jax.Array = axes("q_lora")  # [q_lora_rank] fp32
+    wq_b: jax.Array = axes("q_lora", "heads")  # [q_lora_rank, H*c], head-major
+    wkv: jax.Array = axes("embed", "kv")  # [d, c]: one shared K=V head (MQA), never split
+    kv_norm: jax.Array = axes("kv")  # [c] fp32
+    wo_a: jax.Array = axes("o_groups", "group_width", "o_lora")  # [g, H*c/g, o_lora_rank]
+    wo_b: jax.Array = axes("o_groups", "embed")  # [g*o_lora_rank, d], group-major
+    sink: jax.Array = axes("heads")  # [H] fp32
     compressor: CompressorParams | None
     indexer: IndexerParams | None
 
@@ -100,12 +106,59 @@ def ring_positions(committed: jax.Array, ring_size: int) -> jax.Array:
     return jnp.where(pos >= 0, pos, -1)
 
 
-def _sink_softmax(logits: jax.Array, sink: jax.Array) -> jax.Array:
-    """Softmax over the last axis with exp(sink_h) added to the denominator.  logits: [B,T,H,K]."""
-    sink = sink.astype(jnp.float32)[None, None, :, None]
-    m = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sink)
+def attend(
+    q: jax.Array,  # [B, T, H, c] queries (RoPE'd)
+    window_kv: jax.Array,  # [B, W, c] committed window ring
+    window_pos: jax.Array,  # [B, W] int32 absolute position held by each slot (-1: empty)
+    new_kv: jax.Array,  # [B, T, c] the new tokens' window kv
+    new_mask: jax.Array,  # [B, T, T] bool: token i reads new token j (ancestor-or-self, in window)
+    positions: jax.Array,  # [B, T] int32 absolute positions of the new tokens
+    sink: jax.Array,  # [H] fp32 per-head sink logit
+    *,
+    window: int,
+    scale: float,
+    comp_kv: jax.Array | None = None,  # [B, Lc, c] committed compressed entries
+    comp_len: jax.Array | None = None,  # [B] int32: dense (HCA) -- entries [0, comp_len) for all tokens
+    comp_index: jax.Array | None = None,  # [B, T, K] int32: sparse (CSA) -- per-token ids, -1 = none
+    tree_entries: jax.Array | None = None,  # [B, T, c] branch-local entries (candidate per new token)
+    tree_entry_mask: jax.Array | None = None,  # [B, T, T] bool: token i reads token j's entry
+) -> jax.Array:
+    """One softmax (with the per-head sink in the denominator) over the window keys, the committed
+    compressed entries and the branch-local entries a token may read -> [B, T, H, c] fp32, before
+    the output de-rotation. K = V: the keys are the values."""
+    dt = q.dtype
+    f32 = jnp.float32
+    pos_q = positions[:, :, None]
+    win_ok = (window_pos[:, None, :] >= 0) & (window_pos[:, None, :] > pos_q - window)  # [B, T, W]
+    shared = [(window_kv.astype(dt), win_ok), (new_kv.astype(dt), new_mask)]
+    if comp_kv is not None and comp_len is not None:
+        ok = jnp.arange(comp_kv.shape[1])[None, :] < comp_len[:, None]
+        shared.append((comp_kv.astype(dt), jnp.broadcast_to(ok[:, None, :], (*positions.shape, comp_kv.shape[1]))))
+    if tree_entries is not None:
+        shared.append((tree_entries.astype(dt), tree_entry_mask))
+    logits, values = [], []
+    for keys, ok in shared:
+        s = jnp.einsum("bthc,bsc->bths", q, keys, preferred_element_type=f32) * scale
+        logits.append(jnp.where(ok[:, :, None, :], s, -jnp.inf))
+        values.append(("shared", keys))
+    if comp_kv is not None and comp_index is not None:
+        keys = jnp.take_along_axis(comp_kv.astype(dt)[:, None], jnp.maximum(comp_index, 0)[..., None], axis=2)
+        s = jnp.einsum("bthc,btkc->bthk", q, keys, preferred_element_type=f32) * scale
+        logits.append(jnp.where((comp_index >= 0)[:, :, None, :], s, -jnp.inf))
+        values.append(("per_token", keys))
+    logits = jnp.concatenate(logits, axis=-1)
+    sk = sink.astype(f32)[None, None, :, None]
+    m = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sk)
     e = jnp.exp(logits - m)
-    return e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - m))
+    probs = e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sk - m))
+    out, offset = 0.0, 0
+    for kind, keys in values:
+        n = keys.shape[-2]
+        part = probs[..., offset : offset + n]
+        spec = "bths,bsc->bthc" if kind == "shared" else "bthk,btkc->bthc"
+        out = out + jnp.einsum(spec, part, keys.astype(f32))
+        offset += n
+    return out
 
 
 def attention(
@@ -129,20 +182,12 @@ def attention(
     kv = apply_rope(rms_norm(x @ p.wkv, p.kv_norm, cfg.rms_norm_eps), cos, sin)  # [B, T, c]
     rows = AttentionRows(kv=kv)
 
-    # Window keys: the committed ring (last W positions) followed by the new tokens.
+    # Window keys: the committed ring (last W positions) and the new tokens a token may see.
     window = cfg.sliding_window
     ring = layer_state.swa_kv
     ring_pos = ring_positions(ctx.committed, ring.shape[1])  # [B, W]
-    pos_q = ctx.positions[:, :, None]
-    ring_ok = (ring_pos[:, None, :] >= 0) & (ring_pos[:, None, :] > pos_q - window)
-    new_ok = ctx.visible & (ctx.positions[:, None, :] > pos_q - window)
-    win_keys = jnp.concatenate([ring.astype(kv.dtype), kv], axis=1)  # [B, W+T, c]
-    win_ok = jnp.concatenate([ring_ok, new_ok], axis=-1)  # [B, T, W+T]
-    scale = c**-0.5
-    logits = jnp.einsum("bthc,bsc->bths", q, win_keys, preferred_element_type=jnp.float32) * scale
-    logits = jnp.where(win_ok[:, :, None, :], logits, -jnp.inf)
-
-    comp_values = None
+    new_mask = ctx.visible & (ctx.positions[:, None, :] > ctx.positions[:, :, None] - window)  # [B, T, T]
+    keys: dict[str, Any] = {}
     if compressed:
         comp_kv_rows, comp_gate_rows = compressor_rows(p.compressor, x, ctx.positions, ratio)
         entry = pool_entries(
@@ -151,18 +196,13 @@ def attention(
         ).astype(kv.dtype)
         rows = rows.replace(comp_kv=comp_kv_rows, comp_gate=comp_gate_rows, comp_entry=entry)
         emits = ((ctx.positions + 1) % ratio == 0) & ctx.valid  # [B, T]
+        cache = layer_state.comp_kv  # [B, Lc, c]
         num_committed_entries = ctx.committed // ratio  # [B]
-        cache = layer_state.comp_kv
-        cache_ok = jnp.arange(cache.shape[1])[None, :] < num_committed_entries[:, None]  # [B, Lc]
-        entries = jnp.concatenate([cache.astype(kv.dtype), entry], axis=1)  # [B, Lc+T, c]
-        entry_ok = jnp.concatenate(
-            [jnp.broadcast_to(cache_ok[:, None, :], (b, t, cache.shape[1])), ctx.visible & emits[:, None, :]],
-            axis=-1,
-        )  # [B, T, Lc+T]
+        # A token reads the branch-local entries its own ancestors (and itself) emitted.
+        ancestor_entries = ctx.visible & emits[:, None, :]  # [B, T, T]
+        keys.update(comp_kv=cache, tree_entries=entry)
         if kind == "hca":
-            comp_keys = entries
-            comp_logits = jnp.einsum("bthc,bsc->bths", q, entries, preferred_element_type=jnp.float32)
-            comp_logits = jnp.where(entry_ok[:, :, None, :], comp_logits * scale, -jnp.inf)
+            keys.update(comp_len=num_committed_entries, tree_entry_mask=ancestor_entries)
         else:
             ip = p.indexer
             idx_kv_rows, idx_gate_rows = compressor_rows(ip.compressor, x, ctx.positions, ratio)
@@ -171,48 +211,32 @@ def attention(
                 idx_kv_rows, idx_gate_rows, ctx.positions, ctx.committed, ctx.ancestor_at_depth, freqs,
             )
             rows = rows.replace(idx_kv=idx_kv_rows, idx_gate=idx_gate_rows, idx_entry=idx_entry)
+            # The indexer picks the top-k of committed + branch-local entries per token.
+            lc = cache.shape[1]
             index_keys = jnp.concatenate([layer_state.idx_kv.astype(jnp.float32), idx_entry], axis=1)
+            committed_ok = jnp.arange(lc)[None, :] < num_committed_entries[:, None]  # [B, Lc]
+            entry_ok = jnp.concatenate(
+                [jnp.broadcast_to(committed_ok[:, None, :], (b, t, lc)), ancestor_entries], axis=-1
+            )  # [B, T, Lc+T]
             iq, iw = index_queries(ip, cfg, q_latent, x, cos, sin)
             scores = jnp.where(entry_ok, index_scores(iq, iw, index_keys), -jnp.inf)
-            k = min(cfg.index_topk, entries.shape[1])
-            top_scores, top_index = jax.lax.top_k(scores, k)  # [B, T, k]
-            selected_ok = top_scores > -jnp.inf
-            comp_keys = jnp.take_along_axis(
-                entries[:, None, :, :], top_index[..., None], axis=2
-            )  # [B, T, k, c]
-            comp_logits = jnp.einsum("bthc,btkc->bthk", q, comp_keys, preferred_element_type=jnp.float32)
-            comp_logits = jnp.where(selected_ok[:, :, None, :], comp_logits * scale, -jnp.inf)
-        comp_values = comp_keys
-        logits = jnp.concatenate([logits, comp_logits], axis=-1)
+            top_scores, top_index = jax.lax.top_k(scores, min(cfg.index_topk, lc + t))  # [B, T, k]
+            selected = top_scores > -jnp.inf
+            local = jnp.where(selected & (top_index >= lc), top_index - lc, -1)  # [B, T, k] picked new entries
+            keys.update(
+                comp_index=jnp.where(selected & (top_index < lc), top_index, -1),
+                tree_entry_mask=jnp.any(local[..., None] == jnp.arange(t, dtype=local.dtype), axis=-2),
+            )
 
+    args = (q, ring, ring_pos, kv, new_mask, ctx.positions, p.sink)
     if cfg.attention_impl == "pallas":
-        # Same key sets, given to the kernel as lengths / index lists; the dense logits above are
-        # then unused and dropped by jit.
-        from jaxspec.pallas.tree_attention import attention_from_context  # lazy: the kernels import layers
-
-        comp = {}
-        if compressed:
-            comp = dict(cache=cache, num_committed_entries=num_committed_entries, entry=entry, emits=emits)
-            if kind == "csa":
-                comp.update(top_index=top_index, selected_ok=selected_ok)
-        # Under a mesh the kernel runs once per shard on its own heads (shard_kernel); every other
-        # argument holds this data shard's rows whole.
-        kernel = sharding.shard_kernel(
-            attention_from_context,
-            in_axes=[_QUERY_AXES, None, None, None, None, ("heads",)],
-            out_axes=_QUERY_AXES,
-        )
-        out = kernel(q, kv, ring, ring_pos, ctx, p.sink, window=window, scale=scale, kind=kind, **comp)
+        # Under a mesh the kernel runs once per shard on its own heads; every other argument holds
+        # this data shard's rows whole.
+        kernel = shard_kernel(tree_attention, in_axes=[_QUERY_AXES, None, None, None, None, None, ("heads",)],
+                              out_axes=_QUERY_AXES)
+        out = kernel(*args, window=window, scale=c**-0.5, **keys)
     else:
-        probs = _sink_softmax(logits, p.sink)  # [B, T, H, W+T (+ compressed)]
-        n_win = win_keys.shape[1]
-        out = jnp.einsum("bths,bsc->bthc", probs[..., :n_win], win_keys.astype(jnp.float32))
-        if comp_values is not None:
-            comp_probs = probs[..., n_win:]
-            if kind == "hca":
-                out = out + jnp.einsum("bths,bsc->bthc", comp_probs, comp_values.astype(jnp.float32))
-            else:
-                out = out + jnp.einsum("bthk,btkc->bthc", comp_probs, comp_values.astype(jnp.float32))
+        out = attend(*args, window=window, scale=c**-0.5, **keys)
     out = apply_rope(out, cos[:, :, None], sin[:, :, None], inverse=True).astype(x.dtype)
 
     g = cfg.o_groups

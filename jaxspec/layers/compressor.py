@@ -1,4 +1,4 @@
-"""Token-level gated pooling of the CSA / HCA compressors (reference doc section 3.3).
+"""Token-level gated pooling of the CSA / HCA compressors (docs/architecture.md §3).
 
 Each token t writes one fp32 row `(u_t, z_t + ape[t mod ratio])`; the token that closes block w
 (position ratio*w + ratio - 1) pools the last coff*ratio rows with a per-channel softmax. CSA
@@ -15,16 +15,17 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec.config import ModelConfig
-from jaxspec.layers.norms import rms_norm
-from jaxspec.layers.rope import apply_rope, rope_angles
+from jaxspec.ops.pooling import pool_rows
+from jaxspec.pallas.chain_compress import chain_compress
+from jaxspec.sharding.rules import axes
 
 
 @struct.dataclass
 class CompressorParams:
-    wkv: jax.Array  # [d, coff*D]
-    wgate: jax.Array  # [d, coff*D]
-    ape: jax.Array  # [ratio, coff*D] fp32, learned in-block position bias
-    norm: jax.Array  # [D] fp32
+    wkv: jax.Array = axes("embed", "compress")  # [d, coff*D]
+    wgate: jax.Array = axes("embed", "compress")  # [d, coff*D]
+    ape: jax.Array = axes("ratio", "compress")  # [ratio, coff*D] fp32, learned in-block position bias
+    norm: jax.Array = axes("kv")  # [D] fp32
 
 
 def init_compressor(
@@ -51,27 +52,6 @@ def compressor_rows(
     return kv, gate
 
 
-def source_indices(
-    positions: jax.Array,  # [B, T] query positions
-    committed: jax.Array,  # [B] committed length P
-    ancestor_at_depth: jax.Array,  # [B, T, T] new-token index of the chain element at P + depth
-    num_sources: int,
-    ring_size: int,
-) -> tuple[jax.Array, jax.Array]:
-    """Where the rows of positions pos-num_sources+1 .. pos live, per query.
-
-    Index into concat(committed ring [ring_size], new rows [T]) -> ([B, T, S] int32, valid [B, T, S]).
-    """
-    offsets = jnp.arange(num_sources, dtype=jnp.int32) - (num_sources - 1)
-    src_pos = positions[..., None] + offsets  # [B, T, S]
-    p = committed[:, None, None]
-    depth = jnp.clip(src_pos - p, 0, ancestor_at_depth.shape[-1] - 1)
-    from_new = ring_size + jnp.take_along_axis(ancestor_at_depth, depth, axis=-1)
-    from_ring = src_pos % ring_size
-    index = jnp.where(src_pos >= p, from_new, from_ring)
-    return index.astype(jnp.int32), src_pos >= 0
-
-
 def pool_entries(
     p: CompressorParams,
     cfg: ModelConfig,
@@ -92,8 +72,6 @@ def pool_entries(
     shapes static and lets sibling tree nodes close the same block index differently.
     """
     if cfg.attention_impl == "pallas":
-        from jaxspec.pallas.chain_compress import chain_compress  # lazy: the kernel module imports layers
-
         return chain_compress(
             ring_kv, ring_gate, new_kv, new_gate, positions, committed, ancestor_at_depth, p.norm, freqs,
             ratio=ratio, overlap=overlap, eps=cfg.rms_norm_eps,
@@ -102,44 +80,3 @@ def pool_entries(
         ring_kv, ring_gate, new_kv, new_gate, positions, committed, ancestor_at_depth, p.norm, freqs,
         ratio=ratio, overlap=overlap, eps=cfg.rms_norm_eps,
     )
-
-
-def pool_rows(
-    ring_kv: jax.Array,  # [B, R, coff*D] committed rows, slot = pos mod R
-    ring_gate: jax.Array,  # [B, R, coff*D]
-    new_kv: jax.Array,  # [B, T, coff*D]
-    new_gate: jax.Array,  # [B, T, coff*D]
-    positions: jax.Array,  # [B, T]
-    committed: jax.Array,  # [B]
-    ancestor_at_depth: jax.Array,  # [B, T, T]
-    norm: jax.Array,  # [D] fp32 RMSNorm weight
-    freqs,
-    *,
-    ratio: int,
-    overlap: bool,
-    eps: float,
-) -> jax.Array:
-    """The jnp pooling behind `pool_entries` (also the Pallas chain-compress kernel's reference)."""
-    coff = 2 if overlap else 1
-    width = norm.shape[0]
-    num_sources = coff * ratio
-    ring_size = ring_kv.shape[1]
-    index, src_valid = source_indices(positions, committed, ancestor_at_depth, num_sources, ring_size)
-    all_kv = jnp.concatenate([ring_kv, new_kv], axis=1)
-    all_gate = jnp.concatenate([ring_gate, new_gate], axis=1)
-    b, t, s = index.shape
-    flat = index.reshape(b, t * s, 1)
-    kv = jnp.take_along_axis(all_kv, flat, axis=1).reshape(b, t, s, -1)
-    gate = jnp.take_along_axis(all_gate, flat, axis=1).reshape(b, t, s, -1)
-    if overlap:
-        # Slots 0..ratio-1 read the previous block's A half, the rest the own block's B half.
-        first = (jnp.arange(s) < ratio)[None, None, :, None]
-        kv = jnp.where(first, kv[..., :width], kv[..., width:])
-        gate = jnp.where(first, gate[..., :width], gate[..., width:])
-    gate = jnp.where(src_valid[..., None], gate, -jnp.inf)
-    kv = jnp.where(src_valid[..., None], kv, 0.0)
-    weights = jax.nn.softmax(gate, axis=2)
-    pooled = jnp.sum(kv * weights, axis=2)
-    pooled = rms_norm(pooled, norm, eps)
-    cos, sin = rope_angles((positions // ratio) * ratio, freqs)
-    return apply_rope(pooled, cos, sin)

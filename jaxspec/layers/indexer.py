@@ -1,4 +1,4 @@
-"""Lightning indexer of CSA layers (reference doc section 3.4): its own CSA compressor produces one
+"""Lightning indexer of CSA layers (docs/architecture.md §4): its own CSA compressor produces one
 index key per compressed entry; queries come from the shared q latent; score(t, w) =
 sum_h w_{t,h} * ReLU(q_{t,h} . K_w) / sqrt(c_I * H_I); each query keeps the top-k entries."""
 
@@ -10,13 +10,14 @@ from flax import struct
 
 from jaxspec.config import ModelConfig
 from jaxspec.layers.compressor import CompressorParams, init_compressor
-from jaxspec.layers.rope import apply_rope
+from jaxspec.ops.rope import apply_rope
+from jaxspec.sharding.rules import axes
 
 
 @struct.dataclass
 class IndexerParams:
-    wq_b: jax.Array  # [q_lora_rank, H_I * c_I]
-    weights_proj: jax.Array  # [d, H_I] fp32
+    wq_b: jax.Array = axes("q_lora", "index_heads")  # [q_lora_rank, H_I * c_I]
+    weights_proj: jax.Array = axes("embed", "index_heads")  # [d, H_I] fp32
     compressor: CompressorParams  # CSA scheme at width c_I
 
 

@@ -1,5 +1,5 @@
 """Manifold-constrained hyper-connections: hc_mult residual streams mixed by Sinkhorn-projected
-doubly-stochastic matrices (reference doc section 6.1). All mixing math runs in fp32."""
+doubly-stochastic matrices (docs/architecture.md §5). All mixing math runs in fp32."""
 
 from __future__ import annotations
 
@@ -8,21 +8,22 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec.config import ModelConfig
-from jaxspec.layers.norms import unweighted_rms_norm
+from jaxspec.ops.norms import unweighted_rms_norm
+from jaxspec.sharding.rules import axes
 
 
 @struct.dataclass
 class HyperConnParams:
-    fn: jax.Array  # [hc*d, (2+hc)*hc] fp32
-    base: jax.Array  # [(2+hc)*hc] fp32
-    scale: jax.Array  # [3] fp32
+    fn: jax.Array = axes("hc_embed", "hc_mix")  # [hc*d, (2+hc)*hc] fp32
+    base: jax.Array = axes("hc_mix")  # [(2+hc)*hc] fp32
+    scale: jax.Array = axes(None)  # [3] fp32
 
 
 @struct.dataclass
 class HyperHeadParams:
-    fn: jax.Array  # [hc*d, hc] fp32
-    base: jax.Array  # [hc] fp32
-    scale: jax.Array  # [1] fp32
+    fn: jax.Array = axes("hc_embed", "streams")  # [hc*d, hc] fp32
+    base: jax.Array = axes("streams")  # [hc] fp32
+    scale: jax.Array = axes(None)  # [1] fp32
 
 
 def init_hyper_conn(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> HyperConnParams:

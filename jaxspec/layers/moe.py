@@ -1,6 +1,6 @@
 """DeepSeek-V4 MoE FFN: sqrt(softplus) scores, selection bias (or a fixed token->expert hash table
 in the first layers), normalised top-k weights times routed_scaling_factor, clamped SwiGLU experts
-and one shared expert (reference doc section 6.2)."""
+and one shared expert (docs/architecture.md §5)."""
 
 from __future__ import annotations
 
@@ -8,23 +8,24 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec import sharding
 from jaxspec.config import ModelConfig
+from jaxspec.sharding.active import routed_experts
+from jaxspec.sharding.rules import axes, stacked
 
 
 @struct.dataclass
 class MLPParams:
-    w1: jax.Array  # [..., d, I] gate
-    w3: jax.Array  # [..., d, I] up
-    w2: jax.Array  # [..., I, d] down
+    w1: jax.Array = axes("embed", "expert_hidden")  # [d, I] gate
+    w3: jax.Array = axes("embed", "expert_hidden")  # [d, I] up
+    w2: jax.Array = axes("expert_hidden", "embed")  # [I, d] down
 
 
 @struct.dataclass
 class MoEParams:
-    gate: jax.Array  # [d, E]
-    gate_bias: jax.Array | None  # [E] fp32, selection only (None on hash layers)
-    tid2eid: jax.Array | None  # [V, k] int32 on hash layers
-    experts: MLPParams  # w1/w3: [E, d, I], w2: [E, I, d]
+    gate: jax.Array = axes("embed", "router")  # [d, E]
+    gate_bias: jax.Array | None = axes("router")  # [E] fp32, selection only (None on hash layers)
+    tid2eid: jax.Array | None = axes("hash_vocab", "topk")  # [V, k] int32 on hash layers
+    experts: MLPParams = stacked("experts")  # w1/w3: [E, d, I], w2: [E, I, d]
     shared: MLPParams | None  # w1/w3: [d, I], w2: [I, d]
 
 
@@ -78,7 +79,7 @@ def expert_ffn(experts: MLPParams, cfg: ModelConfig, x: jax.Array, combine: jax.
     """Every expert on every token, weighted: x [N, d], combine [N, E] fp32 -> [N, d] fp32.
 
     Takes any slice of the experts (and of their hidden width) with the matching combine columns,
-    which is how `sharding.routed_experts` runs it per device before summing the partial outputs.
+    which is how `sharding.active.routed_experts` runs it per device before summing the partial outputs.
     """
     gate = jnp.einsum("nd,edi->nei", x, experts.w1)
     up = jnp.einsum("nd,edi->nei", x, experts.w3)
@@ -93,14 +94,14 @@ def moe(p: MoEParams, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array) -> j
 
     Every expert runs on every token and unselected ones get weight 0: one static-shape program
     for prefill and decode alike. Under a mesh, experts are split over devices (see
-    `sharding.routed_experts`).
+    `sharding.active.routed_experts`).
     """
     b, t, d = x.shape
     flat = x.reshape(b * t, d)
     indices, weights = route(p, cfg, flat, token_ids.reshape(b * t))
     combine = jnp.zeros((b * t, cfg.n_routed_experts), jnp.float32)
     combine = combine.at[jnp.arange(b * t)[:, None], indices].add(weights)
-    out = sharding.routed_experts(expert_ffn, p.experts, cfg, flat, combine)
+    out = routed_experts(expert_ffn, p.experts, cfg, flat, combine)
     if p.shared is not None:
         sh = clamped_swiglu(flat @ p.shared.w1, flat @ p.shared.w3, cfg.swiglu_limit)
         out = out + sh @ p.shared.w2

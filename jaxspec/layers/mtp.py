@@ -1,4 +1,4 @@
-"""The MTP block's own parameters (reference doc section 7.1): e_proj / h_proj with their norms,
+"""The MTP block's own parameters (docs/architecture.md §6): e_proj / h_proj with their norms,
 a full transformer block with sliding-window-only attention, and its own hc_head and norm. The
 embedding and the output head are the main model's."""
 
@@ -9,15 +9,16 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec.config import ModelConfig
-from jaxspec.layers.norms import rms_norm
+from jaxspec.ops.norms import rms_norm
+from jaxspec.sharding.rules import axes
 
 
 @struct.dataclass
 class MTPInputParams:
-    e_proj: jax.Array  # [d, d]
-    h_proj: jax.Array  # [d, d]
-    enorm: jax.Array  # [d] fp32
-    hnorm: jax.Array  # [d] fp32
+    e_proj: jax.Array = axes("embed", "embed_out")  # [d, d]
+    h_proj: jax.Array = axes("embed", "embed_out")  # [d, d]
+    enorm: jax.Array = axes("embed")  # [d] fp32
+    hnorm: jax.Array = axes("embed")  # [d] fp32
 
 
 def init_mtp_input(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> MTPInputParams:

@@ -1,16 +1,11 @@
-"""Pallas kernels (Triton lowering on GPU, interpret mode elsewhere), each beside its jnp reference.
+"""Pallas kernels (Triton lowering on GPU, interpret mode elsewhere), one entry point each.
 
-Selected by `ModelConfig(attention_impl="pallas")`: layers/attention.py calls `tree_attention`,
-layers/compressor.py calls `chain_compress`.
+Selected by `ModelConfig(attention_impl="pallas")`: layers/attention.py calls `tree_attention`
+(its jnp twin is `layers.attention.attend`), layers/compressor.py calls `chain_compress` (its jnp
+twin is `ops.pooling.pool_rows`). The kernels import nothing from the layers.
 """
 
-from jaxspec.pallas.chain_compress import chain_compress, chain_compress_reference
-from jaxspec.pallas.tree_attention import attention_from_context, tree_attention, tree_attention_reference
+from jaxspec.pallas.chain_compress import chain_compress
+from jaxspec.pallas.tree_attention import tree_attention
 
-__all__ = [
-    "attention_from_context",
-    "chain_compress",
-    "chain_compress_reference",
-    "tree_attention",
-    "tree_attention_reference",
-]
+__all__ = ["chain_compress", "tree_attention"]

@@ -1,6 +1,6 @@
 """Chain compression: the compressed entry a node emits when it closes a CSA / HCA block, pooled
 from committed compressor rows (the state ring) and the rows of the node's own ancestors
-(reference doc 3.3, 4.3, 5 step 3).
+(docs/architecture.md §3, docs/tree_verification.md §4).
 
 For each node the kernel gathers the coff*ratio source rows (ring slot or ancestor row), runs the
 per-channel softmax pooling as an online softmax over blocks of rows, then RMSNorm and RoPE at
@@ -11,8 +11,8 @@ RoPE without lane shuffles: the rotation needs each channel's pair partner, so t
 pools the partner-permuted columns of the same rows (the second read hits the cache) and
 combines normed * cos + normed_partner * signed_sin, with cos = 1, sin = 0 off the rope channels.
 
-`chain_compress_reference` is the jnp version: layers.compressor.pool_rows (what pool_entries
-runs without the kernel), zeroed on nodes that close no block.
+Its jnp counterpart, and the reference the tests hold it to, is `ops.pooling.pool_rows` (what
+`layers.compressor.pool_entries` runs without the kernel) on the nodes that close a block.
 """
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxspec.layers.compressor import pool_rows, source_indices
-from jaxspec.layers.rope import rope_angles
+from jaxspec.ops.pooling import source_indices
+from jaxspec.ops.rope import rope_angles
 from jaxspec.pallas._common import SQUEEZED, resolve_interpret, triton_params
 
 GPU_NUM_WARPS, GPU_NUM_STAGES = 4, 1
 MAX_BLOCK_ROWS = 16
 
 
-def source_rows(
+def _source_rows(
     positions: jax.Array,  # [B, T] int32
     committed: jax.Array,  # [B] int32 committed length P
     ancestor_at_depth: jax.Array,  # [B, T, T] int32: node index of the chain element at P + depth
@@ -68,32 +68,6 @@ def _check(ring_kv, ring_gate, new_kv, new_gate, positions, committed, ancestor_
         raise ValueError(f"ratio must be >= 1, got {ratio}")
     if ring_kv.shape[1] < coff * ratio - 1:
         raise ValueError(f"ring holds {ring_kv.shape[1]} rows, a block needs {coff * ratio - 1} committed ones")
-
-
-def chain_compress_reference(
-    ring_kv: jax.Array,  # [B, R, coff*D] fp32 committed rows, slot = pos mod R
-    ring_gate: jax.Array,  # [B, R, coff*D] fp32 (APE added)
-    new_kv: jax.Array,  # [B, T, coff*D] fp32 rows of the new tokens
-    new_gate: jax.Array,  # [B, T, coff*D] fp32
-    positions: jax.Array,  # [B, T] int32
-    committed: jax.Array,  # [B] int32
-    ancestor_at_depth: jax.Array,  # [B, T, T] int32
-    norm: jax.Array,  # [D] fp32 RMSNorm weight
-    freqs,  # [r/2] inverse RoPE frequencies of the layer
-    *,
-    ratio: int,
-    overlap: bool,
-    eps: float,
-) -> jax.Array:
-    """Entry of every node as if it closed a block -> [B, T, D] fp32; zeros on nodes that do not."""
-    _check(ring_kv, ring_gate, new_kv, new_gate, positions, committed, ancestor_at_depth, norm, ratio, overlap)
-    f32 = [x.astype(jnp.float32) for x in (ring_kv, ring_gate, new_kv, new_gate)]
-    entry = pool_rows(
-        *f32, positions, committed, ancestor_at_depth.astype(jnp.int32), norm, freqs,
-        ratio=ratio, overlap=overlap, eps=eps,
-    )
-    emits = (positions + 1) % ratio == 0
-    return jnp.where(emits[..., None], entry, 0.0)
 
 
 def _chain_compress_kernel(
@@ -201,7 +175,7 @@ def chain_compress(
     num_stages: int | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
-    """Pallas version of `chain_compress_reference` -> [B, T, D] fp32 (zeros where no block closes)."""
+    """Pallas version of `ops.pooling.pool_rows` -> [B, T, D] fp32 (zeros where no block closes)."""
     _check(ring_kv, ring_gate, new_kv, new_gate, positions, committed, ancestor_at_depth, norm, ratio, overlap)
     interpret = resolve_interpret(interpret)
     b, t, width2 = new_kv.shape
@@ -216,7 +190,7 @@ def chain_compress(
     rows = int(block_rows or _block_rows(ratio, num_sources))
     if ratio % rows or num_sources % rows:
         raise ValueError(f"block_rows={rows} must divide ratio={ratio}")
-    src = source_rows(positions, committed, ancestor_at_depth, num_sources, ring_kv.shape[1])
+    src = _source_rows(positions, committed, ancestor_at_depth, num_sources, ring_kv.shape[1])
     emits = ((positions + 1) % ratio == 0).astype(jnp.int32)
     meta = jnp.stack([emits, jnp.zeros_like(emits)], axis=-1)
     cos_full, sin_full = _rope_tables(positions, ratio, freqs, width)

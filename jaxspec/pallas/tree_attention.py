@@ -1,6 +1,7 @@
 """Tree attention for V4 layers: one online softmax over the committed window, the committed
 compressed entries a node may see, its ancestors among the new tokens and the branch-local
-entries those ancestors emitted, with the per-head sink in the denominator (reference doc 3.5, 5).
+entries those ancestors emitted, with the per-head sink in the denominator
+(docs/architecture.md §2, docs/tree_verification.md §4).
 
 Layout (MQA: every head reads the same single K=V vector per key): one program per (sequence,
 node, head block, split). A node's committed keys are streamed in blocks of `block_k` through
@@ -11,8 +12,8 @@ entries come as lengths (HCA: entries [0, n) for every node) or index lists (CSA
 top-k), never as masks over the history. The same call serves 1-token decode, chunked prefill
 (a chain is a tree) and tree verification.
 
-`tree_attention_reference` is the dense jnp version of the same contract; `attention_from_context`
-adapts the model's layer (attention.py) to it.
+The contract is that of `layers.attention.attend`, the layer's jnp path, which the layer calls
+instead when `attention_impl="xla"` and which the tests hold the kernel to.
 """
 
 from __future__ import annotations
@@ -43,65 +44,6 @@ _META = 8  # per-node int32 scalars: pos, committed-compressed count, kv lo/hi, 
 GPU_BLOCK_H, GPU_BLOCK_K, GPU_NUM_WARPS, GPU_NUM_STAGES = 32, 64, 8, 2
 CPU_BLOCK_K = 16
 MAX_SPLITS = 8
-
-
-# ---------------------------------------------------------------------------------------------
-# reference
-
-
-def tree_attention_reference(
-    q: jax.Array,  # [B, T, H, c] queries (RoPE'd)
-    window_kv: jax.Array,  # [B, W, c] committed window ring
-    window_pos: jax.Array,  # [B, W] int32 absolute position held by each slot (-1: empty)
-    new_kv: jax.Array,  # [B, T, c] the new tokens' window kv
-    new_mask: jax.Array,  # [B, T, T] bool: node i reads new token j (ancestor-or-self, in window)
-    positions: jax.Array,  # [B, T] int32 absolute positions of the nodes
-    sink: jax.Array,  # [H] fp32 per-head sink logit
-    *,
-    window: int,
-    scale: float,
-    comp_kv: jax.Array | None = None,  # [B, Lc, c] committed compressed entries
-    comp_len: jax.Array | None = None,  # [B] int32: dense (HCA) -- entries [0, comp_len) for all nodes
-    comp_index: jax.Array | None = None,  # [B, T, K] int32: sparse (CSA) -- per-node ids, -1 = none
-    tree_entries: jax.Array | None = None,  # [B, T, c] branch-local entries (candidate per node)
-    tree_entry_mask: jax.Array | None = None,  # [B, T, T] bool: node i reads node j's entry
-) -> jax.Array:
-    """Dense jnp attention over the same key sets -> [B, T, H, c] fp32 (before output de-rotation)."""
-    _validate(q, window_kv, window_pos, new_kv, new_mask, positions, sink, comp_kv, comp_len, comp_index,
-              tree_entries, tree_entry_mask)
-    dt = q.dtype
-    f32 = jnp.float32
-    pos_q = positions[:, :, None]
-    win_ok = (window_pos[:, None, :] >= 0) & (window_pos[:, None, :] > pos_q - window)  # [B, T, W]
-    shared = [(window_kv.astype(dt), win_ok), (new_kv.astype(dt), new_mask)]
-    if comp_kv is not None and comp_len is not None:
-        ok = jnp.arange(comp_kv.shape[1])[None, :] < comp_len[:, None]
-        shared.append((comp_kv.astype(dt), jnp.broadcast_to(ok[:, None, :], (*positions.shape, comp_kv.shape[1]))))
-    if tree_entries is not None:
-        shared.append((tree_entries.astype(dt), tree_entry_mask))
-    logits, values = [], []
-    for keys, ok in shared:
-        s = jnp.einsum("bthc,bsc->bths", q, keys, preferred_element_type=f32) * scale
-        logits.append(jnp.where(ok[:, :, None, :], s, -jnp.inf))
-        values.append(("shared", keys))
-    if comp_kv is not None and comp_index is not None:
-        keys = jnp.take_along_axis(comp_kv.astype(dt)[:, None], jnp.maximum(comp_index, 0)[..., None], axis=2)
-        s = jnp.einsum("bthc,btkc->bthk", q, keys, preferred_element_type=f32) * scale
-        logits.append(jnp.where((comp_index >= 0)[:, :, None, :], s, -jnp.inf))
-        values.append(("per_node", keys))
-    logits = jnp.concatenate(logits, axis=-1)
-    sk = sink.astype(f32)[None, None, :, None]
-    m = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sk)
-    e = jnp.exp(logits - m)
-    probs = e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sk - m))
-    out, offset = 0.0, 0
-    for kind, keys in values:
-        n = keys.shape[-2]
-        part = probs[..., offset : offset + n]
-        spec = "bths,bsc->bthc" if kind == "shared" else "bthk,btkc->bthc"
-        out = out + jnp.einsum(spec, part, keys.astype(f32))
-        offset += n
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,7 +243,7 @@ def tree_attention(
     num_stages: int | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
-    """Pallas tree attention; same contract as `tree_attention_reference` -> [B, T, H, c] fp32.
+    """Pallas tree attention; the contract of `layers.attention.attend` -> [B, T, H, c] fp32.
 
     `interpret=None` runs the Triton lowering on a GPU and the interpreter elsewhere. Indices in
     `comp_index` must be < Lc (larger ones are clamped to Lc - 1 rather than read out of bounds).
@@ -438,45 +380,3 @@ def tree_attention(
         denom = jnp.sum(l * keep, axis=2) + jnp.exp(sinkp[None, None, :] - top)
         out = jnp.sum(acc * keep[..., None], axis=2) / denom[..., None]
     return out[:, :, :h, :c]
-
-
-# ---------------------------------------------------------------------------------------------
-# model glue
-
-
-def attention_from_context(
-    q: jax.Array,  # [B, T, H, c]
-    kv: jax.Array,  # [B, T, c] new tokens' window kv
-    ring: jax.Array,  # [B, W, c] committed ring
-    ring_pos: jax.Array,  # [B, W] int32
-    ctx,  # layers.attention.AttentionContext
-    sink: jax.Array,  # [H]
-    *,
-    window: int,
-    scale: float,
-    kind: str,
-    cache: jax.Array | None = None,  # [B, Lc, c] committed compressed entries
-    num_committed_entries: jax.Array | None = None,  # [B]
-    entry: jax.Array | None = None,  # [B, T, c] candidate entries of the new tokens
-    emits: jax.Array | None = None,  # [B, T] bool: token closes a block
-    top_index: jax.Array | None = None,  # [B, T, k] CSA selection into concat(cache, entry)
-    selected_ok: jax.Array | None = None,  # [B, T, k] bool
-    reference: bool = False,
-    **kernel_kwargs,
-) -> jax.Array:
-    """The layer's key sets (attention.py) as kernel arguments -> [B, T, H, c] fp32."""
-    new_mask = ctx.visible & (ctx.positions[:, None, :] > ctx.positions[:, :, None] - window)
-    kw = dict(window=window, scale=scale)
-    if kind != "sliding":
-        lc = cache.shape[1]
-        if kind == "hca":
-            kw.update(comp_kv=cache, comp_len=num_committed_entries, tree_entry_mask=ctx.visible & emits[:, None, :])
-        else:
-            comp_index = jnp.where(selected_ok & (top_index < lc), top_index, -1)
-            local = jnp.where(selected_ok & (top_index >= lc), top_index - lc, -1)  # [B, T, k]
-            nodes = jnp.arange(entry.shape[1], dtype=top_index.dtype)
-            picked = jnp.any(local[..., None] == nodes, axis=-2)  # [B, T, T]
-            kw.update(comp_kv=cache, comp_index=comp_index, tree_entry_mask=picked)
-        kw["tree_entries"] = entry
-    fn = tree_attention_reference if reference else functools.partial(tree_attention, **kernel_kwargs)
-    return fn(q, ring, ring_pos, kv, new_mask, ctx.positions, sink, **kw)

@@ -3,7 +3,7 @@
 Greedy: at node i the target's choice is argmax(logits_i); the child carrying that token (top-K
 children have distinct tokens) is accepted. The walk is a fixed number (S) of gathers.
 
-Sampling (drafts are deterministic top-K, so the target-only rule of the survey, section 4.1, is
+Sampling (drafts are deterministic top-K, so the target-only rule, docs/tree_verification.md §5, is
 exact): every node gets its own draw y_i from the target distribution P_i, processed exactly as
 `generate` processes it (temperature, top-k, top-p), all at once by Gumbel-max with an independent
 key per (sequence, cycle, node). The walk accepts the child of the current node whose token equals
@@ -11,7 +11,7 @@ y_current and emits y at the node where it stops. Each emitted token is then a d
 at the node it follows: the tree is fixed before the draws, the draws are independent, and a reached
 node's draw was never looked at before. No thresholds, no relaxed matching.
 
-`chain_residual_accept` is the rule for sampled (not top-K) chain drafts (survey 4.2): accept with
+`chain_residual_accept` is the rule for sampled (not top-K) chain drafts (Leviathan et al. 2023): accept with
 probability min(1, p/q), emit from the residual on rejection. The loop drafts top-K, so it uses
 `tree_accept`; the residual rule is for a drafter that samples and reports its q.
 """
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec.sampling import Sampling, gumbel_choice
-from jaxspec.sharding import global_rows
+from jaxspec.sharding.active import global_rows
 
 
 @struct.dataclass
@@ -121,7 +121,7 @@ def chain_residual_accept(
     target_logprobs: jax.Array,  # [B, S+1, V] log p_j: processed target after the root and each x_j
     keys: jax.Array,  # [B, S+1] typed keys, independent per (sequence, cycle, node)
 ) -> Acceptance:
-    """Sampled chain drafts (survey 4.2, Leviathan / Chen): accept x_j with probability
+    """Sampled chain drafts (Leviathan et al. 2023, Chen et al. 2023): accept x_j with probability
     min(1, p_{j-1}(x_j) / q_j(x_j)) while every earlier draft was accepted; at the first rejection
     emit a draw from norm(max(p_{j-1} - q_j, 0)), after a full accept a draw from p_S.
 

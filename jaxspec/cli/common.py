@@ -1,0 +1,141 @@
+"""What the subcommands share: argument checks, flag groups (model source, mesh, data) and the one
+model loader. jax and the model are imported when a command runs, so `--help` and argument errors
+answer at once."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import time
+from typing import Any
+
+from rich.console import Console
+
+DEFAULT_PRESET = "tiny"
+MAX_RANDOM_INIT_BYTES = 16 * 2**30
+
+
+def positive(name: str, value: int) -> int:
+    """ValueError unless value >= 1 (`name` is the flag, without dashes)."""
+    if value < 1:
+        raise ValueError(f"--{name} must be >= 1, got {value}")
+    return value
+
+
+def csv(kind):
+    """argparse type: a comma-separated list of `kind`."""
+
+    def parse(text: str):
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError("empty list")
+        return tuple(kind(x) for x in items)
+
+    return parse
+
+
+# ---- flag groups ------------------------------------------------------------------------------
+
+
+def add_model_arguments(p: argparse.ArgumentParser, *, text: bool = False) -> None:
+    """--checkpoint, plus --preset for commands that also run on random weights (text=False)."""
+    if text:
+        p.add_argument("--checkpoint", required=True, metavar="PATH",
+                       help="checkpoint folder with a tokenizer (written by save_checkpoint / jaxspec train)")
+        return
+    p.add_argument("--checkpoint", default=None, metavar="PATH", help="folder written by save_checkpoint")
+    p.add_argument("--preset", default=None, help=f"model preset when no --checkpoint (default {DEFAULT_PRESET})")
+
+
+def add_data_arguments(p: argparse.ArgumentParser, num_prompts: int, what: str) -> None:
+    """--datasets, --num-prompts, --max-prompt-tokens, --data-root."""
+    p.add_argument("--datasets", type=csv(str), default=("gsm8k", "mbpp", "sharegpt"), help="comma-separated")
+    p.add_argument("--num-prompts", type=int, default=num_prompts, help=f"{what} per dataset (default {num_prompts})")
+    p.add_argument("--max-prompt-tokens", type=int, default=192, help="longer prompts keep their last tokens")
+    p.add_argument("--data-root", default=None, metavar="DIR",
+                   help="folder with gsm8k/ and mbpp/ (default $JAXSPEC_DATA, else ../shared/data)")
+
+
+def add_mesh_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mesh", default=None, metavar="D,T,E",
+                   help="shard over a data,tensor,expert mesh, e.g. 1,8,1 (default: one device)")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="multi-host: process 0's address; run the same command on every host (jax.distributed)")
+    p.add_argument("--num-processes", type=int, default=None, help="multi-host: number of hosts")
+    p.add_argument("--process-id", type=int, default=None, help="multi-host: this host's index")
+
+
+def mesh_from_args(args: argparse.Namespace) -> Any:
+    """Join the cluster (multi-host) and build the --mesh; None without --mesh."""
+    from jaxspec import sharding
+
+    if args.coordinator is not None or args.num_processes is not None or args.process_id is not None:
+        sharding.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    return None if args.mesh is None else sharding.make_mesh(*sharding.parse_mesh(args.mesh))
+
+
+# ---- the model loader -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    cfg: Any  # ModelConfig
+    params: Any  # ModelParams
+    tokenizer: Any  # tokenizers.Tokenizer or None
+    description: str
+
+
+def as_float32(cfg, params):
+    """bf16 matmuls are slow on a CPU; checkpoints are stored in bf16 only for size."""
+    import jax
+    import jax.numpy as jnp
+
+    cast = jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    return cfg.replace(dtype="float32"), cast
+
+
+def load_model(args: argparse.Namespace, console: Console | None = None, *, need_tokenizer: str | None = None,
+               seed: int = 0) -> LoadedModel:
+    """The model of --checkpoint (cast to float32 on a CPU), else a random-init --preset.
+
+    `need_tokenizer` names the command for the error when a checkpoint without tokenizer.json (or
+    no checkpoint) is given to a command that encodes text.
+    """
+    import jax
+
+    from jaxspec.checkpoint import load_checkpoint
+    from jaxspec.config import ModelConfig
+    from jaxspec.model import init_params
+
+    checkpoint = getattr(args, "checkpoint", None)
+    if checkpoint is not None:
+        path = os.path.expanduser(checkpoint)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"checkpoint folder {checkpoint!r} does not exist")
+        if getattr(args, "preset", None) is not None and console is not None:
+            console.print(f"[yellow]note:[/] --preset {args.preset} ignored: the config comes from the checkpoint")
+        t0 = time.perf_counter()
+        cfg, params, tokenizer = load_checkpoint(path)
+        if need_tokenizer and tokenizer is None:
+            raise ValueError(f"checkpoint {checkpoint!r} has no tokenizer.json; {need_tokenizer} encodes text prompts")
+        note = ""
+        if cfg.dtype != "float32" and jax.default_backend() == "cpu":
+            cfg, params = as_float32(cfg, params)
+            note = ", cast to float32 for the CPU"
+        return LoadedModel(cfg, params, tokenizer,
+                           f"checkpoint {path} (loaded in {time.perf_counter() - t0:.1f} s{note})")
+    if need_tokenizer:
+        raise ValueError(f"{need_tokenizer} needs --checkpoint (a folder with tokenizer.json)")
+    preset = getattr(args, "preset", None) or DEFAULT_PRESET
+    cfg = ModelConfig.preset(preset)
+    abstract = jax.eval_shape(lambda k: init_params(cfg, k), jax.random.key(seed))
+    nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
+    if nbytes > MAX_RANDOM_INIT_BYTES:
+        raise ValueError(
+            f"preset {preset!r} needs {nbytes / 2**30:.0f} GiB of weights: too large for a random-init demo; "
+            "pass --checkpoint or a smaller preset (test, tiny)"
+        )
+    params = init_params(cfg, jax.random.key(seed))
+    return LoadedModel(cfg, params, None,
+                       f"preset {preset!r}, [bold yellow]random init[/] (seed {seed}): output is noise")

@@ -1,0 +1,66 @@
+"""`jaxspec plan`: per-device bytes of parameters and decode state on a mesh, from abstract shapes."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from jaxspec.cli.common import positive
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="per-device memory of parameters and decode state on a mesh",
+        description="Per-device bytes of the parameters and of the decode state (batch sequences of "
+        "`--context` tokens) under the default sharding rules, from abstract shapes (no devices needed).",
+    )
+    p.add_argument("--preset", default="v4-flash", help="model preset (default v4-flash)")
+    p.add_argument("--devices", type=int, default=8, help="number of devices (default 8)")
+    p.add_argument("--mesh", default=None, metavar="D,T,E", help="data,tensor,expert sizes (default: by devices)")
+    p.add_argument("--batch", type=int, default=16, help="sequences (default 16)")
+    p.add_argument("--context", type=int, default=65536, help="tokens per sequence (default 65536)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    from jaxspec import sharding
+    from jaxspec.config import ModelConfig
+    from jaxspec.sharding.placement import memory_plan
+
+    positive("devices", args.devices)
+    positive("batch", args.batch)
+    positive("context", args.context)
+    cfg = ModelConfig.preset(args.preset)
+    if args.mesh is None:
+        shape = sharding.default_mesh_shape(args.devices, cfg)
+    else:
+        shape = sharding.parse_mesh(args.mesh)
+        used = shape[0] * shape[1] * shape[2]
+        if used != args.devices:
+            raise ValueError(f"--mesh {args.mesh} spans {used} devices but --devices is {args.devices}")
+    plan = memory_plan(cfg, shape, args.batch, args.context)
+    gib = 2.0**30
+    console.print(
+        f"[bold]jaxspec plan[/]: {args.preset} ({cfg.dtype}) on {args.devices} devices, mesh data={shape[0]} "
+        f"tensor={shape[1]} expert={shape[2]}; batch {plan.batch}, context {plan.context}"
+    )
+    table = Table(show_lines=False)
+    table.add_column("per device")
+    table.add_column("bytes", justify="right")
+    table.add_column("GiB", justify="right")
+    for title, groups in (("parameters", plan.param_groups), ("decode state", plan.state_groups)):
+        for name, n in groups.items():
+            table.add_row(f"{title}: {name}", f"{n:,}", f"{n / gib:.3f}")
+    console.print(table)
+    for name, n in (("parameters", plan.param_bytes), ("decode state", plan.state_bytes),
+                    ("total", plan.bytes_per_device)):
+        console.print(f"{name} per device: {n:,} bytes ({n / gib:.2f} GiB)")
+    console.print(
+        f"[dim]unsharded: parameters {plan.total_param_bytes / gib:.1f} GiB, decode state "
+        f"{plan.total_state_bytes / gib:.1f} GiB; activations and the speculation scratch are not included[/]"
+    )
+    return 0

@@ -1,0 +1,71 @@
+"""`jaxspec sweep`: tree vs. linear speculation over datasets, specs and batch sizes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from jaxspec.cli.common import add_data_arguments, csv, load_model, positive
+
+
+def add_parser(subparsers: Any) -> None:
+    from jaxspec.eval import LINEAR_SPECS, TREE_SPECS
+
+    p = subparsers.add_parser(
+        "sweep",
+        help="tree vs. linear speculation over datasets, specs and batch sizes",
+        description="Run the tree-vs-linear evaluation (accepted length, tokens/s, Sequoia tau*) on a checkpoint; "
+        "writes runs.jsonl, table.md and the gain figures to --out. Data-parallel over all local devices.",
+    )
+    p.add_argument("--checkpoint", help="checkpoint folder (with tokenizer); not needed with --merge")
+    add_data_arguments(p, 64, "held-out prompts")
+    p.add_argument("--specs", type=csv(str), default=LINEAR_SPECS + TREE_SPECS,
+                   help="e.g. s5_k1_d6,s3_k2_d6 (AR always runs; 'ar' alone runs only AR)")
+    p.add_argument("--batch-sizes", type=csv(int), default=(1, 4, 16, 64))
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--out", default="runs/sweep", help="output folder")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the (dataset, batch) groups --out/runs.jsonl already finished; run the rest")
+    p.add_argument("--merge", type=csv(str), default=None, metavar="RUNS,RUNS",
+                   help="run nothing: join the complete (dataset, batch) groups of these runs.jsonl files into --out")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    import jax
+
+    from jaxspec.eval import SweepConfig, merge_runs, run_sweep
+    from jaxspec.report import write_report
+
+    if args.merge:
+        missing = [p for p in args.merge if not Path(p).is_file()]
+        if missing:
+            raise ValueError(f"no such runs file: {missing[0]}")
+        records, left_out = merge_runs(args.merge)
+        for dataset, batch in left_out:
+            console.print(f"left out: {dataset} batch {batch} (AR or a spec missing: a stopped run)")
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        write_report(records, args.out)
+        console.print((Path(args.out) / "table.md").read_text())
+        console.print(f"{len(records)} runs from {len(args.merge)} file(s) written to {args.out}/runs.jsonl")
+        return 0
+    if args.checkpoint is None:
+        raise ValueError("sweep needs --checkpoint (or --merge)")
+    for name in ("num_prompts", "new_tokens", "max_prompt_tokens"):
+        positive(name.replace("_", "-"), getattr(args, name))
+    sweep = SweepConfig(
+        datasets=args.datasets, specs=tuple(s for s in args.specs if s != "ar"), batch_sizes=args.batch_sizes,
+        num_prompts=args.num_prompts, max_new_tokens=args.new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+    )
+    model = load_model(args, console, need_tokenizer="the sweep")
+    console.print(f"sweep on {len(jax.local_devices())} device(s): {sweep}")
+    records = run_sweep(model.params, model.cfg, model.tokenizer, sweep, args.out, resume=args.resume,
+                        data_root=args.data_root)
+    console.print((Path(args.out) / "table.md").read_text())
+    console.print(f"{len(records)} runs written to {args.out}/runs.jsonl")
+    return 0

@@ -1,0 +1,73 @@
+"""`jaxspec tune`: choose the speculation config (or none) per batch bucket from a calibration run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+from rich.console import Console
+
+from jaxspec.cli.common import add_data_arguments, csv, load_model, positive
+
+
+def add_parser(subparsers: Any) -> None:
+    from jaxspec.tune import DEFAULT_CANDIDATES, ESTIMATORS
+
+    p = subparsers.add_parser(
+        "tune",
+        help="choose the speculation config (or none) per batch size from a calibration run",
+        description="Measure the draft's per-rank acceptance and the step times of every candidate per batch "
+        "bucket on calibration prompts (train splits), pick the config with the most expected tokens/s per "
+        "bucket (Sequoia's objective; 'ar' = no speculation) and save it as tune.json beside the checkpoint, "
+        "where speculative_generate(spec='auto', tuning=FOLDER) reads it.",
+    )
+    p.add_argument("--checkpoint", required=True, help="checkpoint folder (with tokenizer)")
+    add_data_arguments(p, 8, "calibration prompts")
+    p.add_argument("--batch-sizes", type=csv(int), default=(1, 4, 16, 64))
+    p.add_argument("--candidates", type=csv(str), default=DEFAULT_CANDIDATES, help="specs to choose from")
+    p.add_argument("--new-tokens", type=int, default=128, help="generation length the choice is for")
+    p.add_argument("--iters", type=int, default=16, help="timed cycles per measurement (median)")
+    p.add_argument("--estimator", choices=ESTIMATORS, default="measured",
+                   help="expected tokens per cycle: Sequoia's optimum from the per-rank acceptance, or the "
+                   "mean accepted length measured on the calibration prompts")
+    p.add_argument("--out", default=None, help="tuning file (default CHECKPOINT/tune.json)")
+    p.add_argument("--compare", default=None, metavar="RUNS_JSONL",
+                   help="a `jaxspec sweep` runs.jsonl: report the choice's measured tokens/s against the best")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    from jaxspec.data import TRAIN_SPLITS, load_dataset
+    from jaxspec.eval import encode_prompts
+    from jaxspec.report import comparison_table, tuning_table
+    from jaxspec.tune import calibrate, compare_with_sweep
+    from jaxspec.tuning import load_tuning
+
+    for name in ("num_prompts", "new_tokens", "max_prompt_tokens", "iters"):
+        positive(name.replace("_", "-"), getattr(args, name))
+    for b in args.batch_sizes:
+        positive("batch-sizes", b)
+    if args.compare is not None and not os.path.isfile(args.compare):
+        raise FileNotFoundError(f"--compare file {args.compare!r} does not exist")
+    model = load_model(args, console, need_tokenizer="tuning")
+    prompts = []
+    for name in args.datasets:
+        examples = load_dataset(name, TRAIN_SPLITS[name], root=args.data_root)[: args.num_prompts]
+        prompts += encode_prompts(model.tokenizer, examples, args.max_prompt_tokens)
+    console.print(f"calibrating on {len(prompts)} train-split prompts, {len(args.candidates)} candidates, "
+                  f"batch sizes {list(args.batch_sizes)}")
+    tuning = calibrate(model.params, model.cfg, prompts, args.batch_sizes, args.candidates, args.new_tokens,
+                       args.iters, args.estimator)
+    out = tuning.save(args.out or os.path.expanduser(args.checkpoint))
+    console.print(tuning_table(tuning))
+    console.print("chosen: " + ", ".join(f"batch {b}: {name}" for b, name in tuning.choices.items()))
+    console.print(f"saved to {out}")
+    load_tuning(out)  # what speculative_generate(spec="auto") will read must parse
+    if args.compare is not None:
+        records = [json.loads(line) for line in open(args.compare) if line.strip()]
+        table = comparison_table(compare_with_sweep(tuning, records))
+        console.print(table)
+        out.with_name(out.stem + "_vs_sweep.md").write_text(table)
+    return 0

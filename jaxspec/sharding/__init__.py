@@ -1,0 +1,37 @@
+"""Sharding in two parts.
+
+Low (imported by the layers): `rules` (logical axes declared beside the arrays, rules mapping them
+onto a ("data", "tensor", "expert") mesh, meshes) and `active` (the mesh of the program being
+traced, the expert-parallel MoE and per-shard kernels). High (uses the model):
+`placement` (parameter / state shardings, memory plan) and `runner` (sharded jitted programs).
+This package namespace re-exports the low part only, so importing it never pulls in the model.
+"""
+
+from jaxspec.sharding.active import constrain_state, global_rows, routed_experts, shard_kernel
+from jaxspec.sharding.rules import (
+    DATA,
+    DEFAULT_MESH_SHAPES,
+    DEFAULT_RULES,
+    EXPERT,
+    MESH_AXES,
+    TENSOR,
+    axes,
+    check_mesh,
+    check_rules,
+    default_mesh_shape,
+    initialize_distributed,
+    logical_axes,
+    make_mesh,
+    mesh_shape,
+    parse_mesh,
+    spec_for,
+    stacked,
+    tree_specs,
+)
+
+__all__ = [
+    "DATA", "DEFAULT_MESH_SHAPES", "DEFAULT_RULES", "EXPERT", "MESH_AXES", "TENSOR", "axes", "check_mesh",
+    "check_rules", "constrain_state", "default_mesh_shape", "global_rows", "initialize_distributed",
+    "logical_axes", "make_mesh", "mesh_shape", "parse_mesh", "routed_experts", "shard_kernel", "spec_for",
+    "stacked", "tree_specs",
+]

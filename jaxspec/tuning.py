@@ -1,0 +1,89 @@
+"""The chooser's result, `tune.json`: the spec (or no speculation) per batch bucket and every
+measurement behind it. Written by `jaxspec tune` (`jaxspec.tune.calibrate`), read here by
+`speculative_generate(spec="auto", tuning=...)`; this module needs nothing but the configs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxspec.config import SpecConfig
+
+NO_SPECULATION = "ar"
+TUNING_FILE = "tune.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Calibration result: the chosen spec per batch bucket and every measurement behind it."""
+
+    acceptance: tuple[float, ...]  # P(k-th ranked draft child is the accepted one)
+    choices: dict[int, str]  # batch bucket -> spec name, or "ar" for no speculation
+    estimator: str  # how expected tokens per cycle were estimated ("sequoia" or "measured")
+    measurements: tuple[dict[str, Any], ...]  # one per (bucket, candidate), "ar" included
+    max_new_tokens: int
+
+    def spec_for(self, batch_size: int) -> SpecConfig | None:
+        """The choice for `batch_size` (the nearest calibrated bucket in log scale); None = no speculation."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        bucket = min(self.choices, key=lambda b: (abs(math.log2(b) - math.log2(batch_size)), b))
+        name = self.choices[bucket]
+        return None if name == NO_SPECULATION else SpecConfig.parse(name)
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["choices"] = {str(b): name for b, name in sorted(self.choices.items())}
+        out["measurements"] = list(self.measurements)
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Tuning:
+        try:
+            choices = {int(b): str(name) for b, name in data["choices"].items()}
+            tuning = cls(
+                acceptance=tuple(float(x) for x in data["acceptance"]),
+                choices=choices,
+                estimator=str(data["estimator"]),
+                measurements=tuple(data["measurements"]),
+                max_new_tokens=int(data["max_new_tokens"]),
+            )
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"not a jaxspec tuning file (missing or malformed field: {e})") from e
+        if not choices:
+            raise ValueError("tuning has no choices")
+        for name in choices.values():
+            if name != NO_SPECULATION:
+                SpecConfig.parse(name)
+        return tuning
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        if path.is_dir():
+            path = path / TUNING_FILE
+        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        return path
+
+
+def load_tuning(path: str | Path) -> Tuning:
+    """Read a tuning written by `jaxspec tune`: the JSON file, or the checkpoint folder holding it."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        path = path / TUNING_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no tuning at {str(path)!r}; run `jaxspec tune --checkpoint FOLDER` first")
+    return Tuning.from_json(json.loads(path.read_text()))
+
+
+def as_tuning(tuning: Tuning | str | Path) -> Tuning:
+    if isinstance(tuning, Tuning):
+        return tuning
+    if isinstance(tuning, (str, Path)):
+        return load_tuning(tuning)
+    raise ValueError(f"tuning must be a Tuning or the path of a tuning file / checkpoint folder, got {tuning!r}")

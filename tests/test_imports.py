@@ -1,0 +1,152 @@
+"""The house: jaxspec's imports flow one way. Built from the source with `ast` (imports inside
+functions count too), so it needs no import of the package and catches a cycle before it bites."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "jaxspec"
+
+# Lower rooms first. A module may import modules of its own rank or below, never above.
+RANKS = [
+    ("jaxspec.config", "jaxspec.tokenizer", "jaxspec.data", "jaxspec.tuning"),
+    ("jaxspec.ops", "jaxspec.sharding.rules"),
+    ("jaxspec.sharding.active", "jaxspec.sharding"),
+    ("jaxspec.pallas",),
+    ("jaxspec.layers",),
+    ("jaxspec.state", "jaxspec.sampling"),
+    ("jaxspec.model",),
+    ("jaxspec.sharding.placement", "jaxspec.sharding.runner", "jaxspec.testing"),
+    ("jaxspec.tree",),
+    ("jaxspec.generate",),
+    ("jaxspec.checkpoint", "jaxspec.stages", "jaxspec.report", "jaxspec.eval", "jaxspec.tune",
+     "jaxspec.train", "jaxspec.packing"),
+    ("jaxspec.cli",),
+    ("jaxspec", "jaxspec.__main__"),
+]
+MAX_LINES = 600
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """jaxspec modules `path` imports: a package's __init__ too when a submodule of it is imported
+    from outside the package (Python runs it first); the top-level `jaxspec` facade excepted."""
+    own = _module_name(path)
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
+        for name in names:
+            while name and name not in modules:  # `from pkg import name` imports pkg.name only if it is a module
+                name = name.rpartition(".")[0]
+            if not name:
+                continue
+            found.add(name)
+            name = name.rpartition(".")[0]
+            while name.count(".") and not own.startswith(name + "."):  # enclosing packages' __init__
+                found.add(name)
+                name = name.rpartition(".")[0]
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(path, set(modules)) - {name} for name, path in modules.items()}
+
+
+def _rank(module: str) -> int:
+    best = None
+    for rank, prefixes in enumerate(RANKS):
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                if best is None or len(prefix) > best[1]:
+                    best = (rank, len(prefix))
+    if best is None:
+        raise AssertionError(f"{module} has no rank in tests/test_imports.py RANKS: place it")
+    return best[0]
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_import_graph_has_no_cycle():
+    assert _cycles(_graph()) == []
+
+
+def test_imports_flow_from_higher_rooms_to_lower_ones():
+    upward = [(m, dep) for m, deps in _graph().items() for dep in sorted(deps) if _rank(dep) > _rank(m)]
+    assert upward == [], "imports of a higher room: " + ", ".join(f"{m} -> {d}" for m, d in upward)
+
+
+@pytest.mark.parametrize("room", ["jaxspec.layers", "jaxspec.pallas", "jaxspec.ops"])
+def test_layers_and_kernels_import_nothing_above_them(room):
+    allowed = {
+        "jaxspec.ops": ("jaxspec.config", "jaxspec.ops"),
+        "jaxspec.pallas": ("jaxspec.config", "jaxspec.ops", "jaxspec.pallas"),
+        "jaxspec.layers": ("jaxspec.config", "jaxspec.ops", "jaxspec.pallas", "jaxspec.layers",
+                           "jaxspec.sharding.rules", "jaxspec.sharding.active", "jaxspec.sharding"),
+    }[room]
+    bad = [(m, d) for m, deps in _graph().items() if m == room or m.startswith(room + ".")
+           for d in deps if not any(d == a or d.startswith(a + ".") for a in allowed)
+           or d in ("jaxspec.sharding.placement", "jaxspec.sharding.runner")]
+    assert bad == []
+
+
+def test_the_detectors_fire():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    graph = _graph()
+    assert "jaxspec.sharding" in graph["jaxspec.layers.moe"]  # a submodule import counts its package
+    assert _rank("jaxspec.layers.attention") > _rank("jaxspec.pallas.tree_attention")
+
+
+def test_no_module_is_longer_than_the_limit():
+    long = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
