@@ -1,7 +1,7 @@
 """Decode throughput of `jaxspec.generate` (plain autoregressive decoding, random init).
 
     python bench/decode.py [--preset tiny] [--batch 1 8] [--prompt-len 32] [--new-tokens 128]
-                           [--repeats 3] [--json PATH]
+                           [--repeats 3] [--seed 0] [--json PATH]
 
 Per batch size: one warm-up call (compile excluded from every number), then `repeats` timed calls.
 Reported:
@@ -17,7 +17,6 @@ Greedy sampling, no eos, so every call runs exactly `new_tokens` steps.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -25,8 +24,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from _machine import machine_facts, machine_header
-from rich.console import Console
+from _common import check_positive, console, machine_facts, machine_header, parser, write_json
 from rich.table import Table
 
 import jaxspec as js
@@ -85,26 +83,19 @@ def bench_batch(params, cfg, batch: int, prompt_len: int, new_tokens: int, repea
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="tiny")
+    p = parser(__doc__, seed_help="prompt seed")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = p.parse_args(argv)
-    for name in ("prompt_len", "new_tokens", "repeats"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if any(b < 1 for b in args.batch):
-        p.error("--batch values must be >= 1")
+    check_positive(p, args, ("prompt_len", "new_tokens", "repeats", "batch"))
     return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    console = Console()
+    con = console()
     try:
         cfg = js.ModelConfig.preset(args.preset)
     except ValueError as e:
@@ -112,9 +103,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     facts = machine_facts()
     header = machine_header(facts, "accelerator throughput")
-    console.print(f"[bold]jaxspec decode benchmark[/]  preset={args.preset} dtype={cfg.dtype} "
-                  f"prompt_len={args.prompt_len} new_tokens={args.new_tokens} repeats={args.repeats}")
-    console.print(header)
+    con.print(f"[bold]jaxspec decode benchmark[/]  preset={args.preset} dtype={cfg.dtype} "
+              f"prompt_len={args.prompt_len} new_tokens={args.new_tokens} repeats={args.repeats}")
+    con.print(header)
 
     t0 = time.perf_counter()
     params = js.init_params(cfg, jax.random.key(0))
@@ -123,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     rows = []
     for b in args.batch:
-        with console.status(f"batch {b}: compiling + timing..."):
+        with con.status(f"batch {b}: compiling + timing..."):
             rows.append(bench_batch(params, cfg, b, args.prompt_len, args.new_tokens, args.repeats, args.seed))
 
     table = Table(title=f"generate() decode throughput: {args.preset} ({facts['backend'].upper()})")
@@ -141,8 +132,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{r['time_s']:.3f}",
             f"{r['warmup_s']:.1f}",
         )
-    console.print(table)
-    console.print(
+    con.print(table)
+    con.print(
         "decode tok/s = batch*new_tokens / end-to-end run time (prefill included, compile excluded); "
         "ms/step = run time / decode_steps; prefill ms = a max_new_tokens=1 run; "
         "loop ms/step = (run - prefill) / (steps - 1); run s = median of repeats; "
@@ -156,10 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "init_s": init_s,
         "results": rows,
     }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-        console.print(f"wrote {args.json}")
+    write_json(args.json, result, con)
     return result
 
 

@@ -7,7 +7,9 @@
 Cases: `tree_attention` on a sliding (window only), HCA (dense over committed entries) and CSA
 (per-node top-k index lists) layer, each over a random tree of D nodes at committed length L;
 `chain_compress` for the CSA main compressor, the CSA indexer compressor and HCA. The reference of
-each kernel is the jitted jnp version beside it (the same math as the model's XLA path).
+each kernel is the model's jitted jnp path: `layers.attention.attend` for `tree_attention`, and
+`ops.pooling.pool_rows` for `chain_compress` (which pools every node as if it closed a block: it is
+zeroed on the nodes that close none, as the kernel returns).
 
 Reported per case: median time of the kernel and of the reference (compile excluded), the bytes
 the kernel must move at least (inputs it reads once + output written; the CSA count is per node,
@@ -20,8 +22,6 @@ Cases are skipped, and said so, once `--budget` seconds are spent (default keeps
 
 from __future__ import annotations
 
-import argparse
-import json
 import platform
 import sys
 import time
@@ -29,16 +29,19 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when loaded by path (tests)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from _common import check_positive, parser, write_json  # noqa: E402
 
 import jaxspec as js  # noqa: E402
-from jaxspec.layers.attention import ring_positions  # noqa: E402
-from jaxspec.layers.rope import inv_freq  # noqa: E402
-from jaxspec.pallas.chain_compress import chain_compress, chain_compress_reference  # noqa: E402
-from jaxspec.pallas.tree_attention import tree_attention, tree_attention_reference  # noqa: E402
+from jaxspec.layers.attention import attend, ring_positions  # noqa: E402
+from jaxspec.ops.pooling import pool_rows  # noqa: E402
+from jaxspec.ops.rope import inv_freq  # noqa: E402
+from jaxspec.pallas.chain_compress import chain_compress  # noqa: E402
+from jaxspec.pallas.tree_attention import tree_attention  # noqa: E402
 from jaxspec.tree.plan import build_plan  # noqa: E402
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
@@ -99,6 +102,19 @@ def random_tree(rng: np.random.Generator, nodes: int) -> np.ndarray:
 def tree_plan(rng, batch: int, nodes: int, committed: int):
     parent = jnp.asarray(np.stack([random_tree(rng, nodes) for _ in range(batch)]))
     return build_plan(parent, jnp.full((batch,), committed, jnp.int32), nodes - 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# references
+
+
+def pool_rows_emitting(ring_kv, ring_gate, new_kv, new_gate, positions, committed, ancestor_at_depth, norm, freqs,
+                       *, ratio: int, overlap: bool, eps: float) -> jax.Array:
+    """`pool_rows` zeroed on the nodes that close no block ((pos + 1) % ratio != 0): what
+    `chain_compress` returns."""
+    pooled = pool_rows(ring_kv, ring_gate, new_kv, new_gate, positions, committed, ancestor_at_depth, norm, freqs,
+                       ratio=ratio, overlap=overlap, eps=eps)
+    return jnp.where(((positions + 1) % ratio == 0)[..., None], pooled, 0.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,9 +246,9 @@ def build_cases(kernels, histories, sizes, batches) -> list[tuple]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, preset=None, preset_help="model shapes (default v4-flash; test with --smoke)",
+                seed_help="input seed, offset by the case number")
     ap.add_argument("--smoke", action="store_true", help="tiny `test` shapes; interpret mode off GPU (CI)")
-    ap.add_argument("--preset", default=None, help="model shapes (default v4-flash; test with --smoke)")
     ap.add_argument("--dtype", default=None, choices=sorted(TOL), help="default bfloat16 (float32 with --smoke)")
     ap.add_argument("--histories", type=int, nargs="+", default=None, help="committed tokens L")
     ap.add_argument("--tree-sizes", type=int, nargs="+", default=None, help="tree nodes D (root included)")
@@ -245,8 +261,8 @@ def main(argv=None) -> int:
     ap.add_argument("--block-k", type=int, default=None)
     ap.add_argument("--num-splits", type=int, default=None)
     ap.add_argument("--num-warps", type=int, default=None)
-    ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
+    check_positive(ap, args, [n for n in ("histories", "tree_sizes", "batches", "reps") if getattr(args, n)])
 
     start = time.perf_counter()
     info = device_info()
@@ -284,13 +300,13 @@ def main(argv=None) -> int:
             f"comp/{kind} D={nodes} B={b}"
         try:
             if what == "attention":
-                inputs, static, nbytes = attention_case(kind, cfg, history, nodes, b, seed=i)
-                row = run_case(name, tree_attention, tree_attention_reference, inputs, static, nbytes,
+                inputs, static, nbytes = attention_case(kind, cfg, history, nodes, b, seed=args.seed + i)
+                row = run_case(name, tree_attention, attend, inputs, static, nbytes,
                                dtype, copy_bw, reps, trials, tuning_attn)
             else:
-                inputs, static, nbytes = compress_case(kind, cfg, nodes, b, seed=i)
+                inputs, static, nbytes = compress_case(kind, cfg, nodes, b, seed=args.seed + i)
                 # compressor rows are fp32 whatever the model dtype
-                row = run_case(name, chain_compress, chain_compress_reference, inputs, static, nbytes,
+                row = run_case(name, chain_compress, pool_rows_emitting, inputs, static, nbytes,
                                "float32", copy_bw, reps, trials, tuning_cc)
         except Exception as e:  # report and go on: one failing lowering must not hide the rest
             failures += 1
@@ -303,8 +319,7 @@ def main(argv=None) -> int:
         rows.append(row)
     total = time.perf_counter() - start
     print(f"{len(rows)} cases, {failures} failed, {skipped} skipped, {total:.1f}s", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"info": info, "rows": rows, "seconds": total}, indent=1))
+    write_json(args.json, {"info": info, "rows": rows, "seconds": total})
     return 1 if failures else 0
 
 

@@ -2,24 +2,22 @@
 devices unless the machine has 8 accelerators).
 
     python bench/sharded.py [--preset tiny] [--meshes 8,1,1 1,8,1 2,2,2] [--batch 8] [--prompt-len 32]
-                            [--new-tokens 64] [--spec s3_k2_d6] [--repeats 3] [--json PATH]
+                            [--new-tokens 64] [--spec s3_k2_d6] [--repeats 3] [--seed 0] [--json PATH]
 
 On CPU the process asks for 8 host devices (`jax_num_cpu_devices`); they share the same cores, so
 a mesh cannot be faster than one device there: the CPU numbers show the sharding overhead (more,
 smaller kernels and the collectives), not a speedup. Per method and mesh: one warm-up call (compile
 excluded), then `repeats` timed calls, round-robin over meshes; median. tok/s = batch * new_tokens
 / time (prefill included). check = tokens identical to the 1-device run. Parameters are placed on
-each mesh once (`js.shard_params`) before timing. The `agreeing` transformation of
-tests/conftest.py makes the draft accept often, so speculation does real tree work.
+each mesh once (`sharding.placement.shard_params`) before timing. Parameters are
+`jaxspec.testing.high_acceptance` of a random init (the `agreeing` variant of spec_vs_ar.py): the
+draft accepts often, so speculation does real tree work.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import sys
 import time
 from typing import Any
 
@@ -29,38 +27,27 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np  # noqa: E402
-from _machine import usable_cores  # noqa: E402
-from rich.console import Console  # noqa: E402
+from _common import check_positive, console, parser, usable_cores, write_json  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 import jaxspec as js  # noqa: E402
-from jaxspec import sharding  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-
-
-def _agreeing(params):
-    from conftest import high_acceptance  # the same transformation the tests use
-
-    return high_acceptance(params)
+from jaxspec.sharding import make_mesh, parse_mesh  # noqa: E402
+from jaxspec.sharding.placement import shard_params  # noqa: E402
+from jaxspec.testing import high_acceptance  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="tiny")
+    p = parser(__doc__, seed_help="prompt seed")
     p.add_argument("--meshes", nargs="+", default=["8,1,1", "1,8,1", "2,2,2"], help="data,tensor,expert")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--spec", default="s3_k2_d6")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
-    for name in ("batch", "prompt_len", "new_tokens", "repeats"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    check_positive(p, args, ("batch", "prompt_len", "new_tokens", "repeats"))
     try:
-        args.meshes = [sharding.parse_mesh(m) for m in args.meshes]
+        args.meshes = [parse_mesh(m) for m in args.meshes]
         args.spec = js.SpecConfig.parse(args.spec)
     except ValueError as e:
         p.error(str(e))
@@ -69,21 +56,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    console = Console(width=max(Console().width, 120))
+    con = console()
     cfg = js.ModelConfig.preset(args.preset)
     backend, n_dev = jax.default_backend(), len(jax.devices())
-    console.print(f"[bold]jaxspec sharded benchmark[/]  preset={args.preset} batch={args.batch} "
-                  f"prompt_len={args.prompt_len} new_tokens={args.new_tokens} spec={args.spec.name}")
-    console.print(f"backend {backend}, {n_dev} devices ({jax.devices()[0].device_kind}), jax {jax.__version__}")
+    con.print(f"[bold]jaxspec sharded benchmark[/]  preset={args.preset} batch={args.batch} "
+              f"prompt_len={args.prompt_len} new_tokens={args.new_tokens} spec={args.spec.name}")
+    con.print(f"backend {backend}, {n_dev} devices ({jax.devices()[0].device_kind}), jax {jax.__version__}")
     if backend == "cpu":
-        console.print(f"[bold yellow]CPU numbers[/]: {n_dev} simulated devices share {usable_cores()} cores; "
-                      "a mesh shows sharding overhead here, not a speedup")
-    params = _agreeing(js.init_params(cfg, jax.random.key(0)))
-    prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (args.batch, args.prompt_len), dtype=np.int32)
+        con.print(f"[bold yellow]CPU numbers[/]: {n_dev} simulated devices share {usable_cores()} cores; "
+                  "a mesh shows sharding overhead here, not a speedup")
+    params = high_acceptance(js.init_params(cfg, jax.random.key(0)))
+    rng = np.random.default_rng(args.seed)
+    prompts = rng.integers(0, cfg.vocab_size, (args.batch, args.prompt_len), dtype=np.int32)
     setups: list[tuple[str, Any, Any]] = [("1 device", None, params)]
     for shape in args.meshes:
-        mesh = js.make_mesh(*shape)
-        setups.append((f"mesh {','.join(map(str, shape))}", mesh, js.shard_params(params, cfg, mesh)))
+        mesh = make_mesh(*shape)
+        setups.append((f"mesh {','.join(map(str, shape))}", mesh, shard_params(params, cfg, mesh)))
 
     methods = {
         "generate": lambda p, mesh: js.generate(p, cfg, prompts, max_new_tokens=args.new_tokens, mesh=mesh),
@@ -95,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         times: dict[str, list[float]] = {name: [] for name, _, _ in setups}
         outputs, warmup = {}, {}
         for name, mesh, p in setups:
-            with console.status(f"{method} on {name}: compiling..."):
+            with con.status(f"{method} on {name}: compiling..."):
                 t0 = time.perf_counter()
                 outputs[name] = run(p, mesh)
                 warmup[name] = time.perf_counter() - t0
@@ -123,12 +111,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         table.add_row(r["method"], r["setup"], f"{r['tokens_per_s']:.1f}", f"{speedup:.2f}", f"{r['time_s']:.3f}",
                       f"{r['warmup_s']:.1f}", "" if r["tau"] is None else f"{r['tau']:.2f}",
                       "ok" if r["check"] else "DIFFERS")
-    console.print(table)
+    con.print(table)
     result = {"preset": args.preset, "backend": backend, "devices": n_dev, "cpu_numbers": backend == "cpu",
               "cores": usable_cores(), "jax_version": jax.__version__, "rows": rows}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result, con)
     return result
 
 

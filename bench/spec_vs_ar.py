@@ -1,16 +1,21 @@
-"""Speculative (`speculative_generate`) vs autoregressive (`generate`) decoding, random init.
+"""Speculative (`speculative_generate`) vs autoregressive (`generate`) decoding.
 
-    python bench/spec_vs_ar.py [--preset tiny] [--specs s3_k1_d4 s7_k1_d8 s3_k2_d6 s4_k2_d8]
+    python bench/spec_vs_ar.py [--preset tiny | --checkpoint PATH] [--specs s3_k1_d4 s7_k1_d8 s3_k2_d6 s4_k2_d8]
                                [--variants random agreeing] [--batch 1] [--prompt-len 32]
                                [--new-tokens 64] [--repeats 2] [--stage-iters 10] [--no-stages] [--fused-cycle]
-                               [--json PATH]
+                               [--seed 0] [--json PATH]
 
-Model variants (both from `init_params(cfg, jax.random.key(0))`):
+Model variants of a --preset (both from `init_params(cfg, jax.random.key(0))`):
   * random   : plain random init; the MTP draft almost never agrees with the target (tau ~ 1),
                so speculation shows its pure overhead;
-  * agreeing : the same transformation as jaxspec.testing `high_acceptance` (damped sub-layers,
-               MTP made to compute the target's token -> next-token function), so drafts are
-               accepted often and the table shows what high acceptance buys.
+  * agreeing : `jaxspec.testing.high_acceptance` of it (damped sub-layers, MTP made to compute
+               the target's token -> next-token function), so drafts are accepted often and the
+               table shows what high acceptance buys.
+With --checkpoint the one variant is "checkpoint": the trained model (`load_checkpoint`, float
+leaves cast to float32 on a CPU), its config replacing --preset; --variants does not apply. Its
+prompts are GSM8K held-out (test) questions when the data is available: each encoded with the
+checkpoint's tokenizer, questions shorter than --prompt-len tokens skipped, the others cut to their
+last --prompt-len tokens. Otherwise (and always with --preset) prompts are random tokens (--seed).
 
 Part 1, end-to-end (per variant, batch, spec): one warm-up call each (compile excluded; its output
 feeds the check and tau/cycles, which are deterministic), then `repeats` rounds timing AR and every
@@ -19,23 +24,26 @@ spec round-robin (so load changes on a shared machine hit all alike); median per
   the same variant and batch; tau = mean accepted length (accepted drafts + bonus per cycle);
   cycles = verify cycles summed over the batch; check = greedy spec tokens == generate's tokens.
 
-Part 2, one cycle split into separately jitted stages, on a state prefilled with the prompt
-(target extend + MTP ring prefill, as `_speculative_loop` does), cache sized as the end-to-end run:
+Part 2, one cycle split into the separately jitted stages of `jaxspec.stages` (the ones `jaxspec
+tune` times), on a state prefilled with the prompt (`stages.prefill`: target extend + MTP ring
+prefill, as `_speculative_loop` does), cache sized as the end-to-end run:
   (a) draft   = draft_tree + prune_to_budget     (b) plan   = build_plan
-  (c) verify  = target forward with verify_context (d) accept = argmax + greedy_accept + commit_accepted_path
-each timed with block_until_ready, median over `stage-iters` calls, plus a 1-token decode step
-(`extend`, T=1) for reference. break-even tau = sum of stages / decode step: the mean accepted length
-a spec needs to match AR per cycle. e2e ms/cycle = that spec's end-to-end run time / its loop
-cycles (prefill included; the whole cycle fused in the while_loop). `--fused-cycle` also times
-`speculative_cycle` in one jit (one more compile per spec). Stage cost does not depend on
-parameter values, so it is measured once, on the first variant.
+  (c) verify  = target forward with verify_context (d) accept = tree_accept + commit_accepted_path
+each timed by `stages.time_stages` (block_until_ready, median over `stage-iters` calls), plus a
+1-token decode step (`stages.ar_step`, T=1, on generate's cache size) for reference. break-even
+tau = sum of stages / decode step: the mean accepted length a spec needs to match AR per cycle.
+e2e ms/cycle = that spec's end-to-end run time / its loop cycles (prefill included; the whole cycle
+fused in the while_loop). `--fused-cycle` also times `stages.cycle` (the whole cycle in one jit, one
+more compile per spec). The AR step and the fused cycle advance the state they are timed on, so
+they run at most as many times as the cache has room for. Stage cost does not depend on parameter
+values, so it is measured once, on the first variant.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import json
+import os
 import statistics
 import sys
 import time
@@ -45,43 +53,65 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _machine import machine_facts, machine_header
-from rich.console import Console
+from _common import check_positive, console, machine_facts, machine_header, parser, write_json
 from rich.table import Table
 
 import jaxspec as js
-from jaxspec.generate import (
-    compile_count,
-    length_bucket,
-    prefill_for_speculation,
-    speculative_compile_count,
-    speculative_cycle,
-)
-from jaxspec.model import extend, forward
+from jaxspec import stages as st
+from jaxspec.generate import compile_count, length_bucket, speculative_compile_count
 from jaxspec.testing import high_acceptance
-from jaxspec.tree.commit import commit_accepted_path
-from jaxspec.tree.draft import draft_tree, prune_to_budget
-from jaxspec.tree.plan import build_plan, verify_context
-from jaxspec.tree.verify import greedy_accept
 
+DEFAULT_PRESET = "tiny"
 DEFAULT_SPECS = ["s3_k1_d4", "s7_k1_d8", "s3_k2_d6", "s4_k2_d8"]
 VARIANTS = ("random", "agreeing")
-STAGES = ("draft", "plan", "verify", "accept")
+CHECKPOINT = "checkpoint"  # the one variant of a --checkpoint run
+STAGES = st.STAGES  # ("draft", "plan", "verify", "accept")
 
 
 # ---------------------------------------------------------------------------------------------
-# Model variants
+# Model and prompts
 # ---------------------------------------------------------------------------------------------
-
-
 
 
 def make_variant(name: str, base):
-    if name == "random":
+    if name in ("random", CHECKPOINT):
         return base
     if name == "agreeing":
         return high_acceptance(base)
     raise ValueError(name)
+
+
+def load_model(path: str) -> tuple[js.ModelConfig, Any, Any, str]:
+    """-> (cfg, params, tokenizer or None, note) of a checkpoint, float leaves cast to float32 on a CPU."""
+    from jaxspec.cli.common import as_float32
+
+    cfg, params, tok = js.load_checkpoint(os.path.expanduser(path))
+    note = ""
+    if cfg.dtype != "float32" and jax.default_backend() == "cpu":
+        cfg, params = as_float32(cfg, params)
+        note = " (cast to float32 for the CPU)"
+    return cfg, params, tok, note
+
+
+def gsm8k_prompts(tok, count: int, prompt_len: int) -> np.ndarray | None:
+    """[count, prompt_len] int32: the first GSM8K test questions of at least `prompt_len` tokens,
+    each cut to its last `prompt_len` tokens (repeated in turn if too few qualify); None when the
+    data is missing or no question is long enough."""
+    from jaxspec.data import data_available, load_dataset
+    from jaxspec.tokenizer import encode
+
+    if tok is None or not data_available():
+        return None
+    rows = []
+    for ex in load_dataset("gsm8k", "test"):
+        ids = encode(tok, ex.prompt)
+        if len(ids) >= prompt_len:
+            rows.append(ids[-prompt_len:])
+            if len(rows) == count:
+                break
+    if not rows:
+        return None
+    return np.asarray([rows[i % len(rows)] for i in range(count)], np.int32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,103 +171,48 @@ def bench_end_to_end(params, cfg, prompts, specs, new_tokens: int, repeats: int)
 
 
 # ---------------------------------------------------------------------------------------------
-# Part 2: per-stage split of one cycle
+# Part 2: per-stage split of one cycle (jaxspec.stages)
 # ---------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnums=(1, 3))
 def _prefill(params, cfg, prompt_tokens, max_len):
     """Prompt prefill exactly as `_speculative_loop` (full-length prompts): -> state, root, last_hidden."""
     lengths = jnp.full((prompt_tokens.shape[0],), prompt_tokens.shape[1], jnp.int32)
-    return prefill_for_speculation(params, cfg, prompt_tokens, lengths, max_len)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _verify(params, state, tokens, plan, cfg):
-    """Shared across specs: same tree size D and cache size -> one compile."""
-    return forward(params, cfg, state, tokens, verify_context(plan, state.length))
-
-
-def _stage_fns(cfg, spec: js.SpecConfig) -> dict[str, Callable]:
-    def draft(params, state, root, last_hidden):
-        pool = draft_tree(params, cfg, spec, state, root, last_hidden)
-        return prune_to_budget(pool, root, spec.num_draft_tokens)
-
-    def plan(parent, length):
-        return build_plan(parent, length, spec.num_steps)
-
-    def accept(params, state, tree, verify_out, plan, last_hidden, active):
-        choice = jnp.argmax(verify_out.logits, axis=-1).astype(jnp.int32)
-        acc = greedy_accept(tree.tokens, tree.parent, choice, spec.num_steps)
-        return commit_accepted_path(params, cfg, state, tree.tokens, verify_out, plan, acc, last_hidden, active)
-
-    def cycle(params, state, root, last_hidden, active):
-        return speculative_cycle(params, cfg, spec, state, root, last_hidden, active)
-
-    fns = {name: jax.jit(fn) for name, fn in (("draft", draft), ("plan", plan), ("accept", accept), ("cycle", cycle))}
-    fns["verify"] = functools.partial(_verify, cfg=cfg)
-    return fns
-
-
-def _time_call(fn: Callable, iters: int) -> tuple[float, float]:
-    """-> (compile + first call seconds, median ms of `iters` further calls)."""
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return first, 1e3 * statistics.median(times)
+    return st.prefill(params, cfg, prompt_tokens, lengths, max_len)
 
 
 def _bench_one_spec(params, cfg, name: str, prompt_tokens, new_tokens: int, iters: int, fused: bool) -> dict:
     spec = js.SpecConfig.parse(name)
-    b, prompt_len = prompt_tokens.shape
-    active = jnp.ones((b,), bool)
+    prompt_len = prompt_tokens.shape[1]
     max_len = length_bucket(prompt_len + new_tokens + spec.num_steps + 1, cfg.max_position_embeddings, minimum=64)
     state, root, last_hidden = _prefill(params, cfg, prompt_tokens, max_len)
-    fns = _stage_fns(cfg, spec)
-    row: dict[str, Any] = {"spec": name, "max_len": max_len, "stage_ms": {}, "first_call_s": {}}
-    # one real pass (compiles each stage) produces every stage's inputs
-    t0 = time.perf_counter()
-    tree = jax.block_until_ready(fns["draft"](params, state, root, last_hidden))
-    t1 = time.perf_counter()
-    plan = jax.block_until_ready(fns["plan"](tree.parent, state.length))
-    t2 = time.perf_counter()
-    vout = jax.block_until_ready(fns["verify"](params, state, tree.tokens, plan))
-    t3 = time.perf_counter()
-    row["first_call_s"].update(draft=t1 - t0, plan=t2 - t1, verify=t3 - t2)
-    calls = {
-        "draft": lambda: fns["draft"](params, state, root, last_hidden),
-        "plan": lambda: fns["plan"](tree.parent, state.length),
-        "verify": lambda: fns["verify"](params, state, tree.tokens, plan),
-        "accept": lambda: fns["accept"](params, state, tree, vout, plan, last_hidden, active),
-    }
+    timed = st.time_stages(params, cfg, spec, state, root, last_hidden, iters)
+    row: dict[str, Any] = {"spec": name, "max_len": max_len, **timed, "fused_cycle_ms": None}
     if fused:
-        calls["cycle"] = lambda: fns["cycle"](params, state, root, last_hidden, active)
-    for stage, call in calls.items():
-        first, ms = _time_call(call, iters)
-        row["stage_ms"][stage] = ms
-        row["first_call_s"].setdefault(stage, first)
-    total = sum(row["stage_ms"][s] for s in STAGES)
-    row["sum_of_stages_ms"] = total
-    row["stage_pct"] = {s: 100.0 * row["stage_ms"][s] / total for s in STAGES}
-    row["fused_cycle_ms"] = row["stage_ms"].pop("cycle", None)
+        # Each call commits up to num_steps + 1 tokens of the carried state: as many calls as the cache holds.
+        cycle_iters = max(1, min(iters, (max_len - prompt_len) // (spec.num_steps + 1) - 1))
+        first, seconds, _ = st.median_seconds(
+            lambda c: st.cycle(params, cfg, spec, c[0], c[1], c[2])[:3], (state, root, last_hidden), cycle_iters)
+        row["first_call_s"]["cycle"] = first
+        row["fused_cycle_ms"] = 1e3 * seconds
+        row["fused_cycle_iters"] = cycle_iters
     return row
 
 
 def bench_stages(params, cfg, prompts, specs, new_tokens: int, iters: int, fused: bool) -> dict[str, Any]:
     prompt_tokens = jnp.asarray(prompts, jnp.int32)
+    prompt_len = prompts.shape[1]
     result: dict[str, Any] = {}
-    # the 1-token decode step, on the cache size `generate` uses for this run
-    ar_len = length_bucket(prompts.shape[1] + new_tokens, cfg.max_position_embeddings, minimum=64)
+    # the 1-token decode step, on the cache size `generate` uses for this run; each call commits one
+    # token of the carried state, so at most as many calls as the cache holds
+    ar_len = length_bucket(prompt_len + new_tokens, cfg.max_position_embeddings, minimum=64)
     state, root, _ = _prefill(params, cfg, prompt_tokens, ar_len)
-    step = jax.jit(lambda p, s, t: extend(p, cfg, s, t, jnp.ones(t.shape, bool)))
-    first, ms = _time_call(lambda: step(params, state, root[:, None]), iters)
+    ar_iters = max(1, min(iters, ar_len - prompt_len - 1))
+    first, seconds, _ = st.median_seconds(lambda c: st.ar_step(params, cfg, *c), (state, root), ar_iters)
+    ms = 1e3 * seconds
     result["decode_step_ms"] = ms
     result["decode_step_first_call_s"] = first
+    result["decode_step_iters"] = ar_iters
     result["specs"] = []
     for name in specs:
         row = _bench_one_spec(params, cfg, name, prompt_tokens, new_tokens, iters, fused)
@@ -252,30 +227,29 @@ def bench_stages(params, cfg, prompts, specs, new_tokens: int, iters: int, fused
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="tiny")
+    p = parser(__doc__, preset=None, preset_help=f"model config preset (default {DEFAULT_PRESET}; "
+                                                 "ignored with --checkpoint)",
+               seed_help="random prompt seed")
+    p.add_argument("--checkpoint", metavar="PATH", help="a trained checkpoint folder instead of a random-init preset")
     p.add_argument("--specs", nargs="+", default=DEFAULT_SPECS, help="spec names sS_kK_dD")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--variants", nargs="+", default=None, choices=VARIANTS,
+                   help="random-init variants (default: both; ignored with --checkpoint)")
     p.add_argument("--batch", type=int, nargs="+", default=[1])
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--stage-iters", type=int, default=10, help="timed calls per stage (median)")
     p.add_argument("--no-stages", action="store_true", help="skip the per-stage split")
-    p.add_argument("--fused-cycle", action="store_true", help="also time speculative_cycle in one jit")
-    p.add_argument("--seed", type=int, default=0, help="prompt seed")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    p.add_argument("--fused-cycle", action="store_true", help="also time the whole cycle in one jit")
     args = p.parse_args(argv)
-    for name in ("prompt_len", "new_tokens", "repeats", "stage_iters"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if any(b < 1 for b in args.batch):
-        p.error("--batch values must be >= 1")
+    check_positive(p, args, ("prompt_len", "new_tokens", "repeats", "stage_iters", "batch"))
     for s in args.specs:
         try:
             js.SpecConfig.parse(s)
         except ValueError as e:
             p.error(str(e))
+    if args.checkpoint is not None and not os.path.isdir(os.path.expanduser(args.checkpoint)):
+        p.error(f"--checkpoint {args.checkpoint!r} is not a folder")
     return args
 
 
@@ -285,11 +259,21 @@ def _fmt(x, spec: str = ".2f") -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    console = Console()
-    if not console.is_terminal:  # piped / logged: don't squeeze the tables into 80 columns
-        console = Console(width=160)
+    con = console()
+    tok, load_note = None, ""
+    t0 = time.perf_counter()
     try:
-        cfg = js.ModelConfig.preset(args.preset)
+        if args.checkpoint is not None:
+            for flag, given in (("--preset", args.preset is not None), ("--variants", args.variants is not None)):
+                if given:
+                    con.print(f"[yellow]note:[/] {flag} ignored: the model comes from --checkpoint")
+            cfg, base, tok, load_note = load_model(args.checkpoint)
+            model = f"checkpoint {os.path.basename(os.path.normpath(args.checkpoint))}"
+            preset, variants = None, [CHECKPOINT]
+        else:
+            preset = args.preset or DEFAULT_PRESET
+            cfg = js.ModelConfig.preset(preset)
+            model, variants = preset, args.variants or list(VARIANTS)
         for s in args.specs:
             js.SpecConfig.parse(s).validate_for(cfg)
     except ValueError as e:
@@ -297,31 +281,42 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     facts = machine_facts()
     header = machine_header(facts, "accelerator throughput or of the spec/AR trade-off there")
-    console.print(f"[bold]jaxspec speculative vs autoregressive benchmark[/]  preset={args.preset} dtype={cfg.dtype} "
-                  f"prompt_len={args.prompt_len} new_tokens={args.new_tokens} repeats={args.repeats} "
-                  f"batch={args.batch} greedy, no eos")
-    console.print(header)
+    source = f"preset={preset}" if preset is not None else f"checkpoint={args.checkpoint}"
+    con.print(f"[bold]jaxspec speculative vs autoregressive benchmark[/]  {source} dtype={cfg.dtype}{load_note} "
+              f"prompt_len={args.prompt_len} new_tokens={args.new_tokens} repeats={args.repeats} "
+              f"batch={args.batch} greedy, no eos")
+    con.print(header)
 
-    t0 = time.perf_counter()
-    base = js.init_params(cfg, jax.random.key(0))
+    if args.checkpoint is None:
+        base = js.init_params(cfg, jax.random.key(0))
     jax.block_until_ready(base)
     init_s = time.perf_counter() - t0
 
-    rng = np.random.default_rng(args.seed)
-    prompts = {b: rng.integers(0, cfg.vocab_size, size=(b, args.prompt_len), dtype=np.int32) for b in args.batch}
+    prompt_source = "random"
+    data = gsm8k_prompts(tok, max(args.batch), args.prompt_len) if args.checkpoint is not None else None
+    if data is not None:
+        prompt_source = "gsm8k test"
+        prompts = {b: data[:b] for b in args.batch}
+    else:
+        if args.checkpoint is not None:
+            con.print(f"[yellow]note:[/] random prompts: no GSM8K data, tokenizer or question of {args.prompt_len}+ "
+                      "tokens")
+        rng = np.random.default_rng(args.seed)
+        prompts = {b: rng.integers(0, cfg.vocab_size, size=(b, args.prompt_len), dtype=np.int32) for b in args.batch}
+    con.print(f"prompts: {prompt_source}")
 
     # Part 1
     e2e = []
-    for variant in args.variants:
+    for variant in variants:
         params = make_variant(variant, base)
         for b in args.batch:
-            with console.status(f"{variant}, batch {b}: compiling + timing..."):
+            with con.status(f"{variant}, batch {b}: compiling + timing..."):
                 rows = bench_end_to_end(params, cfg, prompts[b], args.specs, args.new_tokens, args.repeats)
             for r in rows:
                 r.update(variant=variant, batch=b)
             e2e.extend(rows)
 
-    table = Table(title=f"end-to-end decode: {args.preset}, {args.new_tokens} new tokens ({facts['backend'].upper()})")
+    table = Table(title=f"end-to-end decode: {model}, {args.new_tokens} new tokens ({facts['backend'].upper()})")
     for name in ("variant", "batch", "method", "tok/s", "x AR", "tau", "cycles", "check", "run s", "warm-up s"):
         table.add_column(name, justify="left" if name in ("variant", "method", "check") else "right", no_wrap=True)
     last_group = None
@@ -338,8 +333,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             _fmt(r["cycles"], "d") if r["cycles"] is not None else str(r["decode_steps"]) + " steps",
             check_str, f"{r['time_s']:.3f}", f"{r['warmup_s']:.1f}",
         )
-    console.print(table)
-    console.print(
+    con.print(table)
+    con.print(
         "tok/s = batch*new_tokens / median run time (prefill included, compile excluded); x AR = spec tok/s / AR "
         "tok/s (same variant, batch); tau = mean accepted length (accepted drafts + bonus per cycle); cycles summed "
         "over the batch (AR: decode steps); check = greedy spec tokens == generate's; warm-up s = first call "
@@ -349,18 +344,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # Part 2
     stages = {}
     if not args.no_stages:
-        params = make_variant(args.variants[0], base)
+        params = make_variant(variants[0], base)
         for b in args.batch:
-            with console.status(f"per-stage split, batch {b}: compiling + timing..."):
+            with con.status(f"per-stage split, batch {b}: compiling + timing..."):
                 stages[b] = bench_stages(params, cfg, prompts[b], args.specs, args.new_tokens, args.stage_iters,
                                          args.fused_cycle)
             for r in stages[b]["specs"]:  # the same spec's end-to-end loop, for comparison
-                e = next((x for x in e2e if x["variant"] == args.variants[0] and x["batch"] == b
+                e = next((x for x in e2e if x["variant"] == variants[0] and x["batch"] == b
                           and x["spec"] == r["spec"]), None)
                 r["e2e_ms_per_cycle"] = None if e is None else 1e3 * e["time_s"] / max(e["loop_cycles"], 1)
         for b, res in stages.items():
             table = Table(title=f"one cycle, per stage, ms (% of sum): batch {b}, prompt {args.prompt_len}, "
-                                f"'{args.variants[0]}' params ({facts['backend'].upper()})")
+                                f"'{variants[0]}' params ({facts['backend'].upper()})")
             table.add_column("spec", no_wrap=True)
             names = ["draft+prune", "plan", "verify fwd", "accept+commit", "sum", "break-even tau", "e2e ms/cycle"]
             if args.fused_cycle:
@@ -377,15 +372,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             table.add_section()
             table.add_row("AR step", "", "", f"{res['decode_step_ms']:.2f}", "", f"{res['decode_step_ms']:.2f}",
                           "1.00", "", *([""] if args.fused_cycle else []))
-            console.print(table)
-        console.print(
-            f"Stages jitted separately, median of {args.stage_iters} calls each (block_until_ready; one dispatch "
-            "each); AR step = 1-token decode (extend, T=1) on generate's cache size; break-even tau = sum / AR step; "
-            "e2e ms/cycle = end-to-end run time / loop cycles (prefill included)."
+            con.print(table)
+        con.print(
+            f"Stages of jaxspec.stages jitted separately, median of {args.stage_iters} calls each "
+            "(block_until_ready; one dispatch each); AR step = 1-token decode (stages.ar_step, T=1) on generate's "
+            "cache size; break-even tau = sum / AR step; e2e ms/cycle = end-to-end run time / loop cycles (prefill "
+            "included)" + ("; fused cycle = stages.cycle" if args.fused_cycle else "") + ". The AR step"
+            + (" and the fused cycle carry their state forward, so they run" if args.fused_cycle
+               else " carries its state forward, so it runs") + " at most as many calls as the cache holds."
         )
 
     result = {
-        "preset": args.preset,
+        "preset": preset,
+        "checkpoint": args.checkpoint,
+        "prompts": prompt_source,
         "dtype": cfg.dtype,
         **facts,
         "init_s": init_s,
@@ -393,15 +393,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
         "specs": args.specs,
-        "variants": args.variants,
+        "variants": variants,
         "end_to_end": e2e,
         "stages": {str(b): v for b, v in stages.items()},
         "stage_iters": args.stage_iters,
     }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-        console.print(f"wrote {args.json}")
+    write_json(args.json, result, con)
     return result
 
 

@@ -1,0 +1,99 @@
+"""What every benchmark shares: the machine it ran on, the flags every script has, the console,
+argument checks and the JSON record.
+
+The scripts import it as `_common` (their own folder is on `sys.path` when run as
+`python bench/<script>.py`; `kernels.py`, which the tests load by path, adds the folder itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+from rich.console import Console
+
+# ---------------------------------------------------------------------------------------------
+# Machine facts
+# ---------------------------------------------------------------------------------------------
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def machine_facts() -> dict[str, Any]:
+    """Backend, devices and jax version, for a benchmark's JSON record."""
+    backend = jax.default_backend()
+    devices = jax.devices()
+    return {
+        "backend": backend,
+        "devices": [str(d) for d in devices],
+        "device_kind": devices[0].device_kind if devices else "?",
+        "cpu_numbers": backend == "cpu",
+        "cpu_cores_usable": usable_cores(),
+        "jax_version": jax.__version__,
+    }
+
+
+def machine_header(facts: dict[str, Any], cpu_caveat: str) -> str:
+    """Rich markup: the backend line, plus a warning that CPU numbers are not `cpu_caveat`."""
+    header = (f"backend: {facts['backend']}  devices: {', '.join(facts['devices'])} ({facts['device_kind']})  "
+              f"jax {facts['jax_version']}")
+    if facts["cpu_numbers"]:
+        header += (f"\n[bold yellow]CPU numbers[/] ({facts['cpu_cores_usable']} cores usable, {platform.machine()}): "
+                   f"not representative of {cpu_caveat}")
+    return header
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line, console, JSON
+# ---------------------------------------------------------------------------------------------
+
+
+def parser(doc: str, preset: str | None = "tiny", preset_help: str | None = None,
+           seed_help: str = "random seed") -> argparse.ArgumentParser:
+    """An ArgumentParser described by `doc`'s first paragraph, with the flags every bench has:
+    --preset (default `preset`), --json PATH and --seed (default 0). Scripts add their own."""
+    p = argparse.ArgumentParser(description=" ".join(doc.strip().split("\n\n")[0].split()))
+    p.add_argument("--preset", default=preset,
+                   help=preset_help or f"model config preset (default {preset})")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    p.add_argument("--seed", type=int, default=0, help=f"{seed_help} (default 0)")
+    return p
+
+
+def check_positive(p: argparse.ArgumentParser, args: argparse.Namespace, names: Iterable[str]) -> None:
+    """`p.error` (exit 2) unless every attribute in `names` (an int, or a list of ints) is >= 1."""
+    for name in names:
+        value = getattr(args, name)
+        flag = f"--{name.replace('_', '-')}"
+        if isinstance(value, list | tuple):
+            if any(v < 1 for v in value):
+                p.error(f"{flag} values must be >= 1")
+        elif value < 1:
+            p.error(f"{flag} must be >= 1")
+
+
+def console() -> Console:
+    """A rich Console; when the output is not a terminal (piped, logged) at least 160 columns wide,
+    so tables are not squeezed into 80."""
+    c = Console()
+    return c if c.is_terminal else Console(width=max(c.width, 160))
+
+
+def write_json(path: str | os.PathLike | None, result: Any, console: Console | None = None) -> None:
+    """Write `result` as indented JSON to `path` (nothing when `path` is None) and say so on `console`."""
+    if not path:
+        return
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    if console is not None:
+        console.print(f"wrote {path}")
