@@ -372,7 +372,7 @@ def speculative_cycle(
             hidden=poison(verify_out.hidden),
         )
     state, last_hidden = commit_accepted_path(
-        params, cfg, state, tree.tokens, verify_out, plan, acc, last_hidden, active
+        params, cfg, state, tree.tokens, verify_out, acc, last_hidden, active
     )
     return state, last_hidden, tree, acc
 

@@ -152,6 +152,8 @@ def tuning_table(tuning: Tuning) -> str:
     """Per bucket: predicted tokens/s of every candidate, the winner marked."""
     lines = [
         f"Per-rank acceptance: {', '.join(f'{p:.3f}' for p in tuning.acceptance)}; estimator: {tuning.estimator}",
+        *([f"AR and cycle ms are projected by the cost model ({tuning.projected}), not measured; draft ms is "
+           "measured here"] if tuning.projected else []),
         "",
         "| batch | spec | draft ms | cycle ms | tau (sequoia) | tau (measured) | predicted tok/s | chosen |",
         "|---:|---|---:|---:|---:|---:|---:|:---:|",

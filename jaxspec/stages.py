@@ -59,10 +59,10 @@ def verify(params: ModelParams, cfg: ModelConfig, state: DecodeState, tokens: ja
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def accept(params: ModelParams, cfg: ModelConfig, spec: SpecConfig, state: DecodeState, tree: Tree,
-           verify_out: ForwardOutput, tree_plan: TreePlan, last_hidden: jax.Array, active: jax.Array):
+           verify_out: ForwardOutput, last_hidden: jax.Array, active: jax.Array):
     """Greedy acceptance + commit of the accepted path: -> (state, last_hidden)."""
     acc = tree_accept(tree.tokens, tree.parent, verify_out.logits, spec.num_steps)
-    return commit_accepted_path(params, cfg, state, tree.tokens, verify_out, tree_plan, acc, last_hidden, active)
+    return commit_accepted_path(params, cfg, state, tree.tokens, verify_out, acc, last_hidden, active)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2), donate_argnums=(3,))
@@ -107,7 +107,7 @@ def time_stages(params: ModelParams, cfg: ModelConfig, spec: SpecConfig, state: 
         "draft": lambda _: draft(params, cfg, spec, state, root, last_hidden),
         "plan": lambda _: plan(spec, tree.parent, state.length),
         "verify": lambda _: verify(params, cfg, state, tree.tokens, tree_plan),
-        "accept": lambda _: accept(params, cfg, spec, state, tree, verify_out, tree_plan, last_hidden, active),
+        "accept": lambda _: accept(params, cfg, spec, state, tree, verify_out, last_hidden, active),
     }
     stage_ms, first_s = {}, {}
     for name, call in calls.items():

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import stages
+from jaxspec import cost, stages
 from jaxspec.config import ModelConfig, SpecConfig
 from jaxspec.eval import measure_rank_acceptance
 from jaxspec.generate import batch_bucket, length_bucket, prepare_prompts
@@ -74,6 +74,19 @@ def choose(measurements: Sequence[dict[str, Any]], estimator: str) -> dict[int, 
     return {b: name for b, (_, name) in sorted(best.items())}
 
 
+def project_measurements(measurements: Sequence[dict[str, Any]], cfg: ModelConfig, context: int,
+                         accelerator: str) -> None:
+    """Replace each measurement's AR-step / cycle seconds by the cost model's projection for `cfg` on
+    `accelerator` (in place); the measured ones stay as measured_step_seconds / measured_cycle_seconds."""
+    for m in measurements:
+        spec = None if m["spec"] == NO_SPECULATION else SpecConfig.parse(m["spec"])
+        seconds = cost.projected_seconds(cfg, spec, m["batch"], context, accelerator)
+        if spec is None:
+            m.update(measured_step_seconds=m["step_seconds"], step_seconds=seconds, tokens_per_s=m["batch"] / seconds)
+        else:
+            m.update(measured_cycle_seconds=m["cycle_seconds"], cycle_seconds=seconds)
+
+
 def _prompt_rows(prompts: Sequence[Sequence[int]], batch: int, width: int) -> tuple[jax.Array, jax.Array]:
     tokens = np.zeros((batch, width), np.int32)
     lengths = np.zeros((batch,), np.int32)
@@ -94,8 +107,16 @@ def calibrate(
     iters: int = 16,
     estimator: str = "measured",
     progress: bool = True,
+    projected: str | None = None,
+    projected_cfg: ModelConfig | None = None,
 ) -> Tuning:
-    """Measure acceptance and step times on `prompts`, then choose a spec (or none) per batch bucket."""
+    """Measure acceptance and step times on `prompts`, then choose a spec (or none) per batch bucket.
+
+    With `projected` (an accelerator of `jaxspec.cost`, e.g. "h200") the choice uses the cost model's
+    projected AR-step and cycle times on that accelerator instead of this machine's (of
+    `projected_cfg`, default the checkpoint's own config) with the acceptance measured here: a
+    choice for a machine that is not at hand. The measured times are kept beside them.
+    """
     from rich.progress import Progress
 
     if not isinstance(cfg, ModelConfig):
@@ -108,6 +129,8 @@ def calibrate(
         raise ValueError(f"batch sizes must be ints >= 1, got {list(batch_sizes)}")
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
+    if projected is not None:
+        cost.accelerator(projected)  # a ValueError naming the known ones
     specs = [SpecConfig.parse(c) if isinstance(c, str) else c for c in candidates]
     if not specs:
         raise ValueError("need at least one candidate spec")
@@ -157,6 +180,8 @@ def calibrate(
                     "verify_commit_seconds": max(cycle_seconds - draft_seconds, 0.0), "cycle_seconds": cycle_seconds,
                 })
                 bar.advance(task)
+    if projected is not None:
+        project_measurements(measurements, projected_cfg or cfg, max_len, projected)
     # A prompt's accepted length does not depend on the batch (greedy rows are independent): pool
     # every bucket's cycles per prompt.
     for m in measurements:
@@ -174,6 +199,7 @@ def calibrate(
         estimator=estimator,
         measurements=tuple(measurements),
         max_new_tokens=int(max_new_tokens),
+        projected=None if projected is None else f"{projected}:{(projected_cfg or cfg).num_layers}-layer model",
     )
 
 

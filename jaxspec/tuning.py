@@ -28,6 +28,7 @@ class Tuning:
     estimator: str  # how expected tokens per cycle were estimated ("sequoia" or "measured")
     measurements: tuple[dict[str, Any], ...]  # one per (bucket, candidate), "ar" included
     max_new_tokens: int
+    projected: str | None = None  # times projected by the cost model onto this accelerator, not measured
 
     def spec_for(self, batch_size: int) -> SpecConfig | None:
         """The choice for `batch_size` (the nearest calibrated bucket in log scale); None = no speculation."""
@@ -53,6 +54,7 @@ class Tuning:
                 estimator=str(data["estimator"]),
                 measurements=tuple(data["measurements"]),
                 max_new_tokens=int(data["max_new_tokens"]),
+                projected=data.get("projected"),
             )
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"not a jaxspec tuning file (missing or malformed field: {e})") from e

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 import jaxspec as js
+from jaxspec.cost import projected_seconds
 from jaxspec.report import comparison_table, tuning_table
 from jaxspec.tree.budget import expected_tokens_per_cycle, sequoia_optimum
-from jaxspec.tune import auto_spec, batch_tokens_per_cycle, calibrate, choose, compare_with_sweep
+from jaxspec.tune import auto_spec, batch_tokens_per_cycle, calibrate, choose, compare_with_sweep, project_measurements
 from jaxspec.tuning import NO_SPECULATION, Tuning, load_tuning
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
@@ -118,6 +119,20 @@ def test_calibrate_measures_every_candidate_per_bucket(agreeing_params, test_cfg
         calibrate(agreeing_params, test_cfg, PROMPTS, (1,), ("s9_k1_d10",), progress=False)
     with pytest.raises(ValueError, match="batch sizes"):
         calibrate(agreeing_params, test_cfg, PROMPTS, (0,), candidates, progress=False)
+
+
+def test_projected_times_replace_the_measured_ones(test_cfg):
+    measurements = [_measurement(2, "s2_k2_d4", 0.5, 2.0), {"batch": 2, "spec": NO_SPECULATION, "step_seconds": 0.1,
+                                                            "tokens_per_s": 20.0}]
+    project_measurements(measurements, test_cfg, 64, "h200")
+    cycle, ar = measurements
+    assert cycle["measured_cycle_seconds"] == 0.5 and ar["measured_step_seconds"] == 0.1
+    spec = js.SpecConfig.parse("s2_k2_d4")
+    assert cycle["cycle_seconds"] == pytest.approx(projected_seconds(test_cfg, spec, 2, 64, "h200"))
+    assert ar["tokens_per_s"] == pytest.approx(2 / projected_seconds(test_cfg, None, 2, 64, "h200"))
+    assert cycle["cycle_seconds"] > ar["step_seconds"]  # a cycle has more passes than a step
+    with pytest.raises(ValueError, match="unknown accelerator"):
+        project_measurements(measurements, test_cfg, 64, "tpu9")
 
 
 @pytest.mark.parametrize("choice", [NO_SPECULATION, "s3_k2_d6"])

@@ -5,6 +5,7 @@
     jaxspec sweep --checkpoint PATH [--datasets gsm8k,mbpp,sharegpt] [--specs ...] [--batch-sizes 1,4,16,64]
     jaxspec tune  --checkpoint PATH [--candidates ...] [--batch-sizes 1,4,16,64] [--compare RUNS_JSONL]
     jaxspec plan  [--preset v4-flash] [--devices 8] [--mesh D,T,E] [--batch 16] [--context 65536]
+    jaxspec cost  [--preset v4-flash] [--devices 8] [--specs s4_k1_d5,s4_k2_d8] [--batch-sizes 1,8,32,64] [--tau 2.5]
 
 One module per subcommand, each with `add_parser(subparsers)` that sets `func=run(args, console) -> int`;
 shared flag groups and the model loader live in `cli.common`. Bad input raises ValueError / OSError
@@ -19,10 +20,10 @@ import sys
 
 from rich.console import Console
 
-from jaxspec.cli import demo, plan, sweep, train, tune
+from jaxspec.cli import cost, demo, plan, sweep, train, tune
 
 PROG = "jaxspec"
-COMMANDS = (demo, train, sweep, tune, plan)
+COMMANDS = (demo, train, sweep, tune, plan, cost)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -32,6 +32,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--estimator", choices=ESTIMATORS, default="measured",
                    help="expected tokens per cycle: Sequoia's optimum from the per-rank acceptance, or the "
                    "mean accepted length measured on the calibration prompts")
+    p.add_argument("--projected", default=None, metavar="ACCELERATOR",
+                   help="choose with the cost model's projected step times on this accelerator (e.g. h200) and the "
+                   "acceptance measured here, instead of this machine's times")
+    p.add_argument("--projected-preset", default=None, metavar="PRESET",
+                   help="with --projected: project the times of this preset (default: the checkpoint's model)")
     p.add_argument("--out", default=None, help="tuning file (default CHECKPOINT/tune.json)")
     p.add_argument("--compare", default=None, metavar="RUNS_JSONL",
                    help="a `jaxspec sweep` runs.jsonl: report the choice's measured tokens/s against the best")
@@ -51,6 +56,17 @@ def run(args: argparse.Namespace, console: Console) -> int:
         positive("batch-sizes", b)
     if args.compare is not None and not os.path.isfile(args.compare):
         raise FileNotFoundError(f"--compare file {args.compare!r} does not exist")
+    if args.projected_preset is not None and args.projected is None:
+        raise ValueError("--projected-preset needs --projected ACCELERATOR")
+    if args.projected is not None:
+        from jaxspec.cost import accelerator
+
+        accelerator(args.projected)  # unknown names fail before the model loads
+    projected_cfg = None
+    if args.projected_preset is not None:
+        from jaxspec.config import ModelConfig
+
+        projected_cfg = ModelConfig.preset(args.projected_preset)
     model = load_model(args, console, need_tokenizer="tuning")
     prompts = []
     for name in args.datasets:
@@ -59,7 +75,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     console.print(f"calibrating on {len(prompts)} train-split prompts, {len(args.candidates)} candidates, "
                   f"batch sizes {list(args.batch_sizes)}")
     tuning = calibrate(model.params, model.cfg, prompts, args.batch_sizes, args.candidates, args.new_tokens,
-                       args.iters, args.estimator)
+                       args.iters, args.estimator, projected=args.projected, projected_cfg=projected_cfg)
     out = tuning.save(args.out or os.path.expanduser(args.checkpoint))
     console.print(tuning_table(tuning))
     console.print("chosen: " + ", ".join(f"batch {b}: {name}" for b, name in tuning.choices.items()))

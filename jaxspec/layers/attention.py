@@ -54,6 +54,11 @@ class AttentionContext:
     visible: jax.Array  # [B, T, T] bool: new token i may read new token j (self included)
     ancestor_at_depth: jax.Array  # [B, T, T] int32: index of i's chain element at position P + d
     valid: jax.Array  # [B, T] bool: padding tokens are False
+    # Window kv of uncommitted tokens computed by earlier calls (the draft's scratch): a new token
+    # also reads prior key j where prior_visible[i, j]. Sliding-window layers only.
+    prior_kv: jax.Array | None = None  # [B, X, c]
+    prior_positions: jax.Array | None = None  # [B, X] int32
+    prior_visible: jax.Array | None = None  # [B, T, X] bool
 
 
 @struct.dataclass
@@ -110,8 +115,8 @@ def attend(
     q: jax.Array,  # [B, T, H, c] queries (RoPE'd)
     window_kv: jax.Array,  # [B, W, c] committed window ring
     window_pos: jax.Array,  # [B, W] int32 absolute position held by each slot (-1: empty)
-    new_kv: jax.Array,  # [B, T, c] the new tokens' window kv
-    new_mask: jax.Array,  # [B, T, T] bool: token i reads new token j (ancestor-or-self, in window)
+    new_kv: jax.Array,  # [B, N, c] window kv of the uncommitted tokens (the new ones, maybe after a scratch)
+    new_mask: jax.Array,  # [B, T, N] bool: token i reads uncommitted token j (ancestor-or-self, in window)
     positions: jax.Array,  # [B, T] int32 absolute positions of the new tokens
     sink: jax.Array,  # [H] fp32 per-head sink logit
     *,
@@ -186,7 +191,13 @@ def attention(
     window = cfg.sliding_window
     ring = layer_state.swa_kv
     ring_pos = ring_positions(ctx.committed, ring.shape[1])  # [B, W]
-    new_mask = ctx.visible & (ctx.positions[:, None, :] > ctx.positions[:, :, None] - window)  # [B, T, T]
+    new_kv, new_mask = kv, ctx.visible & (ctx.positions[:, None, :] > ctx.positions[:, :, None] - window)
+    if ctx.prior_kv is not None:
+        if compressed:
+            raise ValueError("prior (scratch) keys are for sliding-window layers only")
+        prior_mask = ctx.prior_visible & (ctx.prior_positions[:, None, :] > ctx.positions[:, :, None] - window)
+        new_kv = jnp.concatenate([ctx.prior_kv.astype(kv.dtype), kv], axis=1)  # [B, X+T, c]
+        new_mask = jnp.concatenate([prior_mask, new_mask], axis=-1)  # [B, T, X+T]
     keys: dict[str, Any] = {}
     if compressed:
         comp_kv_rows, comp_gate_rows = compressor_rows(p.compressor, x, ctx.positions, ratio)
@@ -228,7 +239,7 @@ def attention(
                 tree_entry_mask=jnp.any(local[..., None] == jnp.arange(t, dtype=local.dtype), axis=-2),
             )
 
-    args = (q, ring, ring_pos, kv, new_mask, ctx.positions, p.sink)
+    args = (q, ring, ring_pos, new_kv, new_mask, ctx.positions, p.sink)
     if cfg.attention_impl == "pallas":
         # Under a mesh the kernel runs once per shard on its own heads; every other argument holds
         # this data shard's rows whole.

@@ -75,12 +75,18 @@ def route(
     return indices.astype(jnp.int32), weights * cfg.routed_scaling_factor
 
 
-def expert_ffn(experts: MLPParams, cfg: ModelConfig, x: jax.Array, combine: jax.Array) -> jax.Array:
-    """Every expert on every token, weighted: x [N, d], combine [N, E] fp32 -> [N, d] fp32.
-
-    Takes any slice of the experts (and of their hidden width) with the matching combine columns,
-    which is how `sharding.active.routed_experts` runs it per device before summing the partial outputs.
-    """
+def dense_experts(
+    experts: MLPParams,
+    cfg: ModelConfig,
+    x: jax.Array,  # [N, d]
+    indices: jax.Array,  # [N, k] int32 expert of each assignment (>= E: not on this device)
+    weights: jax.Array,  # [N, k] fp32
+) -> jax.Array:
+    """Every expert on every token, unselected ones weighted 0 -> [N, d] fp32: ~E/k times the work a
+    token needs. The reference the sparse paths are tested against, never run by the model."""
+    n, num_experts = x.shape[0], experts.w1.shape[0]
+    combine = jnp.zeros((n, num_experts + 1), jnp.float32)
+    combine = combine.at[jnp.arange(n)[:, None], jnp.minimum(indices, num_experts)].add(weights)[:, :num_experts]
     gate = jnp.einsum("nd,edi->nei", x, experts.w1)
     up = jnp.einsum("nd,edi->nei", x, experts.w3)
     hidden = clamped_swiglu(gate, up, cfg.swiglu_limit)
@@ -89,19 +95,73 @@ def expert_ffn(experts: MLPParams, cfg: ModelConfig, x: jax.Array, combine: jax.
     )
 
 
+def gathered_experts(
+    experts: MLPParams, cfg: ModelConfig, x: jax.Array, indices: jax.Array, weights: jax.Array
+) -> jax.Array:
+    """Few assignments (decode, draft, verify): gather each assignment's expert weights and contract
+    per assignment, so only the N*k selected experts are read -> [N, d] fp32."""
+    n, d = x.shape
+    k = indices.shape[1]
+    num_experts = experts.w1.shape[0]
+    flat = indices.reshape(-1)
+    here = flat < num_experts
+    expert = jnp.where(here, flat, 0)
+    tokens = jnp.repeat(x, k, axis=0)  # [N*k, d]
+    gate = jnp.einsum("ad,adi->ai", tokens, experts.w1[expert])
+    up = jnp.einsum("ad,adi->ai", tokens, experts.w3[expert])
+    hidden = clamped_swiglu(gate, up, cfg.swiglu_limit)
+    out = jnp.einsum("ai,aid->ad", hidden, experts.w2[expert], preferred_element_type=jnp.float32)
+    scale = jnp.where(here, weights.reshape(-1), 0.0)
+    return jnp.sum((out * scale[:, None]).reshape(n, k, d), axis=1)
+
+
+def grouped_experts(
+    experts: MLPParams, cfg: ModelConfig, x: jax.Array, indices: jax.Array, weights: jax.Array
+) -> jax.Array:
+    """Many assignments (prefill, training): sort them by expert and run one grouped matmul per
+    projection (`jax.lax.ragged_dot`, no token dropping) -> [N, d] fp32. Assignments of experts not
+    on this device sort last, outside every group, and cost nothing."""
+    n, d = x.shape
+    k = indices.shape[1]
+    num_experts = experts.w1.shape[0]
+    flat = jnp.minimum(indices.reshape(-1), num_experts)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    group_sizes = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    rows = x[token]  # [N*k, d] in expert order
+    gate = jax.lax.ragged_dot(rows, experts.w1, group_sizes)
+    up = jax.lax.ragged_dot(rows, experts.w3, group_sizes)
+    hidden = clamped_swiglu(gate, up, cfg.swiglu_limit)
+    out = jax.lax.ragged_dot(hidden, experts.w2, group_sizes, preferred_element_type=jnp.float32)
+    scale = jnp.where(flat[order] < num_experts, weights.reshape(-1)[order], 0.0)
+    return jnp.zeros((n, d), jnp.float32).at[token].add(out * scale[:, None])
+
+
+def sparse_experts(
+    experts: MLPParams, cfg: ModelConfig, x: jax.Array, indices: jax.Array, weights: jax.Array
+) -> jax.Array:
+    """The routed experts each token selected, and nothing else -> [N, d] fp32. The path is chosen
+    from the static sizes: while the N*k assignments number no more than the experts held here,
+    gathering their weights reads less than every expert once; beyond that, a grouped matmul.
+
+    Takes any slice of the experts (and of their hidden width) with indices relative to the slice,
+    which is how `sharding.active.routed_experts` runs it per device before summing the outputs.
+    """
+    if indices.size <= experts.w1.shape[0]:
+        return gathered_experts(experts, cfg, x, indices, weights)
+    return grouped_experts(experts, cfg, x, indices, weights)
+
+
 def moe(p: MoEParams, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array) -> jax.Array:
     """x: [B, T, d], token_ids: [B, T] -> [B, T, d].
 
-    Every expert runs on every token and unselected ones get weight 0: one static-shape program
-    for prefill and decode alike. Under a mesh, experts are split over devices (see
-    `sharding.active.routed_experts`).
+    Only the experts a token selected run (`sparse_experts`); under a mesh the experts are split
+    over devices and each runs its own assignments (see `sharding.active.routed_experts`).
     """
     b, t, d = x.shape
     flat = x.reshape(b * t, d)
     indices, weights = route(p, cfg, flat, token_ids.reshape(b * t))
-    combine = jnp.zeros((b * t, cfg.n_routed_experts), jnp.float32)
-    combine = combine.at[jnp.arange(b * t)[:, None], indices].add(weights)
-    out = routed_experts(expert_ffn, p.experts, cfg, flat, combine)
+    out = routed_experts(sparse_experts, p.experts, cfg, flat, indices, weights)
     if p.shared is not None:
         sh = clamped_swiglu(flat @ p.shared.w1, flat @ p.shared.w3, cfg.swiglu_limit)
         out = out + sh @ p.shared.w2

@@ -61,8 +61,8 @@ def _tree_attention_kernel(
     sink_ref,  # [bh] fp32
     win_ref,  # [Wp, c]
     win_pos_ref,  # [Wp] int32
-    new_ref,  # [Tp, c]
-    new_mask_ref,  # [Tp] int8
+    new_ref,  # [Np, c] uncommitted keys (a scratch, then the new tokens)
+    new_mask_ref,  # [Np] int8
     *refs,  # comp [Lcp, c], comp ids [Kp] (sparse), entries [Tp, c], entry mask [Tp]; then outputs
     mode: str,
     has_entries: bool,
@@ -173,8 +173,8 @@ def _validate(q, window_kv, window_pos, new_kv, new_mask, positions, sink, comp_
     expect = {
         "window_kv": (window_kv, (b, None, c)),
         "window_pos": (window_pos, (b, window_kv.shape[1] if window_kv.ndim == 3 else None)),
-        "new_kv": (new_kv, (b, t, c)),
-        "new_mask": (new_mask, (b, t, t)),
+        "new_kv": (new_kv, (b, None, c)),
+        "new_mask": (new_mask, (b, t, new_kv.shape[1] if new_kv.ndim == 3 else None)),
         "positions": (positions, (b, t)),
         "sink": (sink, (h,)),
     }
@@ -224,8 +224,8 @@ def tree_attention(
     q: jax.Array,  # [B, T, H, c]
     window_kv: jax.Array,  # [B, W, c]
     window_pos: jax.Array,  # [B, W] int32 (-1: empty slot)
-    new_kv: jax.Array,  # [B, T, c]
-    new_mask: jax.Array,  # [B, T, T] bool
+    new_kv: jax.Array,  # [B, N, c]
+    new_mask: jax.Array,  # [B, T, N] bool
     positions: jax.Array,  # [B, T] int32
     sink: jax.Array,  # [H] fp32
     *,
@@ -276,8 +276,9 @@ def tree_attention(
     win = keys(window_kv, wp)
     win_pos = pad_axis(window_pos.astype(jnp.int32), 1, wp, value=-1)
     tp = round_up(t, bk)
-    new = keys(new_kv, tp)
-    new_mask_p = pad_axis(new_mask, 2, tp, value=False)
+    np_ = round_up(new_kv.shape[1], bk)
+    new = keys(new_kv, np_)
+    new_mask_p = pad_axis(new_mask, 2, np_, value=False)
     kv_lo, kv_hi = _key_range(new_mask_p)
 
     mode = "none" if comp_kv is None else ("dense" if comp_len is not None else "sparse")
@@ -330,8 +331,8 @@ def tree_attention(
         pl.BlockSpec((bh,), lambda i, j, k, s: (k,)),
         pl.BlockSpec((sq, wp, cp), lambda i, j, k, s: (i, 0, 0)),
         pl.BlockSpec((sq, wp), lambda i, j, k, s: (i, 0)),
-        pl.BlockSpec((sq, tp, cp), lambda i, j, k, s: (i, 0, 0)),
-        pl.BlockSpec((sq, sq, tp), lambda i, j, k, s: (i, j, 0)),
+        pl.BlockSpec((sq, np_, cp), lambda i, j, k, s: (i, 0, 0)),
+        pl.BlockSpec((sq, sq, np_), lambda i, j, k, s: (i, j, 0)),
         *extra_specs,
     ]
     if splits == 1:

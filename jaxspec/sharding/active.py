@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
@@ -89,42 +90,52 @@ def routed_experts(
     experts: Any,  # MLPParams, w1/w3 [E, d, I], w2 [E, I, d]
     cfg: ModelConfig,
     x: jax.Array,  # [N, d] tokens
-    combine: jax.Array,  # [N, E] fp32 routing weights (0 for unselected experts)
+    indices: jax.Array,  # [N, k] int32 selected experts
+    weights: jax.Array,  # [N, k] fp32 routing weights
 ) -> jax.Array:
-    """`ffn(experts, cfg, x, combine)` -> [N, d] fp32, expert-parallel when the active mesh splits
-    experts (or their hidden width).
+    """`ffn(experts, cfg, x, indices, weights)` -> [N, d] fp32, expert-parallel when the active mesh
+    splits experts (or their hidden width).
 
     Dispatch: a device holds a slice of the experts and of their hidden width, and the tokens of its
     data shard, which are replicated over "tensor" and "expert", so at decode sizes no all-to-all
-    is needed; it runs its local experts on them with its columns of `combine`. Combine: one fp32
-    psum of the partial outputs over the expert-holding axes.
+    is needed; it runs only the assignments of its own experts (indices shifted to its slice, the
+    rest marked as elsewhere: index >= its expert count). Combine: one fp32 psum of the partial
+    outputs over the expert-holding axes.
     """
     active = _ACTIVE.get()
     if active is None:
-        return ffn(experts, cfg, x, combine)
+        return ffn(experts, cfg, x, indices, weights)
     sizes = active.sizes
     w1_spec = tuple(spec_for(experts.w1.shape, ("experts", "embed", "expert_hidden"), sizes, active.rules, cfg))
     w1_spec += (None,) * (3 - len(w1_spec))
     experts_entry, hidden_entry = w1_spec[0], w1_spec[2]
     reduce_axes = as_tuple(experts_entry) + as_tuple(hidden_entry)
     if not reduce_axes:
-        return ffn(experts, cfg, x, combine)
+        return ffn(experts, cfg, x, indices, weights)
     data = DATA if sizes[DATA] > 1 and x.shape[0] % sizes[DATA] == 0 else None
     specs = type(experts)(
         w1=P(experts_entry, None, hidden_entry),
         w3=P(experts_entry, None, hidden_entry),
         w2=P(experts_entry, hidden_entry, None),
     )
+    expert_axes = as_tuple(experts_entry)
 
-    def local(experts_shard, x_shard, combine_shard):
-        return jax.lax.psum(ffn(experts_shard, cfg, x_shard, combine_shard), reduce_axes)
+    def local(experts_shard, x_shard, indices_shard, weights_shard):
+        held = experts_shard.w1.shape[0]
+        if expert_axes:
+            first = jax.lax.axis_index(expert_axes) * held
+            shifted = indices_shard - first
+            indices_shard = jnp.where((shifted >= 0) & (shifted < held), shifted, held)
+        return jax.lax.psum(ffn(experts_shard, cfg, x_shard, indices_shard, weights_shard), reduce_axes)
 
     return jax.shard_map(
         local,
-        in_specs=(specs, P(data, None), P(data, experts_entry)),
+        in_specs=(specs, P(data, None), P(data, None), P(data, None)),
         out_specs=P(data, None),
-        axis_names=set(reduce_axes) | ({DATA} if data else set()),
-    )(experts, x, combine)
+        # "data" is manual too (split or replicated): inside, no axis is left for the compiler to
+        # infer shardings over (ragged_dot has no inference rule for explicit axes).
+        axis_names=set(reduce_axes) | {DATA},
+    )(experts, x, indices, weights)
 
 
 def as_tuple(entry: Any) -> tuple[str, ...]:
@@ -193,5 +204,7 @@ def shard_kernel(
 
 
 def is_dynamic(arg: Any) -> bool:
+    """An argument that holds arrays (or their abstract shapes), as opposed to a static config."""
     leaves = jax.tree.leaves(arg)
-    return bool(leaves) and all(isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves)
+    return bool(leaves) and all(isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+                                for x in leaves)

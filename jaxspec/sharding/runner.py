@@ -149,6 +149,28 @@ def lower_sharded(
         return program.lower(*dyn_args)
 
 
+def lower_abstract(
+    jitted: Any,
+    mesh: jax.sharding.Mesh,
+    args: Sequence[Any],
+    *,
+    batch: int,
+    cfg: ModelConfig,
+    rules: Mapping[str, Any] | None = None,
+) -> Any:
+    """The `jax.stages.Lowered` program `run_sharded` would run, from abstract arguments
+    (ShapeDtypeStructs: nothing is allocated or placed): per-device costs of a model too large
+    for this machine."""
+    mesh = check_mesh(mesh)
+    rules = check_rules(rules)
+    raw = getattr(jitted, "__wrapped__", jitted)
+    args = list(args)
+    static = tuple(i for i, a in enumerate(args) if not is_dynamic(a))
+    program, _ = _build_program(raw, mesh, rules, cfg, args, static, batch)
+    with activate(mesh, rules, cfg):
+        return program.lower(*[a for i, a in enumerate(args) if i not in static])
+
+
 def sharded_compile_count() -> int:
     """Compiled sharded programs so far (one per mesh x bucket x config, like compile_count)."""
     return sum(program._cache_size() for program, _ in _PROGRAMS.values())

@@ -3,7 +3,7 @@
 Step 1 expands the root (the bonus token at position P, drafted by the MTP step at P-1 from the
 target's hidden H_{P-1}); every later step expands the K best candidates of the previous step, K
 children each. Each step's MTP attention sees the committed MTP ring plus exactly its own
-ancestors' steps (an ancestor mask over the expanded slots), never a sibling's.
+ancestors' steps, never a sibling's (docs/tree_verification.md §2).
 """
 
 from __future__ import annotations
@@ -35,11 +35,6 @@ class Tree:
     score: jax.Array  # [B, D] cumulative draft log-prob (0 for the root)
 
 
-def _slot_ancestors(slot_parent: jax.Array, max_depth: int) -> jax.Array:
-    plan = build_plan(slot_parent, jnp.zeros(slot_parent.shape[:1], jnp.int32), max_depth)
-    return plan.ancestor_mask
-
-
 def draft_tree(
     params: ModelParams,
     cfg: ModelConfig,
@@ -48,6 +43,87 @@ def draft_tree(
     root: jax.Array,  # [B] int32 root token (position P)
     root_hidden: jax.Array,  # [B, hc, d] target streams at position P-1
 ) -> DraftPool:
+    """Top-K beam of S MTP steps, each running the MTP block and the head over its new slots only
+    (1 at step one, K after): O(S*K) token-forwards.
+
+    A slot drafted at step s sits at MTP position mtp_length + s - 1 and reads the committed MTP
+    ring plus the window kv its ancestors left in the draft scratch (`AttentionContext.prior_*`),
+    never a sibling's: the pool equals `draft_tree_exhaustive`'s.
+    """
+    s_steps, k = spec.num_steps, spec.topk
+    b = root.shape[0]
+    num_slots = 1 + (s_steps - 1) * k
+    batch_index = jnp.arange(b)[:, None]
+    scratch_kv = jnp.zeros((b, num_slots, cfg.head_dim), jnp.dtype(cfg.dtype))
+    scratch_pos = jnp.zeros((b, num_slots), jnp.int32)
+    # per new slot: slot index, input token and streams, its ancestor slots, pool index (-1: root), score
+    new_slots = jnp.zeros((1,), jnp.int32)
+    new_token, new_hidden = root[:, None], root_hidden[:, None]
+    new_ancestors = jnp.zeros((b, 1, num_slots), bool)
+    new_pool_index = jnp.full((b, 1), -1, jnp.int32)
+    new_score = jnp.zeros((b, 1), jnp.float32)
+    pool_token, pool_parent, pool_score, pool_rank = [], [], [], []
+    pool_offset = 0
+    for step in range(1, s_steps + 1):
+        n = new_slots.shape[0]
+        positions = jnp.broadcast_to(state.mtp_length[:, None] + (step - 1), (b, n))
+        ctx = AttentionContext(
+            positions=positions,
+            committed=state.mtp_length,
+            visible=jnp.broadcast_to(jnp.eye(n, dtype=bool), (b, n, n)),  # siblings never see each other
+            ancestor_at_depth=jnp.zeros((b, n, n), jnp.int32),
+            valid=jnp.ones((b, n), bool),
+            prior_kv=scratch_kv,
+            prior_positions=scratch_pos,
+            prior_visible=new_ancestors,
+        )
+        logits, z, rows = mtp_forward(params, cfg, state, new_hidden, new_token, ctx)
+        scratch_kv = scratch_kv.at[:, new_slots].set(rows.kv.astype(scratch_kv.dtype))
+        scratch_pos = scratch_pos.at[:, new_slots].set(positions)
+        top_logp, top_token = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)  # [B, n, K]
+        cum = new_score[:, :, None] + top_logp
+        pool_token.append(top_token.reshape(b, n * k).astype(jnp.int32))
+        pool_parent.append(jnp.repeat(new_pool_index, k, axis=1))
+        pool_score.append(cum.reshape(b, n * k))
+        pool_rank.append(jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, n, k)).reshape(b, n * k))
+        if step == s_steps:
+            break
+        # Expand the K best candidates of this step in the next one.
+        _, best = jax.lax.top_k(pool_score[-1], k)  # [B, K] local index among this step's n*K
+        parent = best // k  # [B, K] which new slot of this step drafted them
+        parent_slot = new_slots[parent]
+        new_ancestors = jnp.take_along_axis(new_ancestors, parent[..., None], axis=1) | (
+            parent_slot[..., None] == jnp.arange(num_slots)
+        )
+        new_token = jnp.take_along_axis(pool_token[-1], best, axis=1)
+        new_hidden = z[batch_index, parent]
+        new_slots = jnp.arange(1 + (step - 1) * k, 1 + step * k, dtype=jnp.int32)
+        new_pool_index = pool_offset + best
+        new_score = jnp.take_along_axis(pool_score[-1], best, axis=1)
+        pool_offset += n * k
+    return DraftPool(
+        token=jnp.concatenate(pool_token, axis=1),
+        parent=jnp.concatenate(pool_parent, axis=1),
+        score=jnp.concatenate(pool_score, axis=1),
+        rank=jnp.concatenate(pool_rank, axis=1),
+    )
+
+
+def _slot_ancestors(slot_parent: jax.Array, max_depth: int) -> jax.Array:
+    plan = build_plan(slot_parent, jnp.zeros(slot_parent.shape[:1], jnp.int32), max_depth)
+    return plan.ancestor_mask
+
+
+def draft_tree_exhaustive(
+    params: ModelParams,
+    cfg: ModelConfig,
+    spec: SpecConfig,
+    state: DecodeState,  # committed; state.mtp_length == state.length - 1
+    root: jax.Array,  # [B] int32 root token (position P)
+    root_hidden: jax.Array,  # [B, hc, d] target streams at position P-1
+) -> DraftPool:
+    """The first draft, kept as the test reference of `draft_tree`: every step re-runs the MTP block
+    over every slot drafted so far (O(S^2 K) token-forwards) and the head over all of them."""
     s_steps, k = spec.num_steps, spec.topk
     b = root.shape[0]
     num_slots = 1 + (s_steps - 1) * k

@@ -1,0 +1,140 @@
+"""`jaxspec cost`: XLA's cost analysis of each stage of a cycle on abstract shapes (any preset, no
+weights allocated), and its roofline projection onto an accelerator. A model, not a measurement."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from jaxspec.cli.common import csv, positive
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "cost",
+        help="FLOPs / bytes per stage from XLA's cost analysis, projected onto an accelerator (a model)",
+        description="Lower one AR step and each stage of a speculative cycle (draft, plan, verify, commit) on "
+        "abstract shapes, report XLA's FLOPs, bytes accessed and (on a mesh) collective bytes per device, and "
+        "project ms per AR step and per cycle onto an accelerator's roofline, with the speedup at a given tau. "
+        "This is a model, not a measurement.",
+    )
+    p.add_argument("--preset", default="v4-flash", help="model preset (default v4-flash)")
+    p.add_argument("--specs", type=csv(str), default=("s4_k1_d5", "s4_k2_d8"), help="comma-separated sS_kK_dD")
+    p.add_argument("--batch-sizes", type=csv(int), default=(1, 8, 32, 64))
+    p.add_argument("--context", type=int, default=4096, help="positions the decode state holds (default 4096)")
+    p.add_argument("--devices", type=int, default=1, help="devices of the mesh (simulated on a CPU)")
+    p.add_argument("--mesh", default=None, metavar="D,T,E", help="data,tensor,expert (default: from --devices)")
+    p.add_argument("--accelerator", default="h200", help="roofline to project onto (default h200)")
+    p.add_argument("--overhead-us", type=float, default=None, help="fixed overhead per forward pass (default 20)")
+    p.add_argument("--tau", type=float, default=None, help="mean accepted length for the projected speedup")
+    p.add_argument("--sweep", default=None, metavar="RUNS_JSONL",
+                   help="take tau per spec and batch size from a `jaxspec sweep` runs.jsonl (mean over datasets)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write every number as JSON")
+    p.set_defaults(func=run)
+
+
+def _taus(path: str) -> dict[tuple[str, int], float]:
+    from jaxspec.eval import load_runs
+
+    sums: dict[tuple[str, int], list[float]] = {}
+    for r in load_runs(path):
+        if r.get("spec", "ar") != "ar" and "tau" in r:
+            sums.setdefault((r["spec"], int(r["batch_size"])), []).append(float(r["tau"]))
+    if not sums:
+        raise ValueError(f"{path} holds no speculative runs with a tau")
+    return {key: sum(v) / len(v) for key, v in sums.items()}
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    import jax
+
+    from jaxspec import cost, sharding
+    from jaxspec.config import ModelConfig, SpecConfig
+
+    positive("devices", args.devices)
+    positive("context", args.context)
+    for b in args.batch_sizes:
+        positive("batch-sizes", b)
+    cfg = ModelConfig.preset(args.preset)
+    acc = cost.accelerator(args.accelerator)
+    specs = [SpecConfig.parse(s) for s in args.specs]
+    for spec in specs:
+        spec.validate_for(cfg)
+    if args.tau is not None and args.tau < 1:
+        raise ValueError(f"--tau must be >= 1 (the bonus token alone), got {args.tau}")
+    if args.tau is not None and args.sweep is not None:
+        raise ValueError("give --tau or --sweep, not both")
+    taus = _taus(args.sweep) if args.sweep is not None else {}
+    overhead_us = cost.DEFAULT_OVERHEAD_US if args.overhead_us is None else args.overhead_us
+    if overhead_us < 0:
+        raise ValueError(f"--overhead-us must be >= 0, got {overhead_us}")
+    mesh = None
+    shape = sharding.parse_mesh(args.mesh) if args.mesh is not None else sharding.default_mesh_shape(args.devices, cfg)
+    if shape[0] * shape[1] * shape[2] != args.devices:
+        raise ValueError(f"--mesh {args.mesh} spans {shape[0] * shape[1] * shape[2]} devices but --devices is "
+                         f"{args.devices}")
+    if args.devices > 1:
+        try:  # simulate the mesh on CPU devices; only possible before jax starts its backends
+            jax.config.update("jax_num_cpu_devices", args.devices)
+        except RuntimeError:
+            pass
+        devices = jax.devices("cpu") if jax.default_backend() == "cpu" else jax.devices()
+        if len(devices) < args.devices:
+            raise ValueError(f"--devices {args.devices}: this process has {len(devices)} device(s) (jax started "
+                             "before the mesh could be simulated)")
+        mesh = sharding.make_mesh(*shape)
+        for b in args.batch_sizes:
+            if b % shape[0]:
+                raise ValueError(f"batch size {b} does not divide by the mesh's data axis {shape[0]}")
+
+    console.print(f"[bold]jaxspec cost[/]: {args.preset} ({cfg.dtype}), context {args.context}, "
+                  f"{'1 device' if mesh is None else f'mesh data={shape[0]} tensor={shape[1]} expert={shape[2]}'}; "
+                  f"{acc.name}: {acc.peak_flops / 1e12:.0f} TFLOP/s, {acc.bandwidth / 1e12:.1f} TB/s "
+                  f"(nominal {acc.nominal_bandwidth / 1e12:.1f}), {overhead_us:g} us per forward pass")
+    with console.status("lowering") as status:
+        rows = cost.project(cfg, specs, args.batch_sizes, args.context, acc, overhead_us * 1e-6, mesh,
+                            progress=lambda what: status.update(f"lowering {what}"))
+    table = Table(title="per device, one call" if mesh is not None else "one call")
+    for name in ("batch", "spec", "stage", "GFLOP", "GB accessed", "collective MB", "projected ms", "bound"):
+        table.add_column(name, justify="left" if name in ("spec", "stage", "bound") else "right")
+    ar = {r.batch: r for r in rows if r.spec == "ar"}
+    summary = Table(title=f"projected on {acc.name} (a model, not a measurement)")
+    for name in ("batch", "spec", "AR ms/step", "cycle ms", "break-even tau", "tau", "speedup vs AR"):
+        summary.add_column(name, justify="left" if name == "spec" else "right")
+    for r in rows:
+        for stage, c in r.costs.items():
+            compute, memory = c.flops / acc.peak_flops, c.bytes / acc.bandwidth
+            table.add_row(str(r.batch), r.spec, stage, f"{c.flops / 1e9:.2f}", f"{c.bytes / 1e9:.3f}",
+                          f"{c.collective_bytes / 1e6:.2f}", f"{1e3 * r.seconds[stage]:.3f}",
+                          "memory" if memory >= compute else "compute")
+        if r.spec != "ar":
+            tau = args.tau if args.tau is not None else taus.get((r.spec, r.batch))
+            base = ar[r.batch]
+            summary.add_row(str(r.batch), r.spec, f"{1e3 * base.step_seconds:.3f}", f"{1e3 * r.step_seconds:.3f}",
+                            f"{r.step_seconds / base.step_seconds:.2f}", "-" if tau is None else f"{tau:.2f}",
+                            "-" if tau is None else f"{r.speedup(tau, base):.2f}x")
+        table.add_section()
+    console.print(table)
+    console.print(summary)
+    console.print(
+        "[dim]Model, not measurement: FLOPs and bytes are XLA's cost analysis of the program as written (before "
+        "fusion: a gathered expert is counted as copied and read back; jax.lax.ragged_dot is counted dense over "
+        "all groups); projected time = max(FLOPs / peak, bytes / bandwidth) + overhead x forward passes; cycle = "
+        "draft + plan + verify + commit; break-even tau = cycle / AR step; speedup = tau x AR step / cycle."
+        + (" On a mesh, FLOPs and collectives are the partitioned program's (compiled for a float32 twin on "
+           "simulated CPU devices, collectives scaled to the model's dtype) and bytes scale with the device's "
+           "share of the FLOPs." if mesh is not None else "") + "[/]"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"preset": args.preset, "context": args.context, "mesh": list(shape), "accelerator": acc.name,
+                       "overhead_us": overhead_us, "rows": [
+                           {"batch": r.batch, "spec": r.spec, "step_seconds": r.step_seconds,
+                            "stages": {k: {"flops": c.flops, "bytes": c.bytes, "collective_bytes": c.collective_bytes,
+                                           "passes": c.passes, "seconds": r.seconds[k]} for k, c in r.costs.items()}}
+                           for r in rows]}, f, indent=1)
+    return 0
