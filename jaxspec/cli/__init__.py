@@ -2,6 +2,8 @@
 
     jaxspec demo  [--checkpoint PATH | --preset tiny] [--batch 4] [--new-tokens 64] [--spec s3_k2_d6] [--mesh D,T,E]
     jaxspec train [--preset tiny] [--steps 1000] [--out checkpoints/tiny-v4] [--resume]
+    jaxspec distill-data --checkpoint PATH [--num-prompts 512] [--out runs/distill-data]
+    jaxspec distill --checkpoint PATH --data runs/distill-data --out PATH [--depths 4] [--steps 1000] [--resume]
     jaxspec sweep --checkpoint PATH [--datasets gsm8k,mbpp,sharegpt] [--specs ...] [--batch-sizes 1,4,16,64]
     jaxspec tune  --checkpoint PATH [--candidates ...] [--batch-sizes 1,4,16,64] [--compare RUNS_JSONL]
     jaxspec plan  [--preset v4-flash] [--devices 8] [--mesh D,T,E] [--batch 16] [--context 65536]
@@ -20,10 +22,10 @@ import sys
 
 from rich.console import Console
 
-from jaxspec.cli import cost, demo, plan, sweep, train, tune
+from jaxspec.cli import cost, demo, distill, plan, sweep, train, tune
 
 PROG = "jaxspec"
-COMMANDS = (demo, train, sweep, tune, plan, cost)
+COMMANDS = (demo, train, distill, sweep, tune, plan, cost)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,0 +1,71 @@
+"""Draft training sees what inference sees: the unrolled training forward's chain equals
+`draft_tree`'s top-1 chain on the same inputs; the loss trains the MTP block only; data chunks resume."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec as js
+from jaxspec import distill
+from jaxspec.generate import prefill_for_speculation
+from jaxspec.tree.draft import draft_tree
+
+
+@pytest.mark.parametrize("root_position", [0, 9, 21])
+def test_unrolled_training_chain_equals_the_drafted_chain(agreeing_params, test_cfg, root_position):
+    params, cfg, steps = agreeing_params, test_cfg, 3
+    rng = np.random.default_rng(root_position)
+    seq = rng.integers(0, cfg.vocab_size, 40).astype(np.int32)
+    r = root_position
+    # draft_tree after committing x_0..x_r, with x_{r+1} as the root (as a cycle would)
+    state, _, hidden = prefill_for_speculation(params, cfg, jnp.asarray(seq[None, : r + 1]), jnp.asarray([r + 1]), 64)
+    pool = jax.jit(draft_tree, static_argnums=(1, 2))(params, cfg, js.SpecConfig(steps, 1, steps + 1), state,
+                                                       jnp.asarray(seq[None, r + 1]), hidden)
+    chain = np.asarray(pool.token[0])  # t_1 .. t_S
+    # the training forward fed the draft's own tokens after the root
+    seq[r + 2 : r + 1 + steps] = chain[: steps - 1]
+    t = 30
+    target_hidden, _ = distill.target_pass(params, cfg, jnp.asarray(seq[None, :t]))
+    logits = distill.unrolled_draft_logits(params, cfg, target_hidden, jnp.asarray(seq[None, : t + steps]), steps)
+    logp = [jax.nn.log_softmax(x[0, r]) for x in logits]
+    assert [int(jnp.argmax(x)) for x in logp] == chain.tolist()
+    score = np.cumsum([float(x[tok]) for x, tok in zip(logp, chain, strict=True)])
+    np.testing.assert_allclose(score, np.asarray(pool.score[0]), rtol=1e-5, atol=1e-5)
+
+
+def test_distill_step_trains_the_draft_only(test_params, test_cfg):
+    dc = distill.DistillConfig(num_steps=2, steps=10, warmup_steps=0)
+    ds = distill.init_distill_state(test_params, dc)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, test_cfg.vocab_size, (2, 18)), jnp.int32)
+    mask = jnp.ones((2, 18), bool).at[1, 12:].set(False)
+    before = distill.distill_eval(ds.mtp, test_params, tokens, mask, test_cfg, 2)
+    for _ in range(5):
+        ds, metrics = distill.distill_step(ds, test_params, tokens, mask, jnp.float32(3e-3), test_cfg, dc)
+    after = distill.distill_eval(ds.mtp, test_params, tokens, mask, test_cfg, 2)
+    assert int(ds.step) == 5 and np.isfinite(float(metrics["grad_norm"]))
+    assert float(after["loss"]) < float(before["loss"])  # the KL to the target falls
+    assert float(after["kl1"]) >= 0 and 0 <= float(after["agree2"]) <= 1
+    # the target stays untouched: the step only ever sees and returns the MTP block
+    assert jax.tree.structure(ds.mtp) == jax.tree.structure(test_params.mtp)
+
+
+def test_generate_data_resumes_and_loads(test_params, test_cfg, tmp_path):
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
+    n = distill.generate_data(test_params, test_cfg, prompts, tmp_path, max_new_tokens=6, chunk_size=2,
+                              temperatures=(0.0, 1.0))
+    assert n == 4 and len(list(tmp_path.glob("chunk_*.npz"))) == 4
+    first = (tmp_path / "chunk_00000.npz").stat().st_mtime_ns
+    distill.generate_data(test_params, test_cfg, prompts, tmp_path, max_new_tokens=6, chunk_size=2)
+    assert (tmp_path / "chunk_00000.npz").stat().st_mtime_ns == first  # kept, not redone
+    seqs = distill.load_data(tmp_path)
+    assert len(seqs) == 8 and seqs[0][:3].tolist() == [1, 2, 3]
+    greedy = js.generate(test_params, test_cfg, prompts[:2], max_new_tokens=6)
+    assert seqs[0][3:].tolist() == greedy.tokens[0, : greedy.lengths[0]].tolist()
+    tokens, mask = distill.batch_rows(seqs, step=3, batch=4, width=8)
+    assert tokens.shape == (4, 8) and mask.any(axis=1).all()
+    with pytest.raises(ValueError, match="distill-data"):
+        distill.load_data(tmp_path / "nothing")
