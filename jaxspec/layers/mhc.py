@@ -65,7 +65,7 @@ def hc_pre(
         return c / (c.sum(axis=-2, keepdims=True) + cfg.hc_eps)
 
     comb = jax.lax.fori_loop(0, cfg.hc_sinkhorn_iters - 1, sinkhorn_step, comb)
-    collapsed = jnp.sum(pre[..., None] * streams.astype(jnp.float32), axis=-2).astype(streams.dtype)
+    collapsed = jnp.einsum("...h,...hd->...d", pre, streams.astype(jnp.float32)).astype(streams.dtype)
     return collapsed, post, comb
 
 
@@ -86,4 +86,4 @@ def hc_head(p: HyperHeadParams, cfg: ModelConfig, streams: jax.Array) -> jax.Arr
     flat = streams.reshape(*streams.shape[:-2], -1).astype(jnp.float32)
     mix = unweighted_rms_norm(flat, cfg.rms_norm_eps) @ p.fn
     pre = jax.nn.sigmoid(mix * p.scale[0] + p.base) + cfg.hc_eps
-    return jnp.sum(pre[..., None] * streams.astype(jnp.float32), axis=-2).astype(streams.dtype)
+    return jnp.einsum("...h,...hd->...d", pre, streams.astype(jnp.float32)).astype(streams.dtype)
