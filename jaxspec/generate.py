@@ -18,6 +18,7 @@ import numpy as np
 from jaxspec import state as state_lib
 from jaxspec.config import ModelConfig, SpecConfig
 from jaxspec.model import ModelParams, causal_context, extend, forward, mtp_forward
+from jaxspec.programs import bounded_jit
 from jaxspec.sampling import Sampling, sample_tokens, validate_sampling
 from jaxspec.sharding.active import constrain_state
 from jaxspec.sharding.rules import check_mesh
@@ -197,11 +198,12 @@ def generate(
 
 
 def compile_count() -> int:
-    """Number of distinct compiled generation programs so far (static-shape check for tests)."""
-    return _generate_loop._cache_size()
+    """Generation programs compiled so far, freed ones included (static-shape check for tests)."""
+    return _generate_loop.compile_count()
 
 
-@functools.partial(jax.jit, static_argnums=(1, 4, 5))
+# Its compiled programs live in `jaxspec.programs`' bounded LRU (like `_speculative_loop`'s).
+@functools.partial(bounded_jit, static_argnums=(1, 4, 5))
 def _generate_loop(
     params: ModelParams,
     cfg: ModelConfig,
@@ -420,10 +422,11 @@ def prefill_for_speculation(
 
 
 def speculative_compile_count() -> int:
-    return _speculative_loop._cache_size()
+    """Speculative loops compiled so far, freed ones included."""
+    return _speculative_loop.compile_count()
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 5, 6))
+@functools.partial(bounded_jit, static_argnums=(1, 2, 5, 6))
 def _speculative_loop(
     params: ModelParams,
     cfg: ModelConfig,

@@ -28,6 +28,7 @@ from jaxspec.layers.mhc import (
 from jaxspec.layers.moe import MoEParams, init_moe, moe
 from jaxspec.layers.mtp import MTPInputParams, init_mtp_input, mtp_inputs
 from jaxspec.ops.norms import rms_norm
+from jaxspec.programs import bounded_jit
 from jaxspec.sharding.rules import axes
 from jaxspec.state import DecodeState
 
@@ -201,7 +202,7 @@ def prefill_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array) -> 
     return jitted_prefill_logits(params, cfg, tokens.astype(jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnums=(1,))
+@functools.partial(bounded_jit, static_argnums=(1,))
 def jitted_prefill_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
     """`prefill_logits` without the input checks (tokens [B, S] int32): the program the sharded runner
     places on a mesh."""

@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxspec import programs
 from jaxspec.config import ModelConfig
 from jaxspec.model import ModelParams, jitted_prefill_logits
 from jaxspec.model import prefill_logits as model_prefill_logits
@@ -26,7 +27,8 @@ from jaxspec.sharding.active import activate, is_dynamic
 from jaxspec.sharding.placement import param_shardings, shard_params
 from jaxspec.sharding.rules import DATA, check_mesh, check_rules
 
-_PROGRAMS: dict[Any, Any] = {}
+# The owner of the sharded programs in `jaxspec.programs`' bounded LRU (their compile count).
+SHARDED = "jaxspec.sharding.runner"
 
 
 def _program(
@@ -55,14 +57,18 @@ def _program(
         (jax.tree.structure(a), tuple((np.shape(x), str(x.dtype)) for x in jax.tree.leaves(a))) for a in dyn_args
     )
     key = (raw, mesh, tuple(sorted(rules.items())), tuple((i, args[i]) for i in static), avals, batch)
-    if key not in _PROGRAMS:
-        _PROGRAMS[key] = _build_program(raw, mesh, rules, cfg, args, static, batch)
-    program, post = _PROGRAMS[key]
-    return program, dyn_args, post
+
+    def build():
+        jitted, post = _build_program(raw, mesh, rules, cfg, args, static, batch)
+        return jitted, (jitted, post)
+
+    jitted, post = programs.program(key, build, owner=SHARDED)
+    return jitted, dyn_args, post
 
 
 def _build_program(raw, mesh, rules, cfg, args, static, batch):
-    """jit(shard_map over "data" of the loop) with explicit in/out shardings.
+    """jit(shard_map over "data" of the loop) with explicit in/out shardings; of a function object
+    made here, so freeing this program frees no other (`jaxspec.programs`).
 
     The batch is split by a manual "data" axis: every data shard runs its own sequences (its own
     while loop, no per-step cross-shard collective), so nothing batch-indexed can be resharded;
@@ -150,8 +156,8 @@ def lower_sharded(
 
 
 def sharded_compile_count() -> int:
-    """Compiled sharded programs so far (one per mesh x bucket x config, like compile_count)."""
-    return sum(program._cache_size() for program, _ in _PROGRAMS.values())
+    """Sharded programs compiled so far, freed ones included (one per mesh x bucket x config)."""
+    return programs.compile_count(SHARDED)
 
 
 def pad_batch(batch: Any, mesh: jax.sharding.Mesh | None) -> Any:
