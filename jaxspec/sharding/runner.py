@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspec import programs
 from jaxspec.config import ModelConfig
-from jaxspec.model import ModelParams, jitted_prefill_logits
+from jaxspec.model import ModelParams, check_params, jitted_prefill_logits
 from jaxspec.model import prefill_logits as model_prefill_logits
 from jaxspec.sharding.active import activate, is_dynamic
 from jaxspec.sharding.placement import param_shardings, shard_params
@@ -196,6 +196,9 @@ def prefill_logits(params: Any, cfg: ModelConfig, tokens: Any, mesh: jax.shardin
     a multiple of "data" inside, cut back after)."""
     if mesh is None:
         return model_prefill_logits(params, cfg, tokens)
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    check_params(params, cfg)
     data = check_mesh(mesh).shape[DATA]
     tokens = np.asarray(tokens)
     if tokens.ndim != 2 or tokens.shape[1] < 1 or not np.issubdtype(tokens.dtype, np.integer):
