@@ -26,6 +26,7 @@ import collections
 import dataclasses
 import functools
 import os
+import sys
 import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -206,8 +207,17 @@ def _warn_if_map_limit_is_low() -> None:
             f"compiler crashes. Raise it (`sudo sysctl -w vm.max_map_count=262144`) or keep fewer programs "
             f"(jaxspec.programs.set_cache_size, ${ENV_VAR}).",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=_caller_level(),
         )
+
+
+def _caller_level() -> int:
+    """The warnings stacklevel of the first frame outside jaxspec (the user's call)."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1  # level 1 = the function calling warnings.warn
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 # ---- a bounded jax.jit ---------------------------------------------------------------------------
