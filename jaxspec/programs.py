@@ -10,7 +10,8 @@ tune's stage programs live in one process-wide LRU of `MAX_PROGRAMS` entries; th
 used entries are dropped and their executables freed (`clear_cache()`) before a new one compiles.
 
 Each entry is its own `jax.jit` of a fresh wrapper of the function, keyed by the static arguments
-and the shapes and dtypes of the others. Why not one `jax.jit` per function: its `clear_cache()` also
+(holding one executable per argument shape it was called with). Why not one `jax.jit` per
+function: its `clear_cache()` also
 evicts jax's trace cache of the wrapped function object, so every entry sharing that object would
 be recompiled after one eviction (measured: evicting one of four loops jitted from one function
 freed all four, 3,903 maps, and each of the other three took 13 s to compile again; with a fresh
@@ -64,9 +65,10 @@ def _check_size(n: Any) -> int:
 
 @dataclasses.dataclass
 class _Entry:
-    jitted: Any  # a jax.jit function: its executables are what the entry holds
+    jitted: Any  # a jax.jit function: its executables (one per argument shape) are what the entry holds
     value: Any  # what `program` returns (the jitted function, or (jitted, post) for the runner)
     owner: Hashable  # whose compile count this entry's executables add to
+    held: int = 0  # executables it held when last looked at (after its last call)
 
 
 def _executables(jitted: Any) -> int:
@@ -76,7 +78,12 @@ def _executables(jitted: Any) -> int:
 
 
 class ProgramCache:
-    """An LRU of jax.jit functions, each holding the executables of one key, at most `size` in all."""
+    """An LRU of jax.jit functions holding at most `size` compiled executables in all.
+
+    An entry is one jax.jit function: one key (static arguments), one executable per argument
+    shape it was called with. `called(key)` after each call counts a new executable and frees
+    least recently used entries, the called one last, until the total fits again.
+    """
 
     def __init__(self, size: int):
         self.size = _check_size(size)
@@ -84,25 +91,35 @@ class ProgramCache:
         self._retired: collections.Counter[Hashable] = collections.Counter()  # freed executables per owner
 
     def program(self, key: Hashable, build: Callable[[], tuple[Any, Any]], owner: Hashable) -> Any:
-        """The live program for `key` (now the most recently used), else `build()` -> (jax.jit
-        function, value) stored after the least recently used entries made room; -> value.
-
-        `build` must jit a function object of its own, not one shared with other keys (see the
-        module docstring), e.g. `fresh(fn)`.
-        """
+        """The entry for `key` (now the most recently used), else `build()` -> (jax.jit function,
+        value) stored as a new entry; -> value. `build` must jit a function object of its own, not
+        one shared with other keys (see the module docstring), e.g. `fresh(fn)`."""
         entry = self._entries.get(key)
-        if entry is not None:
+        if entry is None:
+            jitted, value = build()
+            entry = self._entries[key] = _Entry(jitted, value, owner)
+        else:
             self._entries.move_to_end(key)
-            return entry.value
-        self._evict(self.size - 1)
-        jitted, value = build()
-        self._entries[key] = _Entry(jitted, value, owner)
-        return value
+        return entry.value
 
-    def _evict(self, keep: int) -> None:
-        """Free least recently used entries until at most `keep` executables remain."""
-        while self._entries and max(len(self._entries), self.live()) > keep:
-            entry = self._entries.popitem(last=False)[1]
+    def called(self, key: Hashable) -> None:
+        """After a call of `key`'s program: if it compiled, free programs until `size` remain."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return
+        held = _executables(entry.jitted)
+        if held != entry.held:
+            entry.held = held
+            self._evict(self.size, last=key)
+
+    def _evict(self, keep: int, last: Hashable = None) -> None:
+        """Free least recently used entries (`last` only if it alone holds more) until at most
+        `keep` executables remain."""
+        order = [k for k in self._entries if k != last] + ([last] if last in self._entries else [])
+        for key in order:
+            if self.live() <= keep:
+                return
+            entry = self._entries.pop(key)
             self._retired[entry.owner] += _executables(entry.jitted)
             clear = getattr(entry.jitted, "clear_cache", None)
             if callable(clear):
@@ -114,8 +131,8 @@ class ProgramCache:
         return self._retired[owner] + live
 
     def live(self) -> int:
-        """Executables held now: at most `size` (plus any a call added to a live entry)."""
-        return sum(_executables(e.jitted) for e in self._entries.values())
+        """Executables held now (as of each entry's last call): at most `size` between calls."""
+        return sum(e.held for e in self._entries.values())
 
     def resize(self, size: int) -> None:
         self.size = _check_size(size)
@@ -135,6 +152,10 @@ def program(key: Hashable, build: Callable[[], tuple[Any, Any]], owner: Hashable
         _WARNING["checked"] = True
         _warn_if_map_limit_is_low()
     return value
+
+
+def called(key: Hashable) -> None:
+    CACHE.called(key)
 
 
 def fresh(fn: Callable) -> Callable:
@@ -223,17 +244,10 @@ def _caller_level() -> int:
 # ---- a bounded jax.jit ---------------------------------------------------------------------------
 
 
-def _signature(x: Any) -> Hashable:
-    shape = getattr(x, "shape", None)
-    if shape is None:  # a python scalar: jit traces it by type
-        return type(x).__name__
-    return tuple(shape), str(x.dtype), bool(getattr(x, "weak_type", False))
-
-
 class BoundedJit:
     """`jax.jit(fn, static_argnums, donate_argnums)` whose compiled programs live in the shared LRU:
-    one entry per (static arguments, shapes and dtypes of the others). Positional arguments only.
-    `cache` (tests): a ProgramCache of its own instead of the process-wide one."""
+    one entry per value of the static arguments (its executables: one per argument shape).
+    Positional arguments only. `cache` (tests): a ProgramCache of its own, not the process-wide one."""
 
     def __init__(self, fn: Callable, static_argnums: Sequence[int] = (), donate_argnums: Sequence[int] = (),
                  cache: ProgramCache | None = None):
@@ -242,11 +256,12 @@ class BoundedJit:
         self.donate_argnums = tuple(donate_argnums)
         self.cache = cache
 
-    def _jitted(self, args: tuple[Any, ...]) -> Any:
-        static = tuple(args[i] for i in self.static_argnums if i < len(args))
-        leaves, treedef = jax.tree.flatten([a for i, a in enumerate(args) if i not in self.static_argnums])
-        key = (self, static, treedef, tuple(_signature(x) for x in leaves))
+    def _key(self, args: tuple[Any, ...]) -> Hashable:
+        # Static arguments only: hashing them costs microseconds, where flattening the params to
+        # key on shapes cost milliseconds per call (a third of a `tiny` decode step).
+        return (self, tuple(args[i] for i in self.static_argnums if i < len(args)))
 
+    def _jitted(self, key: Hashable) -> Any:
         def build():
             jitted = jax.jit(fresh(self.__wrapped__), static_argnums=self.static_argnums,
                              donate_argnums=self.donate_argnums)
@@ -257,10 +272,13 @@ class BoundedJit:
         return program(key, build, owner=self)
 
     def __call__(self, *args: Any) -> Any:
-        return self._jitted(args)(*args)
+        key = self._key(args)
+        out = self._jitted(key)(*args)
+        (self.cache or CACHE).called(key)
+        return out
 
     def lower(self, *args: Any) -> Any:
-        return self._jitted(args).lower(*args)
+        return self._jitted(self._key(args)).lower(*args)
 
     def compile_count(self) -> int:
         """Programs of this function compiled so far, freed ones included."""

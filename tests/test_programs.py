@@ -27,24 +27,32 @@ def _scaled_sum(x, n):  # x: [8]
 def test_lru_keeps_the_recent_programs_and_counts_never_fall():
     cache = programs.ProgramCache(3)
     f = programs.bounded_jit(_scaled_sum, static_argnums=(1,), cache=cache)
-    x = jnp.arange(8.0)
+    x, y = jnp.arange(8.0), jnp.arange(4.0)
     for n in (1, 2, 3):
         np.testing.assert_allclose(f(x, n), _scaled_sum(x, n), rtol=1e-6)
     assert f.compile_count() == 3 and cache.live() == 3
     f(x, 1)  # 1 is now the most recent; 2 the least
     assert f.compile_count() == 3
-    f(x, 4)  # evicts 2
+    f(x, 4)  # frees 2
     assert cache.live() == 3 and f.compile_count() == 4
     f(x, 1), f(x, 3)
-    assert f.compile_count() == 4  # still live: no compile
-    f(x, 2)  # freed before: compiles again
+    assert f.compile_count() == 4  # still compiled
+    f(x, 2)  # freed before: compiles again, frees 4
     assert f.compile_count() == 5 and cache.live() == 3
-    f(jnp.arange(4.0), 2)  # another shape is another program
+    f(y, 2)  # another shape: a second executable of n=2's entry; frees 1, the least recent
     assert f.compile_count() == 6 and cache.live() == 3
+    f(y, 2), f(x, 3)
+    assert f.compile_count() == 6
+    f(x, 1)
+    assert f.compile_count() == 7 and cache.live() <= 3
     cache.resize(1)
-    assert cache.live() == 1 and f.compile_count() == 6
+    assert cache.live() == 1 and f.compile_count() == 7
+    f(y, 1)  # the only entry now holds two executables, more than fit: it is freed itself
+    assert cache.live() == 0 and f.compile_count() == 8
+    f(x, 1)
+    assert cache.live() == 1 and f.compile_count() == 9
     cache.clear()
-    assert cache.live() == 0 and f.compile_count() == 6
+    assert cache.live() == 0 and f.compile_count() == 9
 
 
 def test_bounded_jit_is_jit():

@@ -33,8 +33,9 @@ SHARDED = "jaxspec.sharding.runner"
 
 def _program(
     jitted: Any, mesh: Any, args: Sequence[Any], batch: int, cfg: ModelConfig, rules: Mapping[str, Any] | None
-) -> tuple[Any, list[Any], Any]:
-    """-> (jitted program over the dynamic args, those args placed, output post-processing)."""
+) -> tuple[Any, Any, list[Any], Any]:
+    """-> (its key in `jaxspec.programs`, jitted program over the dynamic args, those args placed,
+    output post-processing)."""
     mesh = check_mesh(mesh)
     rules = check_rules(rules)
     raw = getattr(jitted, "__wrapped__", jitted)
@@ -63,7 +64,7 @@ def _program(
         return jitted, (jitted, post)
 
     jitted, post = programs.program(key, build, owner=SHARDED)
-    return jitted, dyn_args, post
+    return key, jitted, dyn_args, post
 
 
 def _build_program(raw, mesh, rules, cfg, args, static, batch):
@@ -135,9 +136,11 @@ def run_sharded(
     divides `batch`); the rest is replicated, and scalar outputs are per-shard counters reduced by
     max. One jitted program per (function, mesh, rules, static args, argument shapes).
     """
-    program, dyn_args, post = _program(jitted, mesh, args, batch, cfg, rules)
+    key, program, dyn_args, post = _program(jitted, mesh, args, batch, cfg, rules)
     with activate(mesh, check_rules(rules), cfg):
-        return post(program(*dyn_args))
+        out = program(*dyn_args)
+    programs.called(key)
+    return post(out)
 
 
 def lower_sharded(
@@ -150,7 +153,7 @@ def lower_sharded(
     rules: Mapping[str, Any] | None = None,
 ) -> Any:
     """The `jax.stages.Lowered` program `run_sharded` runs for these arguments (HLO inspection)."""
-    program, dyn_args, _ = _program(jitted, mesh, args, batch, cfg, rules)
+    _, program, dyn_args, _ = _program(jitted, mesh, args, batch, cfg, rules)
     with activate(mesh, check_rules(rules), cfg):
         return program.lower(*dyn_args)
 
