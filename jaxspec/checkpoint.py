@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec import checkpoint_errors as errors
 from jaxspec.config import DTYPES, ModelConfig
 from jaxspec.model import ModelParams, init_params
 from jaxspec.sharding.placement import param_shardings, sharded_abstract
@@ -135,24 +136,62 @@ def load_checkpoint(
     cfg_path, params_dir = os.path.join(path, _CONFIG), os.path.join(path, _PARAMS)
     if not os.path.isfile(cfg_path) or not os.path.isdir(params_dir):
         raise ValueError(f"{path!r} is not a jaxspec checkpoint (needs {_CONFIG} and {_PARAMS}/)")
-    with open(cfg_path) as f:
-        cfg = _cfg_from_json(json.load(f))
-    abstract = _abstract_params(cfg)
-    if mesh is not None:
-        abstract = sharded_abstract(abstract, param_shardings(cfg, mesh, rules))
-    ckptr = ocp.StandardCheckpointer()
+    data = errors.read_json(cfg_path)
     try:
-        params = ckptr.restore(params_dir, abstract)
+        cfg = _cfg_from_json(data)
+    except (TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"{cfg_path} is not a jaxspec ModelConfig: {errors.one_line(e)}") from None
+    abstract = _abstract_params(cfg)
+    placed = abstract if mesh is None else sharded_abstract(abstract, param_shardings(cfg, mesh, rules))
+    errors.check_orbax_metadata(params_dir)
+    ckptr = ocp.StandardCheckpointer()
+    failure = None
+    try:
+        _check_stored_arrays(ckptr, params_dir, abstract, path)
+        params = ckptr.restore(params_dir, placed)
+    except _MismatchError as e:
+        failure = ValueError(str(e))
+    except Exception as e:  # TensorStore / orbax: the first failed read ends the restore
+        errors.quiet_orphaned_reads()
+        failure = errors.damaged(params_dir, e)
     finally:
         ckptr.close()
+    if failure is not None:
+        # Raised out here, so it holds no reference to orbax's exception: the frames of the reads
+        # still in flight are released now (finalized quietly), not at interpreter exit.
+        errors.quiet_orphaned_reads()
+        raise failure
     _check_structure(cfg, params)
     tokenizer = None
     tok_path = os.path.join(path, _TOKENIZER)
     if os.path.isfile(tok_path):
         from tokenizers import Tokenizer
 
-        tokenizer = Tokenizer.from_file(tok_path)
+        try:
+            tokenizer = Tokenizer.from_file(tok_path)
+        except Exception as e:  # tokenizers raises a bare Exception on a malformed file
+            raise ValueError(f"{tok_path} is damaged or not a tokenizer: {errors.one_line(e)}") from None
     return cfg, params, tokenizer
+
+
+class _MismatchError(Exception):
+    """config.json and the stored arrays disagree (raised as a ValueError by load_checkpoint)."""
+
+
+def _check_stored_arrays(ckptr: Any, params_dir: str, abstract: ModelParams, path: str) -> None:
+    """_MismatchError naming the first array whose name or shape config.json gets wrong (checked
+    on orbax's metadata before any read; skipped where that metadata holds no shapes)."""
+    read = getattr(ckptr, "metadata", None)
+    with errors.quiet_absl_warnings():
+        stored_tree = getattr(read(params_dir), "item_metadata", None) if callable(read) else None
+    flat = jax.tree_util.tree_flatten_with_path(stored_tree)[0] if stored_tree is not None else []
+    stored = {errors.dotted(p): tuple(x.shape) for p, x in flat if getattr(x, "shape", None) is not None}
+    if not stored:
+        return
+    expected = {errors.dotted(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+    problem = errors.mismatch(expected, stored)
+    if problem:
+        raise _MismatchError(f"checkpoint {path}: config.json does not match its arrays: {problem}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,31 +338,41 @@ _NUMPY_UNSUPPORTED = {"BF16", "F8_E4M3", "F8_E5M2"}
 
 
 class _Shard:
-    """One `.safetensors` file, opened lazily in numpy (and flax for bf16) mode."""
+    """One `.safetensors` file, opened lazily in numpy (and flax for bf16) mode. A truncated or
+    malformed file is a one-line ValueError naming it (safetensors' own error names no file)."""
 
     def __init__(self, filename: str):
-        from safetensors import safe_open
-
         self.filename = filename
-        self._np = safe_open(filename, framework="numpy")
+        self._np = self._open("numpy")
         self._flax = None
 
+    def _open(self, framework: str) -> Any:
+        from safetensors import safe_open
+
+        return self._read(lambda: safe_open(self.filename, framework=framework))
+
+    def _read(self, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except Exception as e:  # safetensors_rust.SafetensorError, OSError, a failed mmap read
+            if isinstance(e, MemoryError):
+                raise
+            raise ValueError(f"{self.filename} is truncated or not a safetensors file: {errors.one_line(e)}") from None
+
     def keys(self) -> list[str]:
-        return list(self._np.keys())
+        return self._read(lambda: list(self._np.keys()))
 
     def shape_dtype(self, key: str) -> tuple[tuple[int, ...], str]:
-        sl = self._np.get_slice(key)
+        sl = self._read(lambda: self._np.get_slice(key))
         return tuple(sl.get_shape()), sl.get_dtype()
 
     def get(self, key: str) -> np.ndarray:
         _, dtype = self.shape_dtype(key)
         if dtype not in _NUMPY_UNSUPPORTED:
-            return self._np.get_tensor(key)
+            return self._read(lambda: self._np.get_tensor(key))
         if self._flax is None:
-            from safetensors import safe_open
-
-            self._flax = safe_open(self.filename, framework="flax")
-        return np.asarray(self._flax.get_tensor(key))
+            self._flax = self._open("flax")
+        return self._read(lambda: np.asarray(self._flax.get_tensor(key)))
 
 
 def _open_shards(path: str) -> list[_Shard]:
@@ -360,8 +409,7 @@ def load_hf_checkpoint(
     cfg_path = os.path.join(path, _CONFIG)
     if not os.path.isfile(cfg_path):
         raise ValueError(f"checkpoint folder {path!r} has no {_CONFIG}")
-    with open(cfg_path) as f:
-        config = json.load(f)
+    config = errors.read_json(cfg_path)
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES} or None, got {dtype!r}")
     shards = _open_shards(path)
@@ -408,7 +456,8 @@ def load_hf_checkpoint(
         want = _ckpt_shape(spec.kind, shape)
         got, st_dtype = shard.shape_dtype(key)
         if got != want:
-            raise ValueError(f"tensor {key!r} has shape {list(got)}, expected {list(want)}")
+            raise ValueError(f"tensor {key!r} has shape {list(got)}, expected {list(want)} from config.json "
+                             f"({shard.filename})")
         if st_dtype.startswith("F8"):
             raise ValueError(f"tensor {key!r} is {st_dtype}: FP8-quantised checkpoints are not supported")
         x = _to_ours(spec.kind, shard.get(key), shape).astype(leaf.dtype)

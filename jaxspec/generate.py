@@ -17,7 +17,8 @@ import numpy as np
 
 from jaxspec import state as state_lib
 from jaxspec.config import ModelConfig, SpecConfig
-from jaxspec.model import ModelParams, causal_context, extend, forward, mtp_forward
+from jaxspec.model import ModelParams, causal_context, check_params, extend, forward, mtp_forward
+from jaxspec.programs import bounded_jit
 from jaxspec.sampling import Sampling, sample_tokens, validate_sampling
 from jaxspec.sharding.active import constrain_state
 from jaxspec.sharding.rules import check_mesh
@@ -186,6 +187,7 @@ def generate(
 ) -> GenerateOutput:
     """Plain autoregressive decoding; the reference every speculative path must match."""
     opts = DecodeOptions.create(cfg, max_new_tokens, temperature, top_k, top_p, eos_id, rng, mesh)
+    check_params(params, cfg)
     batch = pad_batch(prepare_prompts(cfg, prompts, opts.max_new_tokens, prompt_lengths), opts.mesh)
     max_len = length_bucket(batch.tokens.shape[1] + opts.max_new_tokens, cfg.max_position_embeddings, minimum=64)
     tokens, lengths, steps = on_mesh(_generate_loop, opts.mesh, len(batch.lengths))(
@@ -197,11 +199,12 @@ def generate(
 
 
 def compile_count() -> int:
-    """Number of distinct compiled generation programs so far (static-shape check for tests)."""
-    return _generate_loop._cache_size()
+    """Generation programs compiled so far, freed ones included (static-shape check for tests)."""
+    return _generate_loop.compile_count()
 
 
-@functools.partial(jax.jit, static_argnums=(1, 4, 5))
+# Its compiled programs live in `jaxspec.programs`' bounded LRU (like `_speculative_loop`'s).
+@functools.partial(bounded_jit, static_argnums=(1, 4, 5))
 def _generate_loop(
     params: ModelParams,
     cfg: ModelConfig,
@@ -283,6 +286,7 @@ def speculative_generate(
     `generate`, and stats["spec"] says which ran.
     """
     opts = DecodeOptions.create(cfg, max_new_tokens, temperature, top_k, top_p, eos_id, rng, mesh)
+    check_params(params, cfg)
     if isinstance(spec, str) and spec == "auto":
         if tuning is None:
             raise ValueError('spec="auto" needs tuning= (a Tuning, or the folder `jaxspec tune` wrote tune.json to)')
@@ -420,10 +424,11 @@ def prefill_for_speculation(
 
 
 def speculative_compile_count() -> int:
-    return _speculative_loop._cache_size()
+    """Speculative loops compiled so far, freed ones included."""
+    return _speculative_loop.compile_count()
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 5, 6))
+@functools.partial(bounded_jit, static_argnums=(1, 2, 5, 6))
 def _speculative_loop(
     params: ModelParams,
     cfg: ModelConfig,

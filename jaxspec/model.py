@@ -8,6 +8,7 @@ tokens `visible` to them, and the per-token rows come back for the caller to com
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,7 @@ from jaxspec.layers.mhc import (
 from jaxspec.layers.moe import MoEParams, init_moe, moe
 from jaxspec.layers.mtp import MTPInputParams, init_mtp_input, mtp_inputs
 from jaxspec.ops.norms import rms_norm
+from jaxspec.programs import bounded_jit
 from jaxspec.sharding.rules import axes
 from jaxspec.state import DecodeState
 
@@ -144,6 +146,22 @@ def head_logits(params: ModelParams, cfg: ModelConfig, streams: jax.Array, mtp: 
     return jnp.einsum("btd,dv->btv", x, params.head, preferred_element_type=jnp.float32)
 
 
+def check_params(params: Any, cfg: ModelConfig) -> None:
+    """ValueError unless `params` is a ModelParams of `cfg`'s vocabulary, width and depth (cheap: a
+    dict, or another model's weights, fails here in one line instead of deep inside a trace)."""
+    if not isinstance(params, ModelParams):
+        raise ValueError(
+            f"params must be a jaxspec ModelParams (from init_params / load_checkpoint), got {type(params).__name__}"
+        )
+    embed = tuple(getattr(params.embed, "shape", ()))
+    layers = len(params.layers) if isinstance(params.layers, (tuple, list)) else None
+    if embed != (cfg.vocab_size, cfg.hidden_size) or layers != cfg.num_layers:
+        raise ValueError(
+            f"params do not fit cfg: embed {embed} and {layers} layers, cfg implies "
+            f"({cfg.vocab_size}, {cfg.hidden_size}) and {cfg.num_layers}"
+        )
+
+
 def forward(
     params: ModelParams,
     cfg: ModelConfig,
@@ -152,6 +170,7 @@ def forward(
     ctx: AttentionContext,
 ) -> ForwardOutput:
     """Target forward over T new tokens; reads `state`, writes nothing (see `state.commit`)."""
+    check_params(params, cfg)
     streams = jnp.broadcast_to(params.embed[tokens][:, :, None, :], (*tokens.shape, cfg.hc_mult, cfg.hidden_size))
     all_rows = []
     for i, kind in enumerate(cfg.layer_types):
@@ -193,6 +212,9 @@ def mtp_forward(
 def prefill_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
     """One full causal forward of `tokens` [B, S] from an empty state -> logits [B, S, V] (on a mesh:
     `jaxspec.prefill_logits(..., mesh=)`)."""
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    check_params(params, cfg)
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2 or tokens.shape[1] < 1:
         raise ValueError(f"tokens must be a [B, S] int array with S >= 1, got shape {tokens.shape}")
@@ -201,7 +223,7 @@ def prefill_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array) -> 
     return jitted_prefill_logits(params, cfg, tokens.astype(jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnums=(1,))
+@functools.partial(bounded_jit, static_argnums=(1,))
 def jitted_prefill_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
     """`prefill_logits` without the input checks (tokens [B, S] int32): the program the sharded runner
     places on a mesh."""

@@ -2,7 +2,8 @@
 
 `jaxspec tune` times an AR step, the draft and whole cycles with these; `bench/spec_vs_ar.py` times
 every stage for its per-stage split. Each stage is the function the loop runs (nothing re-written
-here), so a stage's time is what that part of `speculative_cycle` costs when jitted alone.
+here), so a stage's time is what that part of `speculative_cycle` costs when jitted alone. Their
+compiled programs share the bounded LRU of `jaxspec.programs` with the loops.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 from jaxspec.config import ModelConfig, SpecConfig
 from jaxspec.generate import prefill_for_speculation, speculative_cycle
 from jaxspec.model import ForwardOutput, ModelParams, extend, forward
+from jaxspec.programs import bounded_jit
 from jaxspec.state import DecodeState
 from jaxspec.tree.commit import commit_accepted_path
 from jaxspec.tree.draft import Tree, draft_tree, prune_to_budget
@@ -28,36 +30,36 @@ from jaxspec.tree.verify import tree_accept
 STAGES = ("draft", "plan", "verify", "accept")
 
 # Target prefill + MTP ring over the prompt: -> (state, root [B], last_hidden [B, hc, d]).
-prefill = jax.jit(prefill_for_speculation, static_argnums=(1, 4))
+prefill = bounded_jit(prefill_for_speculation, static_argnums=(1, 4))
 
 
-@functools.partial(jax.jit, static_argnums=(1,), donate_argnums=(2,))
+@functools.partial(bounded_jit, static_argnums=(1,), donate_argnums=(2,))
 def ar_step(params: ModelParams, cfg: ModelConfig, state: DecodeState, last: jax.Array):  # last: [B] int32
     """One greedy autoregressive step: -> (state, next token [B])."""
     out, state = extend(params, cfg, state, last[:, None], jnp.ones((last.shape[0], 1), bool))
     return state, jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
+@functools.partial(bounded_jit, static_argnums=(1, 2))
 def draft(params: ModelParams, cfg: ModelConfig, spec: SpecConfig, state: DecodeState, root: jax.Array,
           last_hidden: jax.Array) -> Tree:
     """draft_tree + prune_to_budget: root [B], last_hidden [B, hc, d] -> the D-node tree."""
     return prune_to_budget(draft_tree(params, cfg, spec, state, root, last_hidden), root, spec.num_draft_tokens)
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
+@functools.partial(bounded_jit, static_argnums=(0,))
 def plan(spec: SpecConfig, parent: jax.Array, length: jax.Array) -> TreePlan:  # parent [B, D], length [B]
     return build_plan(parent, length, spec.num_steps)
 
 
-@functools.partial(jax.jit, static_argnums=(1,))
+@functools.partial(bounded_jit, static_argnums=(1,))
 def verify(params: ModelParams, cfg: ModelConfig, state: DecodeState, tokens: jax.Array,
            tree_plan: TreePlan) -> ForwardOutput:
     """The target forward over the D tree nodes (tokens [B, D]) against the committed state."""
     return forward(params, cfg, state, tokens, verify_context(tree_plan, state.length))
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
+@functools.partial(bounded_jit, static_argnums=(1, 2))
 def accept(params: ModelParams, cfg: ModelConfig, spec: SpecConfig, state: DecodeState, tree: Tree,
            verify_out: ForwardOutput, last_hidden: jax.Array, active: jax.Array):
     """Greedy acceptance + commit of the accepted path: -> (state, last_hidden)."""
@@ -65,7 +67,7 @@ def accept(params: ModelParams, cfg: ModelConfig, spec: SpecConfig, state: Decod
     return commit_accepted_path(params, cfg, state, tree.tokens, verify_out, acc, last_hidden, active)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2), donate_argnums=(3,))
+@functools.partial(bounded_jit, static_argnums=(1, 2), donate_argnums=(3,))
 def cycle(params: ModelParams, cfg: ModelConfig, spec: SpecConfig, state: DecodeState, root: jax.Array,
           last_hidden: jax.Array):
     """One whole greedy cycle (state donated, as in the loop): -> (state, bonus, last_hidden, accepted [B])."""

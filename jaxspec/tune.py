@@ -34,7 +34,7 @@ from jaxspec import cost, stages
 from jaxspec.config import ModelConfig, SpecConfig
 from jaxspec.eval import measure_rank_acceptance
 from jaxspec.generate import batch_bucket, length_bucket, prepare_prompts
-from jaxspec.model import ModelParams
+from jaxspec.model import ModelParams, check_params
 from jaxspec.tree.budget import expected_tokens_per_cycle
 from jaxspec.tuning import NO_SPECULATION, Tuning, as_tuning
 
@@ -121,6 +121,7 @@ def calibrate(
 
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    check_params(params, cfg)
     if params.mtp is None:
         raise ValueError("tuning speculation needs an MTP draft block; these params have none")
     if estimator not in ESTIMATORS:

@@ -12,7 +12,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "jaxspec"
 
 # Lower rooms first. A module may import modules of its own rank or below, never above.
 RANKS = [
-    ("jaxspec.config", "jaxspec.tokenizer", "jaxspec.data", "jaxspec.tuning"),
+    ("jaxspec.config", "jaxspec.tokenizer", "jaxspec.data", "jaxspec.tuning", "jaxspec.programs",
+     "jaxspec.checkpoint_errors"),
     ("jaxspec.ops", "jaxspec.sharding.rules"),
     ("jaxspec.sharding.active", "jaxspec.sharding"),
     ("jaxspec.pallas",),

@@ -19,20 +19,23 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxspec import programs
 from jaxspec.config import ModelConfig
-from jaxspec.model import ModelParams, jitted_prefill_logits
+from jaxspec.model import ModelParams, check_params, jitted_prefill_logits
 from jaxspec.model import prefill_logits as model_prefill_logits
 from jaxspec.sharding.active import activate, is_dynamic
 from jaxspec.sharding.placement import param_shardings, shard_params
 from jaxspec.sharding.rules import DATA, check_mesh, check_rules
 
-_PROGRAMS: dict[Any, Any] = {}
+# The owner of the sharded programs in `jaxspec.programs`' bounded LRU (their compile count).
+SHARDED = "jaxspec.sharding.runner"
 
 
 def _program(
     jitted: Any, mesh: Any, args: Sequence[Any], batch: int, cfg: ModelConfig, rules: Mapping[str, Any] | None
-) -> tuple[Any, list[Any], Any]:
-    """-> (jitted program over the dynamic args, those args placed, output post-processing)."""
+) -> tuple[Any, Any, list[Any], Any]:
+    """-> (its key in `jaxspec.programs`, jitted program over the dynamic args, those args placed,
+    output post-processing)."""
     mesh = check_mesh(mesh)
     rules = check_rules(rules)
     raw = getattr(jitted, "__wrapped__", jitted)
@@ -55,14 +58,18 @@ def _program(
         (jax.tree.structure(a), tuple((np.shape(x), str(x.dtype)) for x in jax.tree.leaves(a))) for a in dyn_args
     )
     key = (raw, mesh, tuple(sorted(rules.items())), tuple((i, args[i]) for i in static), avals, batch)
-    if key not in _PROGRAMS:
-        _PROGRAMS[key] = _build_program(raw, mesh, rules, cfg, args, static, batch)
-    program, post = _PROGRAMS[key]
-    return program, dyn_args, post
+
+    def build():
+        jitted, post = _build_program(raw, mesh, rules, cfg, args, static, batch)
+        return jitted, (jitted, post)
+
+    jitted, post = programs.program(key, build, owner=SHARDED)
+    return key, jitted, dyn_args, post
 
 
 def _build_program(raw, mesh, rules, cfg, args, static, batch):
-    """jit(shard_map over "data" of the loop) with explicit in/out shardings.
+    """jit(shard_map over "data" of the loop) with explicit in/out shardings; of a function object
+    made here, so freeing this program frees no other (`jaxspec.programs`).
 
     The batch is split by a manual "data" axis: every data shard runs its own sequences (its own
     while loop, no per-step cross-shard collective), so nothing batch-indexed can be resharded;
@@ -129,9 +136,11 @@ def run_sharded(
     divides `batch`); the rest is replicated, and scalar outputs are per-shard counters reduced by
     max. One jitted program per (function, mesh, rules, static args, argument shapes).
     """
-    program, dyn_args, post = _program(jitted, mesh, args, batch, cfg, rules)
+    key, program, dyn_args, post = _program(jitted, mesh, args, batch, cfg, rules)
     with activate(mesh, check_rules(rules), cfg):
-        return post(program(*dyn_args))
+        out = program(*dyn_args)
+    programs.called(key)
+    return post(out)
 
 
 def lower_sharded(
@@ -144,7 +153,7 @@ def lower_sharded(
     rules: Mapping[str, Any] | None = None,
 ) -> Any:
     """The `jax.stages.Lowered` program `run_sharded` runs for these arguments (HLO inspection)."""
-    program, dyn_args, _ = _program(jitted, mesh, args, batch, cfg, rules)
+    _, program, dyn_args, _ = _program(jitted, mesh, args, batch, cfg, rules)
     with activate(mesh, check_rules(rules), cfg):
         return program.lower(*dyn_args)
 
@@ -172,8 +181,8 @@ def lower_abstract(
 
 
 def sharded_compile_count() -> int:
-    """Compiled sharded programs so far (one per mesh x bucket x config, like compile_count)."""
-    return sum(program._cache_size() for program, _ in _PROGRAMS.values())
+    """Sharded programs compiled so far, freed ones included (one per mesh x bucket x config)."""
+    return programs.compile_count(SHARDED)
 
 
 def pad_batch(batch: Any, mesh: jax.sharding.Mesh | None) -> Any:
@@ -212,6 +221,9 @@ def prefill_logits(params: Any, cfg: ModelConfig, tokens: Any, mesh: jax.shardin
     a multiple of "data" inside, cut back after)."""
     if mesh is None:
         return model_prefill_logits(params, cfg, tokens)
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    check_params(params, cfg)
     data = check_mesh(mesh).shape[DATA]
     tokens = np.asarray(tokens)
     if tokens.ndim != 2 or tokens.shape[1] < 1 or not np.issubdtype(tokens.dtype, np.integer):

@@ -1,0 +1,127 @@
+"""One-line errors for damaged checkpoints (used by `jaxspec.checkpoint`).
+
+A truncated orbax array file makes TensorStore raise a many-line exception; worse, orbax runs the
+restore's reads on an event loop it closes as soon as one read fails, so the reads still in flight
+are finalized later, some at interpreter exit, each printing an "Exception ignored in: <coroutine
+_read_array_index_and_device_put ...>" traceback ("Event loop is closed", "sys.meta_path is None").
+`quiet_orphaned_reads` drops exactly those, after a failed restore; everything else is unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import logging
+import os
+import re
+import sys
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+_MAX_DETAIL = 300  # characters of the underlying error kept in the one-line message
+
+
+def one_line(error: BaseException) -> str:
+    """The innermost cause's first line (TensorStore's own words), without the spec dump."""
+    while error.__cause__ is not None or (error.__context__ is not None and not error.__suppress_context__):
+        error = error.__cause__ or error.__context__
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return text if len(text) <= _MAX_DETAIL else text[: _MAX_DETAIL - 3] + "..."
+
+
+def read_json(filename: str) -> Any:
+    """json.load, with a one-line ValueError naming the file when it is unreadable or malformed."""
+    try:
+        with open(filename) as f:
+            return json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{filename} is damaged or not JSON: {one_line(e)}") from None
+
+
+def check_orbax_metadata(params_dir: str) -> None:
+    """The JSON files orbax reads before any array, each parsed here so a damaged one is named."""
+    names = ["_CHECKPOINT_METADATA", "_METADATA", "_sharding"]
+    arrays = os.path.join(params_dir, "array_metadatas")
+    if os.path.isdir(arrays):
+        names += [os.path.join("array_metadatas", f) for f in sorted(os.listdir(arrays))]
+    for name in names:
+        if os.path.isfile(os.path.join(params_dir, name)):
+            read_json(os.path.join(params_dir, name))
+
+
+def damaged(params_dir: str, error: BaseException) -> ValueError:
+    """A failed orbax restore -> one line naming the checkpoint's data file where TensorStore says
+    which (a byte range beyond "value of size N": the file of that size), else its folder."""
+    detail = one_line(error)
+    where = params_dir
+    size = re.search(r"not valid for value of size (\d+)", detail)
+    if size:
+        found = [os.path.join(root, f) for root, _, files in os.walk(params_dir) for f in files
+                 if os.path.getsize(os.path.join(root, f)) == int(size.group(1))]
+        if len(found) == 1:
+            where = found[0]
+    return ValueError(f"checkpoint data {where} is damaged or truncated: {detail}")
+
+
+def mismatch(expected: Mapping[str, tuple[int, ...]], stored: Mapping[str, tuple[int, ...]]) -> str | None:
+    """How the arrays config.json implies differ from those stored (dotted names -> shapes), or None."""
+    problems = [f"{n} is stored but config.json has no such array" for n in sorted(set(stored) - set(expected))]
+    problems += [f"{n} is missing from the stored arrays" for n in sorted(set(expected) - set(stored))]
+    problems += [f"{n} is stored with shape {stored[n]}, config.json implies {expected[n]}"
+                 for n in sorted(set(expected) & set(stored)) if tuple(stored[n]) != tuple(expected[n])]
+    if not problems:
+        return None
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return problems[0] + more
+
+
+def dotted(path: tuple[Any, ...]) -> str:
+    """A pytree path as orbax names the array: layers.0.attn.wq_a."""
+    return ".".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
+
+
+@contextlib.contextmanager
+def quiet_absl_warnings() -> Iterator[None]:
+    """orbax logs (absl) a warning where it cannot read a damaged checkpoint's metadata; the error
+    that follows says it in one line."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _from_orbax(unraisable: Any) -> bool:
+    code = getattr(unraisable.object, "cr_code", None)
+    if code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename:
+        return True
+    exc = unraisable.exc_value
+    return isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc)
+
+
+class _OrphanedTaskFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("Task was destroyed but it is pending" in message and "orbax" in message)
+
+
+_INSTALLED: list[Any] = []
+
+
+def quiet_orphaned_reads() -> None:
+    """After a failed orbax restore: finalize its orphaned reads now and drop their noise, now and
+    at exit (installed once per process; other unraisable errors still reach the old hook)."""
+    if not _INSTALLED:
+        previous = sys.unraisablehook
+
+        def hook(unraisable):
+            if not _from_orbax(unraisable):
+                previous(unraisable)
+
+        sys.unraisablehook = hook
+        logging.getLogger("asyncio").addFilter(_OrphanedTaskFilter())
+        _INSTALLED.append(hook)
+    gc.collect()
