@@ -12,7 +12,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "jaxspec"
 
 # Lower rooms first. A module may import modules of its own rank or below, never above.
 RANKS = [
-    ("jaxspec.config", "jaxspec.tokenizer", "jaxspec.data", "jaxspec.tuning"),
+    # The safetensors reader and the FP8 / FP4 formats need numpy only (the checkpoint package's
+    # __init__ is higher, so only checkpoint modules may import them).
+    ("jaxspec.config", "jaxspec.tokenizer", "jaxspec.data", "jaxspec.tuning", "jaxspec.checkpoint.safetensors_io",
+     "jaxspec.checkpoint.quant"),
     ("jaxspec.ops", "jaxspec.sharding.rules"),
     ("jaxspec.sharding.active", "jaxspec.sharding"),
     ("jaxspec.pallas",),
