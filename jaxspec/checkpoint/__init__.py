@@ -9,8 +9,11 @@
 * `keys` (names), `safetensors_io` (headers, memory-mapped reads, writer), `quant` (the formats).
 """
 
-from jaxspec.checkpoint.hf_load import LoadStats, load_hf_checkpoint
+from jaxspec.checkpoint.hf_load import HFCheckpoint, LoadStats, load_hf_checkpoint, open_hf_checkpoint
 from jaxspec.checkpoint.hf_save import save_hf_checkpoint
 from jaxspec.checkpoint.native import load_checkpoint, save_checkpoint
 
-__all__ = ["LoadStats", "load_checkpoint", "load_hf_checkpoint", "save_checkpoint", "save_hf_checkpoint"]
+__all__ = [
+    "HFCheckpoint", "LoadStats", "load_checkpoint", "load_hf_checkpoint", "open_hf_checkpoint", "save_checkpoint",
+    "save_hf_checkpoint",
+]

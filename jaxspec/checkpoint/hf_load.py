@@ -177,29 +177,33 @@ def _default_dtype(config: dict[str, Any]) -> str:
     return "float32"
 
 
-def load_hf_checkpoint(
-    path: str | os.PathLike,
-    dtype: str | None = None,
-    mesh: Any = None,
-    rules: dict[str, Any] | None = None,
-    stats: LoadStats | None = None,
-) -> tuple[ModelConfig, ModelParams]:
-    """Read a DeepSeek-V4 checkpoint folder (config.json + *.safetensors) -> (cfg, params).
+@dataclasses.dataclass
+class HFCheckpoint:
+    """A checked, not yet read, checkpoint folder: its config and where every leaf comes from.
 
-    Key spelling official or HF; shards through `model.safetensors.index.json` when present.
-    Weights may be plain (F32 / BF16 / F16) or block-scaled FP8 (e4m3 + `.scale`, 128 x 128 blocks
-    or the config's `quantization_config.weight_block_size`) or FP4 (packed e2m1 + `.scale` per
-    1 x 32 block); scales UE8M0 or float32. Quantized weights are dequantized per block to `dtype`.
-    `dtype` ("float32" / "bfloat16") sets cfg.dtype, the dtype of the matrix weights (default: the
-    config's `dtype` / `torch_dtype`, else float32); norms, hyper-connections, sinks, APE, gate
-    biases and the compressor / indexer-weight projections stay fp32 as `init_params` lays out.
-    A checkpoint without `mtp.*` tensors loads with num_mtp_layers=0 and params.mtp=None.
-    Raises a one-line ValueError naming the tensor on a missing, unexpected, misshaped or
-    unsupported tensor, a missing or misshaped scale, or a missing shard.
-    With `mesh` (also multi-process, under `jax.distributed`), each leaf is placed in its parameter
-    sharding (`sharding.placement.param_shardings`) and this process reads only the slices its own
-    devices hold, each once. `stats`, when given, records the bytes read per tensor.
+    `read(leaf, index)` returns any region of a leaf (its dequantized host array in the leaf's
+    dtype), copying only the bytes that region needs; `reader.bytes_read` counts them per tensor.
     """
+
+    path: str
+    cfg: ModelConfig
+    leaves: dict[str, jax.ShapeDtypeStruct]  # keystr path -> abstract leaf
+    sources: dict[str, dict[int | None, _Source]]  # keystr path -> {expert slot or None: source}
+    reader: Reader
+
+    def read(self, leaf: str, index: tuple[slice, ...] = ()) -> np.ndarray:
+        x = self.leaves[leaf]
+        return _read_leaf(self.reader, self.sources[leaf], tuple(x.shape), x.dtype, index, self.cfg)
+
+    def stats(self) -> LoadStats:
+        stored = sum(s.info.nbytes + (s.scale.nbytes if s.scale else 0)
+                     for srcs in self.sources.values() for s in srcs.values())
+        return LoadStats(dict(self.reader.bytes_read), stored)
+
+
+def open_hf_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> HFCheckpoint:
+    """Check a DeepSeek-V4 checkpoint folder from its config.json and the shards' headers (no
+    tensor data is read): names, shapes, dtypes, scales. See `load_hf_checkpoint`."""
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
         raise ValueError(f"checkpoint folder {path!r} does not exist")
@@ -213,7 +217,7 @@ def load_hf_checkpoint(
     folder = open_folder(path)
     fp8_block = _fp8_block(config)
 
-    # Headers only: official key -> TensorInfo.
+    # official key -> TensorInfo
     where: dict[str, TensorInfo] = {}
     for name, info in folder.tensors.items():
         key = normalize_key(name)
@@ -246,27 +250,49 @@ def load_hf_checkpoint(
         shape = tuple(leaf.shape) if spec.slot is None else tuple(leaf.shape[1:])
         src = _source(spec, where[key], where.get(scale_key(key)), ckpt_shape(spec.kind, shape), fp8_block)
         sources.setdefault(spec.ours, {})[spec.slot] = src
+    return HFCheckpoint(path, cfg, leaves, sources, Reader())
 
-    reader = Reader()
-    shardings = leaves_by_path(param_shardings(cfg, mesh, rules)) if mesh is not None else {}
+
+def load_hf_checkpoint(
+    path: str | os.PathLike,
+    dtype: str | None = None,
+    mesh: Any = None,
+    rules: dict[str, Any] | None = None,
+    stats: LoadStats | None = None,
+) -> tuple[ModelConfig, ModelParams]:
+    """Read a DeepSeek-V4 checkpoint folder (config.json + *.safetensors) -> (cfg, params).
+
+    Key spelling official or HF; shards through `model.safetensors.index.json` when present.
+    Weights may be plain (F32 / BF16 / F16) or block-scaled FP8 (e4m3 + `.scale`, 128 x 128 blocks
+    or the config's `quantization_config.weight_block_size`) or FP4 (packed e2m1 + `.scale` per
+    1 x 32 block); scales UE8M0 or float32. Quantized weights are dequantized per block to `dtype`.
+    `dtype` ("float32" / "bfloat16") sets cfg.dtype, the dtype of the matrix weights (default: the
+    config's `dtype` / `torch_dtype`, else float32); norms, hyper-connections, sinks, APE, gate
+    biases and the compressor / indexer-weight projections stay fp32 as `init_params` lays out.
+    A checkpoint without `mtp.*` tensors loads with num_mtp_layers=0 and params.mtp=None.
+    Raises a one-line ValueError naming the tensor on a missing, unexpected, misshaped or
+    unsupported tensor, a missing or misshaped scale, or a missing shard.
+    With `mesh` (also multi-process, under `jax.distributed`), each leaf is placed in its parameter
+    sharding (`sharding.placement.param_shardings`) and this process reads only the slices its own
+    devices hold, each once. `stats`, when given, records the bytes read per tensor.
+    """
+    ck = open_hf_checkpoint(path, dtype)
+    shardings = leaves_by_path(param_shardings(ck.cfg, mesh, rules)) if mesh is not None else {}
     placed: dict[str, jax.Array] = {}
-    for ours, leaf in leaves.items():
-        shape, srcs = tuple(leaf.shape), sources[ours]
+    for ours, leaf in ck.leaves.items():
         if mesh is None:
-            placed[ours] = jnp.asarray(_read_leaf(reader, srcs, shape, leaf.dtype, (), cfg))
+            placed[ours] = jnp.asarray(ck.read(ours))
             continue
-        sharding = shardings[ours]
+        shape, sharding = tuple(leaf.shape), shardings[ours]
         # One read per distinct slice held by this process's devices (replicas share it).
         held: dict[Any, np.ndarray] = {}
         for index in sharding.addressable_devices_indices_map(shape).values():
             k = _index_key(index, shape)
             if k not in held:
-                held[k] = _read_leaf(reader, srcs, shape, leaf.dtype, index, cfg)
+                held[k] = ck.read(ours, index)
         placed[ours] = jax.make_array_from_callback(shape, sharding, lambda i, h=held, s=shape: h[_index_key(i, s)])
     if stats is not None:
-        stats.bytes_read = dict(reader.bytes_read)
-        stats.bytes_in_files = sum(s.info.nbytes + (s.scale.nbytes if s.scale else 0)
-                                   for srcs in sources.values() for s in srcs.values())
-    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_params(cfg))
-    return cfg, jax.tree_util.tree_unflatten(treedef, [placed[jax.tree_util.keystr(p)] for p, _ in flat])
-
+        read = ck.stats()
+        stats.bytes_read, stats.bytes_in_files = read.bytes_read, read.bytes_in_files
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_params(ck.cfg))
+    return ck.cfg, jax.tree_util.tree_unflatten(treedef, [placed[jax.tree_util.keystr(p)] for p, _ in flat])

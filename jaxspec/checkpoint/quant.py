@@ -70,7 +70,9 @@ def _block_amax(w: np.ndarray, block: tuple[int, int]) -> np.ndarray:
 
 def _pow2_scale(amax: np.ndarray, qmax: float) -> np.ndarray:
     """The smallest power of two s with amax / s <= qmax (1 for an all-zero block)."""
-    exp = np.ceil(np.log2(np.where(amax > 0, amax, qmax) / qmax))
+    ratio = np.where(amax > 0, amax, qmax).astype(np.float64) / qmax
+    exp = np.ceil(np.log2(ratio))
+    exp += ratio > np.exp2(exp)  # log2 rounded down onto an integer just above a power of two
     return np.exp2(np.clip(exp, -127, 127)).astype(np.float32)
 
 
