@@ -150,11 +150,12 @@ def _read_leaf(reader: Reader, sources: dict[int | None, _Source], shape: tuple[
         x = _read_part(reader, src, bounds, shape)
         if src.spec.kind == "int" and x.size and (x.min() < 0 or x.max() >= cfg.n_routed_experts):
             raise ValueError(f"tensor {src.info.name!r} holds expert ids outside [0, {cfg.n_routed_experts})")
-    else:  # stacked experts [E, ...]: read only the experts in this index
+    else:  # stacked experts [E, ...]: read only the experts in this index, one at a time
         (e0, e1), inner = bounds[0], bounds[1:]
-        parts = [_read_part(reader, sources[e], inner, shape[1:]) for e in range(e0, e1)]
-        x = np.stack(parts) if parts else np.zeros((0, *(b - a for a, b in inner)), np.float32)
-    return np.asarray(x).astype(dtype)
+        x = np.empty((e1 - e0, *(b - a for a, b in inner)), dtype)
+        for e in range(e0, e1):
+            x[e - e0] = _read_part(reader, sources[e], inner, shape[1:])
+    return np.asarray(x).astype(dtype, copy=False)
 
 
 def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
