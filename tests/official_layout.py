@@ -229,3 +229,62 @@ def read_plain(path: str) -> dict[str, np.ndarray]:
         if f.endswith(".safetensors"):
             out.update(load_file(os.path.join(path, f)))
     return out
+
+
+# ---- V4-Flash as released, headers only ----------------------------------------------------------------
+def flash_tensor(name: str, kind: str) -> tuple[str, tuple[int, ...]]:
+    """(dtype, shape) of a V4-Flash tensor as the release stores it (reference doc section 3.7,
+    the release's headers): d 4096, 64 heads x 512, q rank 1024, 8 groups x 1024, 256 experts of
+    2048, indexer 64 x 128, hc 4, CSA 4 / HCA 128. `kind`: the block's "sliding", "csa" or "hca"."""
+    d, v, e, inter = 4096, 129280, 256, 2048
+    m = re.search(r"attn\.compressor\.(wkv|wgate|ape)", name)
+    if m:  # the main compressor: CSA's overlapping windows are two halves (coff 2), HCA's one
+        coff, ratio = (2, 4) if kind == "csa" else (1, 128)
+        return ("F32", (ratio, coff * 512)) if m.group(1) == "ape" else ("BF16", (coff * 512, d))
+    rules = [
+        (r"^(embed|head)\.weight$", "BF16", (v, d)),
+        (r"hc_head_fn$", "F32", (4, 4 * d)), (r"hc_head_base$", "F32", (4,)), (r"hc_head_scale$", "F32", (1,)),
+        (r"hc_(attn|ffn)_fn$", "F32", (24, 4 * d)), (r"hc_(attn|ffn)_base$", "F32", (24,)),
+        (r"hc_(attn|ffn)_scale$", "F32", (3,)),
+        (r"attn\.wq_a\.weight$", "F8_E4M3", (1024, d)), (r"attn\.wq_a\.scale$", "F8_E8M0", (8, 32)),
+        (r"indexer\.wq_b\.weight$", "F8_E4M3", (8192, 1024)), (r"indexer\.wq_b\.scale$", "F8_E8M0", (64, 8)),
+        (r"attn\.wq_b\.weight$", "F8_E4M3", (32768, 1024)), (r"attn\.wq_b\.scale$", "F8_E8M0", (256, 8)),
+        (r"attn\.wkv\.weight$", "F8_E4M3", (512, d)), (r"attn\.wkv\.scale$", "F8_E8M0", (4, 32)),
+        (r"attn\.wo_a\.weight$", "F8_E4M3", (8192, d)), (r"attn\.wo_a\.scale$", "F8_E8M0", (64, 32)),
+        (r"attn\.wo_b\.weight$", "F8_E4M3", (d, 8192)), (r"attn\.wo_b\.scale$", "F8_E8M0", (32, 64)),
+        (r"attn\.q_norm\.weight$", "BF16", (1024,)), (r"attn\.kv_norm\.weight$", "BF16", (512,)),
+        (r"attn\.attn_sink$", "F32", (64,)),
+        (r"indexer\.weights_proj\.weight$", "BF16", (64, d)),
+        (r"indexer\.compressor\.(wkv|wgate)\.weight$", "BF16", (256, d)),
+        (r"indexer\.compressor\.ape$", "F32", (4, 256)), (r"indexer\.compressor\.norm\.weight$", "BF16", (128,)),
+        (r"compressor\.norm\.weight$", "BF16", (512,)),
+        (r"ffn\.gate\.weight$", "BF16", (e, d)), (r"ffn\.gate\.bias$", "F32", (e,)),
+        (r"ffn\.gate\.tid2eid$", "I64", (v, 6)),
+        (r"experts\.\d+\.w[13]\.weight$", "I8", (inter, d // 2)),
+        (r"experts\.\d+\.w[13]\.scale$", "F8_E8M0", (inter, d // 32)),
+        (r"experts\.\d+\.w2\.weight$", "I8", (d, inter // 2)),
+        (r"experts\.\d+\.w2\.scale$", "F8_E8M0", (d, inter // 32)),
+        (r"shared_experts\.w[13]\.weight$", "F8_E4M3", (inter, d)),
+        (r"shared_experts\.w[13]\.scale$", "F8_E8M0", (16, 32)),
+        (r"shared_experts\.w2\.weight$", "F8_E4M3", (d, inter)), (r"shared_experts\.w2\.scale$", "F8_E8M0", (32, 16)),
+        (r"(e_proj|h_proj)\.weight$", "F8_E4M3", (d, d)), (r"(e_proj|h_proj)\.scale$", "F8_E8M0", (32, 32)),
+        (r"(^|\.)(norm|attn_norm|ffn_norm|enorm|hnorm)\.weight$", "BF16", (d,)),
+    ]
+    for pattern, dtype, shape in rules:
+        if re.search(pattern, name):
+            return dtype, shape
+    raise KeyError(name)
+
+
+def write_sparse(filename: str, entries: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+    """A safetensors file with these headers and all-zero data, as a sparse file (no data written)."""
+    sizes = {"BF16": 2, "F32": 4, "I64": 8, "I8": 1, "F8_E4M3": 1, "F8_E8M0": 1}
+    header, offset = {}, 0
+    for k, (dtype, shape) in entries.items():
+        n = math.prod(shape) * sizes[dtype]
+        header[k] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header).encode()
+    with open(filename, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little") + blob)
+        f.truncate(8 + len(blob) + offset)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from official_layout import (
     FP8_NAMES,
     INDEX,
     Raw,
+    flash_tensor,
     hf_spelling,
     official_names,
     officialize,
@@ -29,9 +31,11 @@ from official_layout import (
     write_file,
     write_folder,
     write_index,
+    write_sparse,
 )
 
 from jaxspec.checkpoint import LoadStats, load_hf_checkpoint, open_hf_checkpoint, save_hf_checkpoint
+from jaxspec.checkpoint.keys import official_config
 from jaxspec.checkpoint.safetensors_io import open_folder, read_header
 from jaxspec.config import ModelConfig
 from jaxspec.model import init_params, prefill_logits
@@ -215,6 +219,46 @@ def test_region_reads_touch_only_their_bytes(plain, tmp_path):
     # ours [E, d, I] = ckpt [I, d] per expert: I rows 0..7 of expert 3, all d = 32 columns (16 bytes, 1 scale each)
     assert dict(ck.reader.bytes_read) == {"layers.2.ffn.experts.3.w1.weight": 8 * 16,
                                           "layers.2.ffn.experts.3.w1.scale": 8}
+
+
+def test_v4_flash_release_layout_validates_and_reads_by_region(tmp_path):
+    """Every header of V4-Flash as released (names, dtypes, shapes, scale grids of the reference doc;
+    ~160 GB of all-zero sparse files, one shard per block + index) passes `open_hf_checkpoint` for
+    the v4-flash config, and a slice of one expert reads only its own bytes."""
+    probe = tmp_path / "probe"
+    with open(probe, "wb") as f:
+        f.truncate(1 << 30)
+    if os.stat(probe).st_blocks * 512 > 1 << 20:
+        pytest.skip("this file system has no sparse files")
+    cfg = ModelConfig.preset("v4-flash")
+    names = official_names(cfg.layer_types, cfg.num_hash_layers, cfg.n_routed_experts, mtp=True)
+    names |= {n[: -len("weight")] + "scale" for n in names if FP8_NAMES.search(n) or EXPERT_NAMES.search(n)}
+    blocks: dict[str, dict] = {}
+    for name in sorted(names):
+        m = re.match(r"^(layers\.(\d+)|mtp\.0)\.", name)
+        kind = cfg.layer_types[int(m.group(2))] if m and m.group(2) else "sliding"
+        blocks.setdefault(m.group(1) if m else "top", {})[name] = flash_tensor(name, kind)
+    folder = tmp_path / "DeepSeek-V4-Flash"
+    folder.mkdir()
+    weight_map = {}
+    for i, entries in enumerate(blocks.values()):
+        file = f"model-{i + 1:05d}-of-{len(blocks):05d}.safetensors"
+        write_sparse(str(folder / file), entries)
+        weight_map.update(dict.fromkeys(entries, file))
+    write_index(str(folder), weight_map)
+    config = dict(official_config(cfg), quantization_config=QUANT_CONFIG, torch_dtype="bfloat16", bos_token_id=0,
+                  eos_token_id=1)
+    with open(folder / "config.json", "w") as f:
+        json.dump(config, f)
+
+    ck = open_hf_checkpoint(folder)
+    assert ck.cfg == cfg and len(ck.cfg.layer_types) == 43
+    assert 150e9 < ck.stats().bytes_in_files < 170e9
+    part = ck.read(".layers[2].ffn.experts.w1", (slice(5, 6), slice(0, 64), slice(0, 32)))
+    assert part.shape == (1, 64, 32) and part.dtype == ml_dtypes.bfloat16 and not part.astype(np.float32).any()
+    # ours [E, d, I] = ckpt [I, d] per expert: rows 0..31, columns 0..63 = 32 packed bytes and 2 scales per row
+    assert dict(ck.reader.bytes_read) == {"layers.2.ffn.experts.5.w1.weight": 32 * 32,
+                                          "layers.2.ffn.experts.5.w1.scale": 32 * 2}
 
 
 # ---- one-line errors -------------------------------------------------------------------------------
