@@ -105,10 +105,13 @@ def test_hf_round_trip(tmp_path, spelling, dtype):
         with safe_open(tmp_path / "m" / f, framework="numpy") as st:
             keys |= set(st.keys())
     if spelling == "official":
-        assert {"embed.weight", "hc_head_fn", "mtp.0.e_proj.weight", "layers.0.ffn.gate.tid2eid"} <= keys
+        assert {"embed.weight", "hc_head_fn", "mtp.0.e_proj.weight", "layers.0.ffn.gate.tid2eid",
+                "layers.0.attn.kv_norm.weight", "mtp.0.attn.kv_norm.weight"} <= keys
+        assert "layers.0.attn.norm.weight" not in keys
     else:
         assert {"model.embed_tokens.weight", "model.hc_head.hc_fn", "head.weight"} <= keys
         assert "model.layers.1.attn.indexer.compressor.ape" in keys
+        assert "model.layers.0.attn.norm.weight" in keys  # save_pretrained's name for the KV norm
     cfg2, params2 = load_hf_checkpoint(tmp_path / "m")
     assert cfg2 == cfg
     _assert_bit_equal(params, params2)

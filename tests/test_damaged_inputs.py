@@ -145,7 +145,7 @@ def test_orphaned_orbax_reads_are_finalized_quietly():
     after `quiet_orphaned_reads` it prints nothing, while other unraisable errors still show."""
     script = """
 import gc, sys
-from jaxspec import checkpoint_errors
+from jaxspec.checkpoint import errors as checkpoint_errors
 code = compile('''
 async def read():
     try:

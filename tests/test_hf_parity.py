@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -103,7 +104,12 @@ def _official_rewrite(src: str, dst: str, cfg: DeepseekV4Config) -> None:
             k = k[len("model."):]
             k = {"embed_tokens.weight": "embed.weight", "hc_head.hc_fn": "hc_head_fn",
                  "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}.get(k, k)
+            # save_pretrained writes the attention's KV norm as `attn.norm`; DeepSeek's files (and
+            # inference/model.py) call it `attn.kv_norm`. The compressors' `norm` keeps its name.
+            k = re.sub(r"^(layers\.\d+\.attn)\.norm\.weight$", r"\1.kv_norm.weight", k)
         out[k] = v
+    assert any(k.endswith(".attn.kv_norm.weight") for k in out)
+    assert not any(k.endswith(".attn.norm.weight") for k in out)
     save_file(out, os.path.join(dst, "model.safetensors"))
     rates = cfg.compress_rates
     ratio = {"sliding_attention": 0, "compressed_sparse_attention": rates["compressed_sparse_attention"],

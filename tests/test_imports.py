@@ -12,8 +12,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "jaxspec"
 
 # Lower rooms first. A module may import modules of its own rank or below, never above.
 RANKS = [
+    # The safetensors reader, the FP8 / FP4 formats and the damaged-file errors need numpy only (the
+    # checkpoint package's __init__ is higher, so only checkpoint modules may import them).
     ("jaxspec.config", "jaxspec.tokenizer", "jaxspec.data", "jaxspec.tuning", "jaxspec.programs",
-     "jaxspec.checkpoint_errors"),
+     "jaxspec.checkpoint.safetensors_io", "jaxspec.checkpoint.quant", "jaxspec.checkpoint.errors"),
     ("jaxspec.ops", "jaxspec.sharding.rules"),
     ("jaxspec.sharding.active", "jaxspec.sharding"),
     ("jaxspec.pallas",),

@@ -44,7 +44,9 @@ def add_model_arguments(p: argparse.ArgumentParser, *, text: bool = False) -> No
         p.add_argument("--checkpoint", required=True, metavar="PATH",
                        help="checkpoint folder with a tokenizer (written by save_checkpoint / jaxspec train)")
         return
-    p.add_argument("--checkpoint", default=None, metavar="PATH", help="folder written by save_checkpoint")
+    p.add_argument("--checkpoint", default=None, metavar="PATH",
+                   help="folder written by save_checkpoint, or a DeepSeek-V4 safetensors folder (config.json + "
+                   "*.safetensors + tokenizer.json, e.g. a download of deepseek-ai/DeepSeek-V4-Flash)")
     p.add_argument("--preset", default=None, help=f"model preset when no --checkpoint (default {DEFAULT_PRESET})")
 
 
@@ -96,15 +98,18 @@ def as_float32(cfg, params):
 
 
 def load_model(args: argparse.Namespace, console: Console | None = None, *, need_tokenizer: str | None = None,
-               seed: int = 0) -> LoadedModel:
+               seed: int = 0, mesh: Any = None) -> LoadedModel:
     """The model of --checkpoint (cast to float32 on a CPU), else a random-init --preset.
 
-    `need_tokenizer` names the command for the error when a checkpoint without tokenizer.json (or
-    no checkpoint) is given to a command that encodes text.
+    --checkpoint is a folder written by `save_checkpoint` (config.json + params/), or a DeepSeek-V4
+    safetensors folder as released (config.json + *.safetensors, official or HF spelling, FP8 / FP4
+    weights dequantized on load; its tokenizer.json is read with HF `tokenizers`), loaded straight
+    into `mesh` when one is given. `need_tokenizer` names the command for the error when a
+    checkpoint without tokenizer.json (or no checkpoint) is given to a command that encodes text.
     """
     import jax
 
-    from jaxspec.checkpoint import load_checkpoint
+    from jaxspec.checkpoint import load_checkpoint, load_hf_checkpoint
     from jaxspec.config import ModelConfig
     from jaxspec.model import init_params
 
@@ -116,13 +121,22 @@ def load_model(args: argparse.Namespace, console: Console | None = None, *, need
         if getattr(args, "preset", None) is not None and console is not None:
             console.print(f"[yellow]note:[/] --preset {args.preset} ignored: the config comes from the checkpoint")
         t0 = time.perf_counter()
-        cfg, params, tokenizer = load_checkpoint(path)
+        note = ""
+        if os.path.isdir(os.path.join(path, "params")):
+            cfg, params, tokenizer = load_checkpoint(path)
+            if cfg.dtype != "float32" and jax.default_backend() == "cpu":
+                cfg, params = as_float32(cfg, params)
+                note = ", cast to float32 for the CPU"
+        elif any(f.endswith(".safetensors") for f in os.listdir(path)):
+            dtype = "float32" if jax.default_backend() == "cpu" else None
+            cfg, params = load_hf_checkpoint(path, dtype=dtype, mesh=mesh)
+            tokenizer = hf_tokenizer(path)
+            note = f", DeepSeek-V4 safetensors, {cfg.dtype}" + (" on the mesh" if mesh is not None else "")
+        else:
+            raise ValueError(f"checkpoint {checkpoint!r} has neither params/ (a jaxspec checkpoint) nor "
+                             "*.safetensors (a DeepSeek-V4 release)")
         if need_tokenizer and tokenizer is None:
             raise ValueError(f"checkpoint {checkpoint!r} has no tokenizer.json; {need_tokenizer} encodes text prompts")
-        note = ""
-        if cfg.dtype != "float32" and jax.default_backend() == "cpu":
-            cfg, params = as_float32(cfg, params)
-            note = ", cast to float32 for the CPU"
         return LoadedModel(cfg, params, tokenizer,
                            f"checkpoint {path} (loaded in {time.perf_counter() - t0:.1f} s{note})")
     if need_tokenizer:
@@ -139,3 +153,14 @@ def load_model(args: argparse.Namespace, console: Console | None = None, *, need
     params = init_params(cfg, jax.random.key(seed))
     return LoadedModel(cfg, params, None,
                        f"preset {preset!r}, [bold yellow]random init[/] (seed {seed}): output is noise")
+
+
+def hf_tokenizer(path: str) -> Any:
+    """The tokenizer.json of a released checkpoint folder (HF `tokenizers`), or None without one.
+    Its special tokens are the release's own (DeepSeek-V4: bos 0, eos 1, from config.json)."""
+    tok_path = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(tok_path):
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(tok_path)

@@ -84,7 +84,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from jaxspec.sharding.runner import sharded_compile_count
 
     mesh = mesh_from_args(args)
-    model = load_model(args, console, seed=args.seed)
+    model = load_model(args, console, seed=args.seed, mesh=mesh)
     cfg, params, tokenizer, source = model.cfg, model.params, model.tokenizer, model.description
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     console.print(f"[bold]jaxspec demo[/]: {source}")

@@ -1,0 +1,298 @@
+"""Load a DeepSeek-V4 safetensors checkpoint (official or HF spelling, plain or FP8 / FP4
+block-scaled) into ModelParams, reading per device only the slice that device holds.
+
+Every leaf is read by regions: a leaf's index (a tuple of slices, what
+`jax.make_array_from_callback` asks for per device) maps onto the checkpoint tensors it comes from
+(transposed, regrouped for `wo_a`, one tensor per expert for stacked experts), and only those
+rows / columns (and their scale blocks) are copied out of the memory-mapped files and dequantized.
+Under a multi-process mesh each process therefore reads the experts and head / group slices its
+own devices hold, and nothing else; replicated leaves are read once per process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.checkpoint import errors
+from jaxspec.checkpoint.keys import Spec, ckpt_shape, key_table, normalize_key, scale_key
+from jaxspec.checkpoint.native import CONFIG, leaves_by_path
+from jaxspec.checkpoint.quant import FP4_BLOCK, FP8_BLOCK, apply_scale, scale_grid, unpack_fp4
+from jaxspec.checkpoint.safetensors_io import INDEX, SUPPORTED, Reader, TensorInfo, open_folder
+from jaxspec.config import DTYPES, ModelConfig
+from jaxspec.model import ModelParams
+from jaxspec.sharding.placement import abstract_params, param_shardings
+
+_FLOAT = ("F32", "BF16", "F16", "F64")
+_FP8 = ("F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ")
+_FP4 = ("I8", "U8", "F4")  # packed e2m1: I8 / U8 [out, in/2] (DeepSeek's files), F4 [out, in]
+_INT = ("I64", "I32", "I16", "I8", "U8", "U16", "U32", "U64")
+_SCALE = ("F8_E8M0", "F32", "BF16")
+
+
+@dataclasses.dataclass
+class LoadStats:
+    """What a `load_hf_checkpoint` call read (pass one in to have it filled)."""
+
+    bytes_read: dict[str, int] = dataclasses.field(default_factory=dict)  # file tensor name -> bytes copied
+    bytes_in_files: int = 0  # stored size of every tensor the model uses (weights and scales)
+
+    @property
+    def total_read(self) -> int:
+        return sum(self.bytes_read.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """One checkpoint tensor of a leaf: its header entry, storage format and scale."""
+
+    spec: Spec
+    info: TensorInfo
+    fmt: str  # "plain", "fp8", "fp4"
+    scale: TensorInfo | None = None
+    block: tuple[int, int] | None = None
+
+
+def _dims(shape: Sequence[int]) -> str:
+    return "[" + ", ".join(map(str, shape)) + "]"
+
+
+def _source(spec: Spec, info: TensorInfo, scale: TensorInfo | None, want: tuple[int, ...],
+            fp8_block: tuple[int, int]) -> _Source:
+    """Check one tensor's dtype, shape and scale against the shape the model needs (checkpoint
+    orientation); -> how to read it. One-line ValueErrors name the tensor as the file spells it."""
+    name, dtype, got = info.name, info.dtype, tuple(info.shape)
+    if dtype not in SUPPORTED:
+        raise ValueError(f"tensor {name!r} has unsupported dtype {dtype!r} (supported: {', '.join(SUPPORTED)})")
+    if spec.kind == "int":
+        fmt = "plain" if dtype in _INT else None
+    elif dtype in _FLOAT:
+        fmt = "plain"
+    elif dtype in _FP8:
+        fmt = "fp8"
+    elif dtype in _FP4:
+        fmt = "fp4"
+        got = (*got[:-1], 2 * got[-1]) if dtype != "F4" and got else got  # bytes -> elements
+    else:
+        fmt = None
+    if fmt is None or (fmt != "plain" and len(want) != 2):
+        raise ValueError(f"tensor {name!r} has dtype {dtype}, which cannot hold this {len(want)}-d weight")
+    if got != want:
+        stored = f" ({dtype} {_dims(info.shape)}: packed FP4, two values per byte)" if fmt == "fp4" else ""
+        raise ValueError(f"tensor {name!r} has shape {_dims(got)}{stored}, expected {_dims(want)}")
+    if fmt == "plain":
+        if scale is not None:
+            raise ValueError(f"unexpected tensor {scale.name!r}: its weight {name!r} is {dtype}, not quantized")
+        return _Source(spec, info, fmt)
+    label = "FP8" if fmt == "fp8" else "FP4"
+    if scale is None:
+        raise ValueError(f"{label} weight {name!r} has no scale tensor ({name.rsplit('.', 1)[0]}.scale "
+                         "or .weight_scale_inv)")
+    if scale.dtype not in _SCALE:
+        raise ValueError(f"scale {scale.name!r} has dtype {scale.dtype}, expected one of {_SCALE}")
+    block = fp8_block if fmt == "fp8" else FP4_BLOCK
+    grid = scale_grid(want, block)
+    if tuple(scale.shape) != grid:
+        raise ValueError(
+            f"scale {scale.name!r} has shape {_dims(scale.shape)}, expected {_dims(grid)} for the {label} "
+            f"weight {name!r} {_dims(want)} in {block[0]} x {block[1]} blocks"
+        )
+    return _Source(spec, info, fmt, scale, block)
+
+
+def _read_region(reader: Reader, src: _Source, region: Sequence[tuple[int, int]]) -> np.ndarray:
+    """Rows / columns [start, stop) per dim of one tensor (checkpoint orientation), dequantized to fp32."""
+    index = tuple(slice(a, b) for a, b in region)
+    if src.fmt == "plain":
+        return reader.read(src.info, index)
+    (r0, r1), (c0, c1) = region
+    br, bc = src.block
+    scale = reader.read(src.scale, (slice(r0 // br, -(-r1 // br)), slice(c0 // bc, -(-c1 // bc))))
+    if src.fmt == "fp8":
+        values = reader.read(src.info, index).astype(np.float32)
+    else:  # the whole bytes that hold columns c0..c1
+        b0, b1 = c0 // 2, -(-c1 // 2)
+        values = unpack_fp4(reader.read(src.info, (slice(r0, r1), slice(b0, b1))))[:, c0 - 2 * b0 : c1 - 2 * b0]
+    return apply_scale(values, scale.astype(np.float32), r0, c0, src.block)
+
+
+def _read_part(reader: Reader, src: _Source, bounds: Sequence[tuple[int, int]], shape: Sequence[int]) -> np.ndarray:
+    """Region `bounds` of our (one-expert) leaf of `shape` from its checkpoint tensor."""
+    if src.spec.kind == "T":  # ours [in, out] = ckpt [out, in].T
+        (a0, a1), (b0, b1) = bounds
+        return _read_region(reader, src, ((b0, b1), (a0, a1))).T
+    if src.spec.kind == "wo_a":  # ours [g, in, do]; ckpt [g*do, in], group j = rows j*do..(j+1)*do
+        (g0, g1), (i0, i1), (d0, d1) = bounds
+        do = shape[2]
+        parts = [_read_region(reader, src, ((j * do + d0, j * do + d1), (i0, i1))).T for j in range(g0, g1)]
+        return np.stack(parts) if parts else np.zeros((0, i1 - i0, d1 - d0), np.float32)
+    return _read_region(reader, src, bounds)
+
+
+def _read_leaf(reader: Reader, sources: dict[int | None, _Source], shape: tuple[int, ...], dtype: Any,
+               index: tuple[slice, ...], cfg: ModelConfig) -> np.ndarray:
+    """Our leaf's `index` (what one device holds) -> host array of the leaf's dtype."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    bounds = []
+    for s, n in zip(index, shape, strict=True):
+        start, stop, step = s.indices(n)
+        if step != 1:
+            raise AssertionError(f"strided shard index {index}")
+        bounds.append((start, stop))
+    if None in sources:
+        src = sources[None]
+        x = _read_part(reader, src, bounds, shape)
+        if src.spec.kind == "int" and x.size and (x.min() < 0 or x.max() >= cfg.n_routed_experts):
+            raise ValueError(f"tensor {src.info.name!r} holds expert ids outside [0, {cfg.n_routed_experts})")
+    else:  # stacked experts [E, ...]: read only the experts in this index, one at a time
+        (e0, e1), inner = bounds[0], bounds[1:]
+        x = np.empty((e1 - e0, *(b - a for a, b in inner)), dtype)
+        for e in range(e0, e1):
+            x[e - e0] = _read_part(reader, sources[e], inner, shape[1:])
+    return np.asarray(x).astype(dtype, copy=False)
+
+
+def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+    return tuple(s.indices(n) for s, n in zip(index, shape, strict=False))
+
+
+def _fp8_block(config: dict[str, Any]) -> tuple[int, int]:
+    q = config.get("quantization_config") or {}
+    block = q.get("weight_block_size", FP8_BLOCK)
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"quantization_config.weight_block_size must be two positive ints, got {block!r}")
+    return tuple(block)
+
+
+def _default_dtype(config: dict[str, Any]) -> str:
+    for k in ("dtype", "torch_dtype"):
+        v = config.get(k)
+        if isinstance(v, str) and v in DTYPES:
+            return v
+    return "float32"
+
+
+@dataclasses.dataclass
+class HFCheckpoint:
+    """A checked, not yet read, checkpoint folder: its config and where every leaf comes from.
+
+    `read(leaf, index)` returns any region of a leaf (its dequantized host array in the leaf's
+    dtype), copying only the bytes that region needs; `reader.bytes_read` counts them per tensor.
+    """
+
+    path: str
+    cfg: ModelConfig
+    leaves: dict[str, jax.ShapeDtypeStruct]  # keystr path -> abstract leaf
+    sources: dict[str, dict[int | None, _Source]]  # keystr path -> {expert slot or None: source}
+    reader: Reader
+
+    def read(self, leaf: str, index: tuple[slice, ...] = ()) -> np.ndarray:
+        x = self.leaves[leaf]
+        return _read_leaf(self.reader, self.sources[leaf], tuple(x.shape), x.dtype, index, self.cfg)
+
+    def stats(self) -> LoadStats:
+        stored = sum(s.info.nbytes + (s.scale.nbytes if s.scale else 0)
+                     for srcs in self.sources.values() for s in srcs.values())
+        return LoadStats(dict(self.reader.bytes_read), stored)
+
+
+def open_hf_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> HFCheckpoint:
+    """Check a DeepSeek-V4 checkpoint folder from its config.json and the shards' headers (no
+    tensor data is read): names, shapes, dtypes, scales. See `load_hf_checkpoint`."""
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        raise ValueError(f"checkpoint folder {path!r} does not exist")
+    cfg_path = os.path.join(path, CONFIG)
+    if not os.path.isfile(cfg_path):
+        raise ValueError(f"checkpoint folder {path!r} has no {CONFIG}")
+    config = errors.read_json(cfg_path)
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES} or None, got {dtype!r}")
+    folder = open_folder(path)
+    fp8_block = _fp8_block(config)
+
+    # official key -> TensorInfo
+    where: dict[str, TensorInfo] = {}
+    for name, info in folder.tensors.items():
+        key = normalize_key(name)
+        if key in where:
+            raise ValueError(f"tensor {name!r} duplicates {where[key].name!r} (both are {key!r})")
+        where[key] = info
+    has_mtp = any(k.startswith("mtp.") for k in where)
+    cfg = ModelConfig.from_hf_config(config, num_mtp_layers=1 if has_mtp else 0, dtype=dtype or _default_dtype(config))
+    table = key_table(cfg)
+    leaves = leaves_by_path(abstract_params(cfg))
+    if {s.ours for s in table.values()} != set(leaves):  # internal consistency of the key table
+        raise AssertionError(f"key table mismatch: {sorted({s.ours for s in table.values()} ^ set(leaves))}")
+
+    scales = {scale_key(k) for k in table}
+    for key, info in sorted(where.items()):
+        if key not in table and key not in scales:
+            raise ValueError(f"unexpected tensor {info.name!r} in {os.path.basename(info.file)} "
+                             "(not part of this model config)")
+    missing = [k for k in table if k not in where]
+    if missing:
+        unlisted = {normalize_key(k): f for k, f in folder.unlisted.items()}
+        if missing[0] in unlisted:
+            raise ValueError(f"tensor {missing[0]!r} is missing from {INDEX} (it is in {unlisted[missing[0]]})")
+        where_from = f"{INDEX} of {path!r}" if folder.indexed else repr(path)
+        raise ValueError(f"missing tensor {missing[0]!r} in {where_from} ({len(missing)} missing in all)")
+
+    sources: dict[str, dict[int | None, _Source]] = {}
+    for key, spec in table.items():
+        leaf = leaves[spec.ours]
+        shape = tuple(leaf.shape) if spec.slot is None else tuple(leaf.shape[1:])
+        src = _source(spec, where[key], where.get(scale_key(key)), ckpt_shape(spec.kind, shape), fp8_block)
+        sources.setdefault(spec.ours, {})[spec.slot] = src
+    return HFCheckpoint(path, cfg, leaves, sources, Reader())
+
+
+def load_hf_checkpoint(
+    path: str | os.PathLike,
+    dtype: str | None = None,
+    mesh: Any = None,
+    rules: dict[str, Any] | None = None,
+    stats: LoadStats | None = None,
+) -> tuple[ModelConfig, ModelParams]:
+    """Read a DeepSeek-V4 checkpoint folder (config.json + *.safetensors) -> (cfg, params).
+
+    Key spelling official or HF; shards through `model.safetensors.index.json` when present.
+    Weights may be plain (F32 / BF16 / F16) or block-scaled FP8 (e4m3 + `.scale`, 128 x 128 blocks
+    or the config's `quantization_config.weight_block_size`) or FP4 (packed e2m1 + `.scale` per
+    1 x 32 block); scales UE8M0 or float32. Quantized weights are dequantized per block to `dtype`.
+    `dtype` ("float32" / "bfloat16") sets cfg.dtype, the dtype of the matrix weights (default: the
+    config's `dtype` / `torch_dtype`, else float32); norms, hyper-connections, sinks, APE, gate
+    biases and the compressor / indexer-weight projections stay fp32 as `init_params` lays out.
+    A checkpoint without `mtp.*` tensors loads with num_mtp_layers=0 and params.mtp=None.
+    Raises a one-line ValueError naming the tensor on a missing, unexpected, misshaped or
+    unsupported tensor, a missing or misshaped scale, or a missing shard.
+    With `mesh` (also multi-process, under `jax.distributed`), each leaf is placed in its parameter
+    sharding (`sharding.placement.param_shardings`) and this process reads only the slices its own
+    devices hold, each once. `stats`, when given, records the bytes read per tensor.
+    """
+    ck = open_hf_checkpoint(path, dtype)
+    shardings = leaves_by_path(param_shardings(ck.cfg, mesh, rules)) if mesh is not None else {}
+    placed: dict[str, jax.Array] = {}
+    for ours, leaf in ck.leaves.items():
+        if mesh is None:
+            placed[ours] = jnp.asarray(ck.read(ours))
+            continue
+        shape, sharding = tuple(leaf.shape), shardings[ours]
+        # One read per distinct slice held by this process's devices (replicas share it).
+        held: dict[Any, np.ndarray] = {}
+        for index in sharding.addressable_devices_indices_map(shape).values():
+            k = _index_key(index, shape)
+            if k not in held:
+                held[k] = ck.read(ours, index)
+        placed[ours] = jax.make_array_from_callback(shape, sharding, lambda i, h=held, s=shape: h[_index_key(i, s)])
+    if stats is not None:
+        read = ck.stats()
+        stats.bytes_read, stats.bytes_in_files = read.bytes_read, read.bytes_in_files
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_params(ck.cfg))
+    return ck.cfg, jax.tree_util.tree_unflatten(treedef, [placed[jax.tree_util.keystr(p)] for p, _ in flat])

@@ -1,0 +1,155 @@
+"""Our own checkpoint format: a folder holding `config.json` (`dataclasses.asdict(ModelConfig)`),
+`params/` (an orbax PyTree checkpoint of `ModelParams`) and, optionally, `tokenizer.json`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.checkpoint import errors
+from jaxspec.config import ModelConfig
+from jaxspec.model import ModelParams
+from jaxspec.sharding.placement import abstract_params, param_shardings, sharded_abstract
+
+CONFIG = "config.json"
+TOKENIZER = "tokenizer.json"
+PARAMS = "params"
+
+
+def leaves_by_path(tree: Any) -> dict[str, Any]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {jax.tree_util.keystr(path): leaf for path, leaf in flat}
+
+
+def check_structure(cfg: ModelConfig, params: Any) -> None:
+    """ValueError unless `params` has exactly the structure, shapes and dtypes `cfg` implies."""
+    expected = abstract_params(cfg)
+    if jax.tree_util.tree_structure(params) != jax.tree_util.tree_structure(expected):
+        raise ValueError("params do not match the pytree structure implied by cfg")
+    got = leaves_by_path(params)
+    for path, leaf in leaves_by_path(expected).items():
+        g = got[path]
+        if tuple(g.shape) != tuple(leaf.shape) or jnp.dtype(g.dtype) != jnp.dtype(leaf.dtype):
+            raise ValueError(
+                f"params{path} has shape {tuple(g.shape)} dtype {g.dtype}, cfg implies "
+                f"{tuple(leaf.shape)} {leaf.dtype}"
+            )
+
+
+def _cfg_from_json(data: dict[str, Any]) -> ModelConfig:
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"config.json has unknown ModelConfig fields {unknown}")
+    return ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+
+def save_checkpoint(path: str | os.PathLike, cfg: ModelConfig, params: ModelParams, tokenizer: Any = None,
+                    overwrite: bool = False) -> None:
+    """Write cfg (JSON), params (orbax) and optionally a `tokenizers.Tokenizer` into folder `path`."""
+    import orbax.checkpoint as ocp
+
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    check_structure(cfg, params)
+    path = os.path.abspath(os.fspath(path))
+    params_dir = os.path.join(path, PARAMS)
+    if os.path.exists(params_dir):
+        if not overwrite:
+            raise ValueError(f"checkpoint {path!r} already exists (pass overwrite=True to replace it)")
+        import shutil
+
+        shutil.rmtree(params_dir)
+    os.makedirs(path, exist_ok=True)
+    ckptr = ocp.StandardCheckpointer()
+    try:
+        ckptr.save(params_dir, params)
+        ckptr.wait_until_finished()
+    finally:
+        ckptr.close()
+    with open(os.path.join(path, CONFIG), "w") as f:
+        json.dump(dataclasses.asdict(cfg), f, indent=2)
+    tok_path = os.path.join(path, TOKENIZER)
+    if tokenizer is not None:
+        tokenizer.save(tok_path)
+    elif os.path.exists(tok_path):
+        os.remove(tok_path)
+
+
+def load_checkpoint(
+    path: str | os.PathLike, mesh: Any = None, rules: dict[str, Any] | None = None
+) -> tuple[ModelConfig, ModelParams, Any]:
+    """-> (cfg, params, tokenizer or None) from a folder written by `save_checkpoint`.
+
+    With `mesh` (see `jaxspec.make_mesh`) every leaf is restored straight into its parameter
+    sharding (`sharding.placement.param_shardings(cfg, mesh, rules)`): each device reads only its slice.
+    """
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        raise ValueError(f"checkpoint folder {path!r} does not exist")
+    cfg_path, params_dir = os.path.join(path, CONFIG), os.path.join(path, PARAMS)
+    if not os.path.isfile(cfg_path) or not os.path.isdir(params_dir):
+        raise ValueError(f"{path!r} is not a jaxspec checkpoint (needs {CONFIG} and {PARAMS}/)")
+    data = errors.read_json(cfg_path)
+    try:
+        cfg = _cfg_from_json(data)
+    except (TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"{cfg_path} is not a jaxspec ModelConfig: {errors.one_line(e)}") from None
+    abstract = abstract_params(cfg)
+    placed = abstract if mesh is None else sharded_abstract(abstract, param_shardings(cfg, mesh, rules))
+    errors.check_orbax_metadata(params_dir)
+    ckptr = ocp.StandardCheckpointer()
+    failure = None
+    try:
+        _check_stored_arrays(ckptr, params_dir, abstract, path)
+        params = ckptr.restore(params_dir, placed)
+    except _MismatchError as e:
+        failure = ValueError(str(e))
+    except Exception as e:  # TensorStore / orbax: the first failed read ends the restore
+        errors.quiet_orphaned_reads()
+        failure = errors.damaged(params_dir, e)
+    finally:
+        ckptr.close()
+    if failure is not None:
+        # Raised out here, so it holds no reference to orbax's exception: the frames of the reads
+        # still in flight are released now (finalized quietly), not at interpreter exit.
+        errors.quiet_orphaned_reads()
+        raise failure
+    check_structure(cfg, params)
+    tokenizer = None
+    tok_path = os.path.join(path, TOKENIZER)
+    if os.path.isfile(tok_path):
+        from tokenizers import Tokenizer
+
+        try:
+            tokenizer = Tokenizer.from_file(tok_path)
+        except Exception as e:  # tokenizers raises a bare Exception on a malformed file
+            raise ValueError(f"{tok_path} is damaged or not a tokenizer: {errors.one_line(e)}") from None
+    return cfg, params, tokenizer
+
+
+class _MismatchError(Exception):
+    """config.json and the stored arrays disagree (raised as a ValueError by load_checkpoint)."""
+
+
+def _check_stored_arrays(ckptr: Any, params_dir: str, abstract: ModelParams, path: str) -> None:
+    """_MismatchError naming the first array whose name or shape config.json gets wrong (checked
+    on orbax's metadata before any read; skipped where that metadata holds no shapes)."""
+    read = getattr(ckptr, "metadata", None)
+    with errors.quiet_absl_warnings():
+        stored_tree = getattr(read(params_dir), "item_metadata", None) if callable(read) else None
+    flat = jax.tree_util.tree_flatten_with_path(stored_tree)[0] if stored_tree is not None else []
+    stored = {errors.dotted(p): tuple(x.shape) for p, x in flat if getattr(x, "shape", None) is not None}
+    if not stored:
+        return
+    expected = {errors.dotted(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+    problem = errors.mismatch(expected, stored)
+    if problem:
+        raise _MismatchError(f"checkpoint {path}: config.json does not match its arrays: {problem}")
