@@ -36,7 +36,7 @@ from jaxspec.config import ModelConfig
 from jaxspec.generate import generate
 from jaxspec.layers.attention import AttentionContext
 from jaxspec.model import ModelParams, MTPParams
-from jaxspec.train import _manager, export_checkpoint, restore_train_state, save_train_state
+from jaxspec.train import _manager, export_checkpoint, learning_rate, restore_train_state, save_train_state
 
 CHUNK_FILE = "chunk_{:05d}.npz"
 
@@ -274,14 +274,6 @@ def batch_rows(seqs: Sequence[np.ndarray], step: int, batch: int, width: int, se
 # ---- the loop -----------------------------------------------------------------------------------
 
 
-def learning_rate(dc: DistillConfig, step: int, progress: float) -> float:
-    """Linear warmup, then cosine from lr to lr * min_lr_ratio over `progress` in [0, 1]."""
-    if step < dc.warmup_steps:
-        return dc.lr * (step + 1) / dc.warmup_steps
-    p = min(max(progress, 0.0), 1.0)
-    return dc.lr * (dc.min_lr_ratio + (1 - dc.min_lr_ratio) * 0.5 * (1 + np.cos(np.pi * p)))
-
-
 def evaluate(ds: DistillState, params: ModelParams, cfg: ModelConfig, seqs: Sequence[np.ndarray], dc: DistillConfig,
              batch: int, width: int, rows: int) -> dict[str, float]:
     """Mean KL and top-1 agreement with the target per depth over `rows` fixed rows of `seqs`."""
@@ -360,7 +352,7 @@ def distill_loop(
             log(f"time budget reached at step {step} ({elapsed / 60:.1f} min)")
             break
         progress = max(step / dc.steps, elapsed / time_budget_s if time_budget_s else 0.0)
-        lr = learning_rate(dc, step, progress)
+        lr = learning_rate(dc, step, progress)  # DistillConfig has OptConfig's schedule fields
         tokens, mask = batch_rows(train_seqs, step, batch, width, seed)
         t0 = time.time()
         ds, m = distill_step(ds, params, jnp.asarray(tokens), jnp.asarray(mask), jnp.float32(lr), cfg, dc)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any
 
 from rich.console import Console
@@ -78,6 +79,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
         raise ValueError(f"--mesh {args.mesh} spans {shape[0] * shape[1] * shape[2]} devices but --devices is "
                          f"{args.devices}")
     if args.devices > 1:
+        # Per-device costs come from the partitioned HLO, not from running it: skip the slow LLVM
+        # work when compiling for the simulated devices (read when jax starts its backends).
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+                                   " --xla_llvm_disable_expensive_passes=true").strip()
         try:  # simulate the mesh on CPU devices; only possible before jax starts its backends
             jax.config.update("jax_num_cpu_devices", args.devices)
         except RuntimeError:

@@ -35,6 +35,23 @@ class Tree:
     score: jax.Array  # [B, D] cumulative draft log-prob (0 for the root)
 
 
+def _children(
+    logits: jax.Array,  # [B, n, V] MTP logits of the slots drafted this step
+    score: jax.Array,  # [B, n] cumulative log-prob of those slots
+    pool_index: jax.Array,  # [B, n] their pool index (-1: the root)
+    k: int,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The top-K children of each slot, as pool columns -> token, parent, score, rank [B, n*K]."""
+    b, n = score.shape
+    top_logp, top_token = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)  # [B, n, K]
+    return (
+        top_token.reshape(b, n * k).astype(jnp.int32),
+        jnp.repeat(pool_index, k, axis=1),
+        (score[:, :, None] + top_logp).reshape(b, n * k),
+        jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, n, k)).reshape(b, n * k),
+    )
+
+
 def draft_tree(
     params: ModelParams,
     cfg: ModelConfig,
@@ -62,7 +79,7 @@ def draft_tree(
     new_ancestors = jnp.zeros((b, 1, num_slots), bool)
     new_pool_index = jnp.full((b, 1), -1, jnp.int32)
     new_score = jnp.zeros((b, 1), jnp.float32)
-    pool_token, pool_parent, pool_score, pool_rank = [], [], [], []
+    pool = pool_token, pool_parent, pool_score, pool_rank = [], [], [], []
     pool_offset = 0
     for step in range(1, s_steps + 1):
         n = new_slots.shape[0]
@@ -80,12 +97,8 @@ def draft_tree(
         logits, z, rows = mtp_forward(params, cfg, state, new_hidden, new_token, ctx)
         scratch_kv = scratch_kv.at[:, new_slots].set(rows.kv.astype(scratch_kv.dtype))
         scratch_pos = scratch_pos.at[:, new_slots].set(positions)
-        top_logp, top_token = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)  # [B, n, K]
-        cum = new_score[:, :, None] + top_logp
-        pool_token.append(top_token.reshape(b, n * k).astype(jnp.int32))
-        pool_parent.append(jnp.repeat(new_pool_index, k, axis=1))
-        pool_score.append(cum.reshape(b, n * k))
-        pool_rank.append(jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, n, k)).reshape(b, n * k))
+        for column, values in zip(pool, _children(logits, new_score, new_pool_index, k), strict=True):
+            column.append(values)
         if step == s_steps:
             break
         # Expand the K best candidates of this step in the next one.
@@ -132,7 +145,7 @@ def draft_tree_exhaustive(
     slot_parent = jnp.zeros((b, num_slots), jnp.int32)
     slot_depth = jnp.zeros((b, num_slots), jnp.int32)
     slot_filled = jnp.zeros((b, num_slots), bool).at[:, 0].set(True)
-    pool_token, pool_parent, pool_score, pool_rank = [], [], [], []
+    pool = pool_token, pool_parent, pool_score, pool_rank = [], [], [], []
     # per new slot: its pool index (-1 for the root) and score
     new_slots = jnp.zeros((1,), jnp.int32)
     new_pool_index = jnp.full((b, 1), -1, jnp.int32)
@@ -149,14 +162,9 @@ def draft_tree_exhaustive(
             valid=slot_filled,
         )
         logits, z, _ = mtp_forward(params, cfg, state, slot_hidden, slot_token, ctx)
-        logprobs = jax.nn.log_softmax(logits[:, new_slots], axis=-1)  # [B, n, V]
-        top_logp, top_token = jax.lax.top_k(logprobs, k)  # [B, n, K]
         n = new_slots.shape[0]
-        cum = new_score[:, :, None] + top_logp
-        pool_token.append(top_token.reshape(b, n * k).astype(jnp.int32))
-        pool_parent.append(jnp.repeat(new_pool_index, k, axis=1))
-        pool_score.append(cum.reshape(b, n * k))
-        pool_rank.append(jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, n, k)).reshape(b, n * k))
+        for column, values in zip(pool, _children(logits[:, new_slots], new_score, new_pool_index, k), strict=True):
+            column.append(values)
         if step == s_steps:
             break
         # Expand the K best candidates of this step in the next one.
