@@ -163,7 +163,8 @@ def _tx(dc: DistillConfig) -> optax.GradientTransformation:
 
 
 def init_distill_state(params: ModelParams, dc: DistillConfig) -> DistillState:
-    mtp = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+    # A copy (jnp.array copies): the step donates the state, which must not free the target's arrays.
+    mtp = jax.tree.map(lambda x: jnp.array(x, jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype),
                        params.mtp)
     return DistillState(mtp=mtp, opt_state=_tx(dc).init(mtp), step=jnp.zeros((), jnp.int32))
 
