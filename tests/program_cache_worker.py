@@ -1,7 +1,7 @@
 """Runs in its own process (see tests/test_programs.py): compiles many distinct speculative loops
 one after the other, as a long notebook or sweep does, and reports the process's memory maps.
 
-    python tests/program_cache_worker.py OUT.json [--loops 60] [--cache-size N]
+    python tests/program_cache_worker.py OUT.json [--loops 60] [--cache-size N] [--batch-sizes 1,2]
 
 A 1-layer `test`-style model (cheap compiles) whose draft mostly agrees with it (trees are
 accepted deep), batch 1 and 2, greedy: every loop's tokens are compared with `generate`'s. Without
@@ -49,17 +49,19 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--loops", type=int, default=60)
     parser.add_argument("--cache-size", type=int, default=None)
+    parser.add_argument("--batch-sizes", default="1,2", help="of 1,2: the loops alternate over them")
     args = parser.parse_args()
     if args.cache_size is not None:
         programs.set_cache_size(args.cache_size)
     # One jitted init (eager init would compile every op on its own: ~10 s of a CPU).
     params = jax.jit(lambda k: high_acceptance(randomize(js.init_params(CFG, k), jax.random.fold_in(k, 1))))(
         jax.random.key(0))
-    reference = {b: js.generate(params, CFG, p, max_new_tokens=NEW_TOKENS) for b, p in PROMPTS.items()}
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    reference = {b: js.generate(params, CFG, PROMPTS[b], max_new_tokens=NEW_TOKENS) for b in batch_sizes}
     start_maps, start = programs.process_map_count(), time.perf_counter()
     loops, max_maps, mismatches, maps_after, taus = 0, start_maps, [], [], []
     spec_loops_before = speculative_compile_count()
-    runs = [(spec, b) for spec in specs() for b in PROMPTS]
+    runs = [(spec, b) for spec in specs() for b in batch_sizes]
     for spec, b in runs[: args.loops]:
         out = js.speculative_generate(params, CFG, PROMPTS[b], spec, max_new_tokens=NEW_TOKENS)
         ref = reference[b]
