@@ -32,7 +32,7 @@ def _params(cfg):
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def saved(tmp_path_factory):
     """(orbax checkpoint folder, HF safetensors folder), written once; tests damage copies."""
     root = tmp_path_factory.mktemp("damaged")

@@ -38,7 +38,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("multiprocess")
     ckpt, out = root / "ckpt", root / "out"

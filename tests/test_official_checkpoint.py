@@ -62,7 +62,7 @@ def _params(cfg: ModelConfig, seed: int = 0):
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def plain(tmp_path_factory):
     """Official-spelling fp32 tensors of random params (jaxspec's unquantized writer) and the config."""
     path = tmp_path_factory.mktemp("plain")

@@ -32,7 +32,7 @@ SPECS = ["s3_k1_d4", "s3_k2_d6", "s2_k4_d9"]  # chain, K = 2, K = 4
 ALPHA = 0.01
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def confident_params(agreeing_params):
     """agreeing_params with a sharper target (same argmax). agreeing_params' target is near uniform
     at temperature 1 (top token ~2%), so sampled trees would almost never be accepted."""

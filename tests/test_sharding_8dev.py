@@ -16,15 +16,16 @@ import sys
 
 import pytest
 
-# One xdist worker runs the whole module (./test.sh uses --dist loadgroup): the 8-device report
-# fixture is module-scoped, and two workers would each run the ~3-minute subprocess.
+# One xdist worker runs the whole module (./test.sh uses --dist loadgroup), and the report fixture is
+# session-scoped: xdist may interleave other modules' tests with these, which tore a module-scoped
+# fixture down and ran the ~3-minute subprocess twice (CI durations: 283 s + 281 s of setup).
 pytestmark = pytest.mark.xdist_group("eight_devices")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MESHES = ["8,1,1", "1,8,1", "2,4,1", "1,2,4"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("sharding") / "report.json"
     env = dict(os.environ)

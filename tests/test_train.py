@@ -32,7 +32,7 @@ class _Counting:
         return ((start + np.arange(self.seq_len + 2)[None]) % self.vocab).astype(np.int32)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cfg():
     # The `test` preset cut to two layers (CSA + indexer, HCA; the MTP block is the sliding layer) to keep
     # the compile short; every mechanism stays on.
