@@ -112,13 +112,13 @@ def dequantize(w: Any) -> jax.Array:
     a plain array is returned as it is."""
     if not isinstance(w, BlockScaled):
         return w
-    _count(w, 1)
-    values = _values(w)
-    scale = w.scale.astype(jnp.float32)
-    for axis, b in enumerate(w.block):
-        if b > 1:  # each scale covers b consecutive elements; a ragged edge block is cut
-            scale = jax.lax.slice_in_dim(jnp.repeat(scale, b, axis=axis), 0, values.shape[axis], axis=axis)
-    return (values * scale).astype(w.dtype)
+    with _count(math.prod(w.shape) * jnp.dtype(w.dtype).itemsize, stored_nbytes(w)):
+        values = _values(w)
+        scale = w.scale.astype(jnp.float32)
+        for axis, b in enumerate(w.block):
+            if b > 1:  # each scale covers b consecutive elements; a ragged edge block is cut
+                scale = jax.lax.slice_in_dim(jnp.repeat(scale, b, axis=axis), 0, values.shape[axis], axis=axis)
+        return (values * scale).astype(w.dtype)
 
 
 def dequantize_params(tree: Any) -> Any:
@@ -143,9 +143,11 @@ def take(w: Any, index: jax.Array) -> Any:
         return w[index]
     if w.block[0] != 1:
         raise ValueError(f"take: the leading axis of a BlockScaled must be unblocked, got block {w.block}")
-    out = w.replace(data=w.data[index], scale=w.scale[index])
-    _count(out, 2)  # read from the stack and written as the gathered copy
-    return out
+    picked = math.prod(jnp.shape(index))
+    plain = picked * math.prod(w.shape[1:]) * jnp.dtype(w.dtype).itemsize
+    stored = picked * sum(math.prod(a.shape[1:]) * jnp.dtype(a.dtype).itemsize for a in (w.data, w.scale))
+    with _count(2 * plain, 2 * stored):  # read from the stack and written as the gathered copy
+        return w.replace(data=w.data[index], scale=w.scale[index])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,13 +190,22 @@ def abstract_block_scaled(shape: Sequence[int], dtype: Any, block: Sequence[int]
 class WeightReads:
     """Bytes of BlockScaled weights a traced program reads: as the plain weights they stand for
     (`dequantized`) and as stored (`stored`). A gathered slice counts twice (read, then written as
-    the gathered copy) before the read of its dequantization."""
+    the gathered copy) before the read of its dequantization. `accesses`: (scope, dequantized,
+    stored) per access; its ops are traced under `jax.named_scope(scope)`, so `live` can drop the
+    accesses whose result the program discards (dead code that lowering removes)."""
 
     dequantized: int = 0
     stored: int = 0
+    accesses: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)
+
+    def live(self, scopes: set[str]) -> WeightReads:
+        """The accesses whose scope is in `scopes` (those with an op left after dead-code elimination)."""
+        kept = [a for a in self.accesses if a[0] in scopes]
+        return WeightReads(sum(a[1] for a in kept), sum(a[2] for a in kept), kept)
 
 
 _READS: contextvars.ContextVar[WeightReads | None] = contextvars.ContextVar("jaxspec_weight_reads", default=None)
+SCOPE = "jaxspec_weight_read_"  # prefix of the named scope of each counted access
 
 
 @contextlib.contextmanager
@@ -209,9 +220,13 @@ def count_weight_reads() -> Iterator[WeightReads]:
         _READS.reset(token)
 
 
-def _count(w: BlockScaled, accesses: int) -> None:
+def _count(dequantized: int, stored: int) -> contextlib.AbstractContextManager:
+    """Tally one access (when counting) and -> the named scope its ops are traced under."""
     tally = _READS.get()
     if tally is None:
-        return
-    tally.dequantized += accesses * math.prod(w.shape) * jnp.dtype(w.dtype).itemsize
-    tally.stored += accesses * stored_nbytes(w)
+        return contextlib.nullcontext()
+    scope = f"{SCOPE}{len(tally.accesses)}"
+    tally.accesses.append((scope, dequantized, stored))
+    tally.dequantized += dequantized
+    tally.stored += stored
+    return jax.named_scope(scope)
