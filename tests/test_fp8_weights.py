@@ -7,20 +7,28 @@ numpy); the reference for the block math is `jaxspec.checkpoint.quant.dequantize
 
 from __future__ import annotations
 
+import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from official_layout import QUANT_CONFIG, officialize, read_plain, write_folder
 
 import jaxspec as js
 import jaxspec.testing
+from jaxspec.checkpoint import load_hf_checkpoint, save_checkpoint, save_hf_checkpoint
+from jaxspec.checkpoint.keys import key_table
 from jaxspec.checkpoint.quant import dequantize as np_dequantize
+from jaxspec.cli import main
+from jaxspec.cost import _live_scopes
 from jaxspec.ops import quant
 from jaxspec.ops.quant import BlockScaled
 from jaxspec.sharding.placement import abstract_params
+from jaxspec.sharding.rules import map_declared
 
 CFG = js.ModelConfig.preset("test")  # float32
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, size=(2, 40)), jnp.int32)
@@ -59,6 +67,45 @@ def _np_dequantize(w: BlockScaled) -> np.ndarray:
     for axis, b in enumerate(w.block):
         scale = np.repeat(scale, b, axis=axis).take(np.arange(w.shape[axis]), axis=axis)
     return values * scale
+
+
+def _load_both(path):
+    """-> (params dequantized at load, params with FP8 / FP4 leaves kept)."""
+    _, plain = load_hf_checkpoint(path, dtype="float32")
+    _, stored = load_hf_checkpoint(path, dtype="float32", weights="fp8")
+    return plain, stored
+
+
+def _release(root, cfg, params, formats=("fp4", "fp8")):
+    """params written as DeepSeek's release stores them by the tests' own quantizer and writer
+    (tests/official_layout.py, not jaxspec's): root/"fp4" the instruct layout (FP4 experts), root/"fp8"
+    the Base one (FP8 experts with float32 scales); root/"plain" the F32 export they come from."""
+    save_hf_checkpoint(root / "plain", cfg, params)  # official spelling, F32 / I64
+    tensors = read_plain(str(root / "plain"))
+    config = json.loads((root / "plain" / "config.json").read_text())
+    for fmt in formats:
+        stored, _ = officialize(tensors, fmt)
+        write_folder(str(root / fmt), dict(config, quantization_config=QUANT_CONFIG, torch_dtype="bfloat16"),
+                     stored, shards=2)
+    return root
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory):
+    """Random params of the test preset (4 layers: sliding, csa, hca, csa; MTP) in both release layouts."""
+    return _release(tmp_path_factory.mktemp("fp8w"), CFG, _params(CFG))
+
+
+# two layers (sliding, csa: attention, indexer, hash-routed and learned-routed experts, shared expert, MTP)
+# keep the generate / speculative_generate compiles short
+SMALL = CFG.replace(num_layers=2, layer_types=("sliding", "csa"))
+
+
+@pytest.fixture(scope="module")
+def agreeing(tmp_path_factory):
+    """The small config's params with a draft that agrees with the target, in the instruct layout."""
+    return _release(tmp_path_factory.mktemp("fp8w_small"), SMALL, js.testing.high_acceptance(_params(SMALL, seed=1)),
+                    formats=("fp4",))
 
 
 # ---- the block math, ragged edges ------------------------------------------------------------------
@@ -105,6 +152,90 @@ def test_plain_weights_pass_through_unchanged():
     assert quant.dequantize(w) is w and quant.take(w, jnp.asarray([1]))[0].tolist() == [3.0, 4.0, 5.0]
     jaxpr = jax.make_jaxpr(lambda x, w: quant.matmul(x, w))(jnp.ones((1, 2)), w)
     assert [e.primitive.name for e in jaxpr.eqns] == ["dot_general"]  # the plain path adds no op
+
+
+# ---- the model -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+def test_fp8_weights_logits_equal_the_dequantized_model(released, fmt):
+    """Every kept leaf dequantizes bit-equal to the default load; the logits (FP4 experts: the
+    instruct release) equal the dequantized model's. The Base layout differs only in its experts'
+    float32 scales, so its forward (the same code) is not compiled a second time."""
+    plain, stored = _load_both(released / fmt)
+    leaves = _leaves(stored)
+    kept = {k for k, x in leaves.items() if isinstance(x, BlockScaled)}
+    # exactly the leaves the release stores quantized stay so, routed experts in the release's format
+    assert ".layers[1].attn.wq_b" in kept and ".layers[1].attn.wo_a" in kept and ".mtp.inputs.e_proj" in kept
+    assert ".layers[2].ffn.shared.w2" in kept and ".layers[1].attn.indexer.wq_b" in kept
+    assert ".head" not in kept and ".layers[1].attn.compressor.wkv" not in kept and ".layers[1].ffn.gate" not in kept
+    assert len(kept) == 4 * 11 + 2 + 11 + 2  # attn 5 + shared 3 + experts 3 per layer, 2 indexers, MTP block + 2
+    experts = leaves[".layers[3].ffn.experts.w2"]
+    assert (experts.fmt, experts.block) == ((fmt, (1, 32, 1)) if fmt == "fp4" else (fmt, (1, 128, 128)))
+    assert experts.data.dtype == (jnp.uint8 if fmt == "fp4" else jnp.float8_e4m3fn)
+    plain_leaves = _leaves(plain)
+    for k in kept:
+        np.testing.assert_array_equal(_np_dequantize(leaves[k]), np.asarray(plain_leaves[k]), err_msg=k)
+    if fmt == "fp8":
+        return
+    ref = js.prefill_logits(plain, CFG, TOKENS)
+    got = js.prefill_logits(stored, CFG, TOKENS)
+    rel = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
+    assert rel <= 1e-5
+
+
+def test_greedy_speculative_equals_generate_with_fp8_weights(agreeing):
+    cfg, params = load_hf_checkpoint(agreeing / "fp4", dtype="float32", weights="fp8")
+    assert cfg.layer_types == SMALL.layer_types and cfg.has_mtp
+    assert isinstance(params.layers[1].ffn.experts.w1, BlockScaled)
+    assert isinstance(params.mtp.inputs.e_proj, BlockScaled)
+    prompts = [[5, 17, 3, 9, 40, 2, 11], [8, 1, 60]]
+    ref = js.generate(params, cfg, prompts, max_new_tokens=12)
+    out = js.speculative_generate(params, cfg, prompts, "s2_k2_d4", max_new_tokens=12)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    np.testing.assert_array_equal(out.lengths, ref.lengths)
+    assert out.stats["mean_accepted_length"] > 1.5  # the draft agrees: the trees are accepted deep
+
+
+def test_release_blocks_that_span_wo_a_groups(tmp_path):
+    """o_lora_rank 48 (wo_a's release rows j*48 + r; a 128-row block spans groups 2 and 3), q_lora 144
+    and expert width 160 (ragged 128 blocks): every kept leaf dequantizes to the default load's."""
+    cfg = CFG.replace(o_groups=4, o_lora_rank=48, q_lora_rank=144, moe_intermediate_size=160)
+    _release(tmp_path, cfg, _params(cfg, seed=3))
+    for fmt in ("fp4", "fp8"):
+        plain, stored = _load_both(tmp_path / fmt)
+        wo_a = stored.layers[0].attn.wo_a
+        assert wo_a.block == (1, 128, 16) and wo_a.scale.shape == (4, 1, 3)
+        plain_leaves = _leaves(plain)
+        for k, x in _leaves(stored).items():
+            ref = _np_dequantize(x) if isinstance(x, BlockScaled) else np.asarray(x)
+            np.testing.assert_array_equal(ref, np.asarray(plain_leaves[k]), err_msg=k)
+
+
+def test_writers_refuse_quantized_params_and_a_plain_folder_is_no_fp8_source(released, tmp_path):
+    _, stored = load_hf_checkpoint(released / "fp4", dtype="float32", weights="fp8")
+    with pytest.raises(ValueError, match="dequantize_params"):
+        save_checkpoint(tmp_path / "x", CFG, stored)
+    with pytest.raises(ValueError, match="weights must be one of"):
+        load_hf_checkpoint(released / "fp4", weights="int4")
+    with pytest.raises(ValueError, match="stores none of the quantizable weights quantized"):
+        load_hf_checkpoint(released / "plain", weights="fp8")  # an F32 export: nothing to keep
+    plain = jax.eval_shape(quant.dequantize_params, stored)  # the plain params of the config, float32
+    assert jax.tree.structure(plain) == jax.tree.structure(abstract_params(CFG))
+    assert {x.dtype for x in jax.tree.leaves(plain)} == {jnp.dtype("float32"), jnp.dtype("int32")}
+
+
+def test_the_fields_quantization_tags_are_the_release_table():
+    """What the layers declare beside their fields (`axes(..., quant=)`) is what the checkpoint name
+    table says the release stores quantized, leaf by leaf."""
+    tags = {}
+    map_declared(abstract_params(CFG), lambda x, names, tag, path: tags.setdefault("." + path, tag))
+    table = {}
+    for spec in key_table(CFG).values():
+        path = spec.ours.replace("[", ".").replace("]", "")
+        table[path] = spec.quant
+    assert set(tags) == set(table)
+    expect = {None: None, "fp8": "fp8", "fp8_groups": "fp8", "expert": "expert"}
+    assert {p: expect[t] for p, t in tags.items()} == table
+    assert tags[".layers.1.attn.wo_a"] == "fp8_groups" and tags[".mtp.block.ffn.experts.w2"] == "expert"
 
 
 # ---- bytes: the memory plan and the cost model -----------------------------------------------------
@@ -154,3 +285,75 @@ def test_memory_plan_counts_the_stored_bytes():
     assert base.param_bytes == _flash_fp8_params_by_hand(8, "fp8")
 
 
+
+
+# ---- the command line ------------------------------------------------------------------------------
+def _per_device(out: str, what: str) -> int:
+    return int(re.search(rf"{what} per device: ([\d,]+) bytes", out).group(1).replace(",", ""))
+
+
+def test_plan_cli_reports_the_stored_bytes(capsys):
+    flash = js.ModelConfig.preset("v4-flash")
+    got = {}
+    for weights in ("plain", "fp8"):
+        assert main(["plan", "--preset", "v4-flash", "--devices", "8", "--mesh", "1,8,1", "--weights", weights]) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        got[weights] = _per_device(out, "parameters"), _per_device(out, "decode state")
+    assert "routed experts FP4 as released" in out
+    assert got["fp8"][0] == _flash_fp8_params_by_hand(8)
+    assert got["plain"][0] == js.memory_plan(flash, (1, 8, 1), batch=16, context=65536).param_bytes
+    assert got["fp8"][1] == got["plain"][1]  # the decode state does not depend on how weights are stored
+
+
+def test_cost_cli_reads_the_quantized_weights_at_their_stored_bytes(capsys, tmp_path):
+    """One AR step of the test preset (float32): same FLOPs, and at least every FP8 weight outside the
+    routed experts (each read once per step) costs its stored bytes instead of 4 per element."""
+    data = {}
+    for weights in ("plain", "fp8"):
+        path = tmp_path / f"{weights}.json"
+        assert main(["cost", "--preset", "test", "--specs", "s2_k2_d4", "--batch-sizes", "1", "--context", "64",
+                     "--weights", weights, "--json", str(path)]) == 0
+        data[weights] = json.loads(path.read_text())
+    capsys.readouterr()
+    assert data["fp8"]["weights"] == "fp8" and data["fp8"]["experts"] == "fp4"
+    stages = {w: {(r["spec"], k): v for r in d["rows"] for k, v in r["stages"].items()} for w, d in data.items()}
+    ar_plain, ar_fp8 = stages["plain"][("ar", "ar")], stages["fp8"][("ar", "ar")]
+    assert ar_fp8["flops"] == ar_plain["flops"]
+    tags = {}
+    map_declared(abstract_params(CFG), lambda x, names, tag, path: tags.setdefault("." + path, tag))
+    stored = {k: x for k, x in _leaves(abstract_params(CFG, "fp8")).items() if isinstance(x, BlockScaled)}
+    saved = sum(4 * math.prod(x.shape) - quant.stored_nbytes(x) for k, x in stored.items()
+                if tags[k.replace("[", ".").replace("]", "")] != "expert" and not k.startswith(".mtp"))
+    assert saved > 0 and ar_plain["bytes"] - ar_fp8["bytes"] >= saved
+    assert all(0 < stages["fp8"][k]["bytes"] <= v["bytes"] for k, v in stages["plain"].items() if k[1] != "plan")
+
+
+def test_weight_reads_whose_result_is_discarded_are_not_counted():
+    """The commit stage runs the MTP block for its cache rows and drops the rest, which lowering
+    removes: the stored-bytes count must drop those reads too (v4-flash commit: else -3.4 GB)."""
+    rng = np.random.default_rng(2)
+    q, scale, block = _random_release_weight(rng, 64, 96, "fp8")
+    w = BlockScaled(data=jnp.asarray(q.T), scale=jnp.asarray(scale.T), block=block[::-1], dtype="float32")
+    v = w.replace(data=w.data[:, :32], scale=w.scale[:, :1])
+
+    def f(x, w, v):
+        quant.matmul(x, v)  # discarded
+        return quant.matmul(x, w)
+
+    with quant.count_weight_reads() as reads:
+        closed = jax.make_jaxpr(f)(jnp.ones((2, 96)), w, v)
+    live = reads.live(_live_scopes(closed.jaxpr))
+    assert len(reads.accesses) == 2 and len(live.accesses) == 1
+    assert (live.stored, live.dequantized) == (quant.stored_nbytes(w), 96 * 64 * 4)
+
+
+def test_demo_cli_keeps_the_weights_of_a_release(agreeing, capsys):
+    assert main(["demo", "--checkpoint", str(agreeing / "fp4"), "--weights", "fp8", "--batch", "1",
+                 "--new-tokens", "2", "--spec", "none"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    n_kept = 2 * 11 + 1 + 11 + 2  # attn 5 + shared 3 + experts 3 per layer, 1 indexer, MTP block + 2
+    assert f"{n_kept} weights kept FP8 / FP4 (fp4, fp8)" in out and "tokens/s" in out
+    with pytest.raises(SystemExit, match="stores none of the quantizable weights"):
+        main(["demo", "--checkpoint", str(agreeing / "plain"), "--weights", "fp8"])
+    with pytest.raises(SystemExit, match="pass --checkpoint"):
+        main(["demo", "--preset", "test", "--weights", "fp8"])
