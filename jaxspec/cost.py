@@ -10,6 +10,12 @@ overhead per forward pass. Collectives under a mesh are reported as bytes, not p
 Deep models are costed layer kind by layer kind: the cost of a forward is additive over its layers,
 so the first (hash-routed) layers are lowered once, each further layer kind once more on top of
 them, and the rest is summed (`tests/test_cost.py`: FLOPs equal a full lowering's, bytes to 0.1%).
+
+Weights kept FP8 / FP4 (`weights="fp8"`) are costed as a fused dequantize-matmul reads them: the
+program with plain weights, every access of a quantized weight counted at its stored bytes instead
+(`ops.quant.count_weight_reads` tallies those accesses while tracing the quantized program, less
+those whose result the stage discards, which lowering removes; a pre-fusion count of the
+dequantization as written would bill its float32 intermediates).
 """
 
 from __future__ import annotations
@@ -23,10 +29,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import DropVar, Var, jaxprs_in_params
 
 from jaxspec import stages
 from jaxspec.config import ModelConfig, SpecConfig
-from jaxspec.sharding.placement import abstract_params
+from jaxspec.ops.quant import SCOPE, count_weight_reads
+from jaxspec.sharding.active import is_dynamic
+from jaxspec.sharding.placement import WEIGHTS, abstract_params
 from jaxspec.sharding.rules import DATA, check_mesh
 from jaxspec.sharding.runner import lower_abstract
 from jaxspec.state import abstract_state
@@ -139,11 +148,13 @@ def collective_bytes(hlo_text: str) -> float:
     return total
 
 
-def _lowered_cost(fn: Callable, args: tuple, mesh: Any, batch: int, cfg: ModelConfig) -> StageCost:
-    """XLA's cost analysis of the program as written (lowered, before fusion); under a mesh, per
-    device: FLOPs and collectives of the partitioned program, bytes in the same proportion."""
+def _lowered_cost(fn: Callable, args: tuple, mesh: Any, batch: int, cfg: ModelConfig,
+                  extra_bytes: float = 0.0) -> StageCost:
+    """XLA's cost analysis of the program as written (lowered, before fusion), plus `extra_bytes`;
+    under a mesh, per device: FLOPs and collectives of the partitioned program, bytes in the same
+    proportion."""
     analysis = fn.lower(*args).cost_analysis()
-    flops, nbytes = float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0))
+    flops, nbytes = float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0)) + extra_bytes
     if mesh is None:
         return StageCost(flops, nbytes)
     # Per-device numbers exist only after SPMD partitioning, i.e. a compile. The CPU backend (where
@@ -177,14 +188,55 @@ def _truncated(cfg: ModelConfig, layer_types: Sequence[str]) -> ModelConfig:
                        num_hash_layers=min(cfg.num_hash_layers, len(layer_types)))
 
 
+def stored_bytes_delta(name: str, cfg: ModelConfig, spec: SpecConfig | None, inputs: dict[str, Any],
+                       experts: str = "fp4") -> int:
+    """Bytes a stage reads less when the weights the release stores quantized stay FP8 / FP4: for every
+    access of such a weight in the traced program, its stored bytes minus its plain bytes (<= 0)."""
+    fn, args = _stage_call(name, cfg, spec, dict(inputs, params=abstract_params(cfg, "fp8", experts)))
+    raw = getattr(fn, "__wrapped__", fn)  # the Python body runs (a jit cache hit would trace nothing)
+    dynamic = [i for i, a in enumerate(args) if is_dynamic(a)]
+
+    def call(*dyn):
+        full = list(args)
+        for i, x in zip(dynamic, dyn, strict=True):
+            full[i] = x
+        return raw(*full)
+
+    with count_weight_reads() as reads:
+        closed = jax.make_jaxpr(call)(*[args[i] for i in dynamic])
+    live = reads.live(_live_scopes(closed.jaxpr))  # lowering drops what the stage discards; so do we
+    return live.stored - live.dequantized
+
+
+def _live_scopes(jaxpr: Any) -> set[str]:
+    """Named scopes of the weight reads (`ops.quant.SCOPE`) with an op that reaches the outputs (or
+    has an effect): a backward liveness pass over the equations, whole for those with sub-programs."""
+    live = {v for v in jaxpr.outvars if isinstance(v, Var)}
+    scopes: set[str] = set()
+
+    def collect(eqn: Any) -> None:
+        scopes.update(p for p in str(eqn.source_info.name_stack).split("/") if p.startswith(SCOPE))
+        for sub in jaxprs_in_params(eqn.params):
+            for inner in sub.eqns:
+                collect(inner)
+
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.effects or any(v in live for v in eqn.outvars if not isinstance(v, DropVar)):
+            live.update(v for v in eqn.invars if isinstance(v, Var))
+            collect(eqn)
+    return scopes
+
+
 def _layered_cost(name: str, cfg: ModelConfig, spec: SpecConfig | None, batch: int, context: int,
-                  mesh: Any) -> StageCost:
+                  mesh: Any, weights: str = "plain", experts: str = "fp4") -> StageCost:
     """A stage's cost on the full config: lowered whole for shallow models, else the hash-routed
     prefix plus one lowering per further layer kind, summed over the layers (costs are additive)."""
 
     def lowered(c: ModelConfig) -> StageCost:
-        fn, args = _stage_call(name, c, spec, _abstract_inputs(c, spec, batch, context))
-        return _lowered_cost(fn, args, mesh, batch, c)
+        inputs = _abstract_inputs(c, spec, batch, context)
+        fn, args = _stage_call(name, c, spec, inputs)
+        extra = stored_bytes_delta(name, c, spec, inputs, experts) if weights == "fp8" else 0
+        return _lowered_cost(fn, args, mesh, batch, c, extra)
 
     if cfg.num_layers <= FULL_LOWERING_MAX_LAYERS:
         return lowered(cfg)
@@ -202,12 +254,15 @@ def _layered_cost(name: str, cfg: ModelConfig, spec: SpecConfig | None, batch: i
 
 
 def stage_costs(cfg: ModelConfig, spec: SpecConfig | None, batch: int, context: int, mesh: Any = None,
-                which: Sequence[str] = STAGES) -> dict[str, StageCost]:
+                which: Sequence[str] = STAGES, weights: str = "plain", experts: str = "fp4") -> dict[str, StageCost]:
     """Per device cost of one call of each stage: "ar" (one greedy decode step), and with a spec
     "draft", "plan", "verify" (the target over D nodes) and "commit" (acceptance + path commit + MTP
-    refresh). The decode state holds `context` positions per sequence."""
+    refresh). The decode state holds `context` positions per sequence. weights "fp8": the weights the
+    release stores quantized are read at their stored bytes (`experts`: "fp4" or "fp8" routed experts)."""
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
     if batch < 1 or context < 2:
         raise ValueError(f"need batch >= 1 and context >= 2, got {batch}, {context}")
     if mesh is not None:
@@ -218,7 +273,7 @@ def stage_costs(cfg: ModelConfig, spec: SpecConfig | None, batch: int, context: 
     for name in which:
         if name != "ar" and spec is None:
             continue
-        cost = _layered_cost(name, cfg, spec, batch, context, mesh)
+        cost = _layered_cost(name, cfg, spec, batch, context, mesh, weights, experts)
         passes = {"ar": 1, "draft": spec.num_steps if spec else 0, "plan": 0, "verify": 1, "commit": 1}[name]
         out[name] = dataclasses.replace(cost, passes=passes)
     return out
@@ -242,7 +297,8 @@ class Projection:
 
 def project(cfg: ModelConfig, specs: Sequence[SpecConfig], batch_sizes: Sequence[int], context: int,
             acc: Accelerator, overhead_s: float, mesh: Any = None,
-            progress: Callable[[str], None] | None = None) -> list[Projection]:
+            progress: Callable[[str], None] | None = None, weights: str = "plain",
+            experts: str = "fp4") -> list[Projection]:
     """AR and each spec's cycle per batch size, costed and projected onto `acc`."""
     out = []
     for batch in batch_sizes:
@@ -250,7 +306,7 @@ def project(cfg: ModelConfig, specs: Sequence[SpecConfig], batch_sizes: Sequence
             if progress is not None:
                 progress(f"batch {batch} {spec.name if spec else 'ar'}")
             which = ("ar",) if spec is None else STAGES[1:]
-            costs = stage_costs(cfg, spec, batch, context, mesh, which)
+            costs = stage_costs(cfg, spec, batch, context, mesh, which, weights, experts)
             seconds = {name: project_seconds(c, acc, overhead_s) for name, c in costs.items()}
             out.append(Projection("ar" if spec is None else spec.name, batch, costs, seconds, sum(seconds.values())))
     return out

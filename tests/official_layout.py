@@ -21,6 +21,9 @@ import ml_dtypes
 import numpy as np
 
 INDEX = "model.safetensors.index.json"
+# config.json's quantization_config as the release writes it
+QUANT_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
+                "weight_block_size": [128, 128]}
 
 
 # ---- the names of the reference doc (section 3.7 and the release's files) ----------------------------

@@ -21,6 +21,7 @@ from official_layout import (
     EXPERT_NAMES,
     FP8_NAMES,
     INDEX,
+    QUANT_CONFIG,
     Raw,
     flash_tensor,
     hf_spelling,
@@ -43,8 +44,6 @@ from jaxspec.model import init_params, prefill_logits
 # 4 layers (sliding, csa, hca, csa), 4 experts, hash layer 0, an MTP block: every kind of tensor.
 CFG = ModelConfig.preset("test", bos_id=0, eos_id=1)
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, size=(2, 40)), jnp.int32)
-QUANT_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
-                "weight_block_size": [128, 128]}
 
 
 def _params(cfg: ModelConfig, seed: int = 0):

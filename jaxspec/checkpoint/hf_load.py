@@ -12,6 +12,8 @@ own devices hold, and nothing else; replicated leaves are read once per process.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -27,7 +29,9 @@ from jaxspec.checkpoint.quant import FP4_BLOCK, FP8_BLOCK, apply_scale, scale_gr
 from jaxspec.checkpoint.safetensors_io import INDEX, SUPPORTED, Reader, TensorInfo, open_folder
 from jaxspec.config import DTYPES, ModelConfig
 from jaxspec.model import ModelParams
-from jaxspec.sharding.placement import abstract_params, param_shardings
+from jaxspec.ops.quant import BlockScaled
+from jaxspec.sharding.placement import WEIGHTS, abstract_params, param_shardings
+from jaxspec.sharding.rules import map_declared
 
 _FLOAT = ("F32", "BF16", "F16", "F64")
 _FP8 = ("F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ")
@@ -158,6 +162,83 @@ def _read_leaf(reader: Reader, sources: dict[int | None, _Source], shape: tuple[
     return np.asarray(x).astype(dtype, copy=False)
 
 
+# ---- weights kept as stored (weights="fp8"): values and scales in our orientation ----------------------
+def _stored_block(src: _Source, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Block of our (one-expert) leaf of `shape` from the checkpoint's (out, in) block."""
+    br, bc = src.block
+    if src.spec.kind == "wo_a":  # [g, in, d_o]: per group, output blocks that never cross a release block
+        return (1, bc, math.gcd(shape[2], br))
+    return (bc, br)
+
+
+def _read_stored_part(reader: Reader, src: _Source, part: str, bounds: Sequence[tuple[int, int]],
+                      weight_shape: tuple[int, ...], block: tuple[int, ...]) -> np.ndarray:
+    """Region `bounds` of the stored values (`part` "data": FP8, or FP4 bytes packed along our
+    input axis) or of the scales ("scale") of our (one-expert) leaf, as stored, not dequantized."""
+    info = src.info if part == "data" else src.scale
+
+    def raw(rows: tuple[int, int], cols: tuple[int, int]) -> np.ndarray:
+        x = reader.read(info, (slice(*rows), slice(*cols)))
+        return x.view(np.uint8) if part == "data" and src.fmt == "fp4" else x
+
+    if src.spec.kind == "T":  # ours [in, out] = ckpt [out, in].T, for values, bytes and scale grids alike
+        (a0, a1), (b0, b1) = bounds
+        return raw((b0, b1), (a0, a1)).T
+    (g0, g1), (i0, i1), (r0, r1) = bounds  # wo_a: ours [g, in, d_o]; ckpt rows j*d_o + r
+    do = weight_shape[2]
+    parts = []
+    for j in range(g0, g1):
+        if part == "data":
+            parts.append(raw((j * do + r0, j * do + r1), (i0, i1)).T)
+        else:  # our output block r of group j lies in release block (j*d_o + r*b) // 128 (non-decreasing in r)
+            rows = (j * do + np.arange(r0, r1) * block[2]) // src.block[0]
+            lo, hi = (int(rows[0]), int(rows[-1]) + 1) if len(rows) else (0, 0)
+            parts.append(raw((lo, hi), (i0, i1))[rows - lo].T)
+    return np.stack(parts) if parts else np.zeros((0, i1 - i0, r1 - r0), reader.view(info).dtype)
+
+
+def _stored_leaf(sources: dict[int | None, _Source], shape: tuple[int, ...], dtype: Any) -> BlockScaled | None:
+    """Abstract BlockScaled of a leaf whose every tensor is stored FP8 / FP4 alike; None if it is stored
+    plain. One-line ValueError if the experts of a stack are stored in different formats."""
+    srcs = list(sources.values())
+    if all(s.fmt == "plain" for s in srcs):
+        return None
+    inner = shape if None in sources else shape[1:]
+    first = srcs[0]
+    kinds = {(s.fmt, s.info.dtype, s.scale.dtype if s.scale else None, s.block) for s in srcs}
+    if len(kinds) > 1:
+        raise ValueError(f"tensors {first.info.name!r} and others of one stacked leaf are stored in different formats "
+                         f"({sorted(map(str, kinds))}); load with weights='plain'")
+    block = _stored_block(first, inner)
+    lead = () if None in sources else (shape[0],)
+    block = (1,) * len(lead) + block
+    scale_dtype = first.scale.storage_dtype()
+    if first.fmt == "fp4":
+        if inner[-2] % 2:
+            raise ValueError(f"FP4 tensor {first.info.name!r} packs an odd input width {inner[-2]}")
+        data = jax.ShapeDtypeStruct((*shape[:-2], shape[-2] // 2, shape[-1]), np.uint8)
+    else:
+        data = jax.ShapeDtypeStruct(shape, first.info.storage_dtype())
+    scale = jax.ShapeDtypeStruct(tuple(-(-n // b) for n, b in zip(shape, block, strict=True)), scale_dtype)
+    return BlockScaled(data=data, scale=scale, block=block, dtype=np.dtype(dtype).name)
+
+
+def _read_stored(reader: Reader, sources: dict[int | None, _Source], w: BlockScaled, part: str,
+                 index: tuple[slice, ...]) -> np.ndarray:
+    """Our stored leaf's `part` ("data" / "scale") at `index` (what one device holds)."""
+    target = w.data if part == "data" else w.scale
+    shape = tuple(target.shape)
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    bounds = [s.indices(n)[:2] for s, n in zip(index, shape, strict=True)]
+    if None in sources:
+        return _read_stored_part(reader, sources[None], part, bounds, w.shape, w.block)
+    (e0, e1), inner = bounds[0], bounds[1:]
+    x = np.empty((e1 - e0, *(b - a for a, b in inner)), target.dtype)
+    for e in range(e0, e1):
+        x[e - e0] = _read_stored_part(reader, sources[e], part, inner, w.shape[1:], w.block[1:])
+    return x
+
+
 def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
     return tuple(s.indices(n) for s, n in zip(index, shape, strict=False))
 
@@ -195,6 +276,24 @@ class HFCheckpoint:
     def read(self, leaf: str, index: tuple[slice, ...] = ()) -> np.ndarray:
         x = self.leaves[leaf]
         return _read_leaf(self.reader, self.sources[leaf], tuple(x.shape), x.dtype, index, self.cfg)
+
+    @functools.cached_property
+    def stored(self) -> dict[str, BlockScaled]:
+        """keystr path -> abstract BlockScaled of every leaf that stays quantized under weights="fp8":
+        those the model contracts through `ops.quant` (declared with a `quant` tag beside the field)
+        and the file stores FP8 / FP4. Other leaves quantized in the file are dequantized."""
+        tags = leaves_by_path(map_declared(abstract_params(self.cfg), lambda x, names, tag, path: tag or ""))
+        out = {}
+        for leaf, x in self.leaves.items():
+            if tags[leaf]:
+                w = _stored_leaf(self.sources[leaf], tuple(x.shape), x.dtype)
+                if w is not None:
+                    out[leaf] = w
+        return out
+
+    def read_stored(self, leaf: str, part: str, index: tuple[slice, ...] = ()) -> np.ndarray:
+        """Region `index` of a stored leaf's values (`part` "data") or scales ("scale"), as stored."""
+        return _read_stored(self.reader, self.sources[leaf], self.stored[leaf], part, index)
 
     def stats(self) -> LoadStats:
         stored = sum(s.info.nbytes + (s.scale.nbytes if s.scale else 0)
@@ -259,6 +358,7 @@ def load_hf_checkpoint(
     mesh: Any = None,
     rules: dict[str, Any] | None = None,
     stats: LoadStats | None = None,
+    weights: str = "plain",
 ) -> tuple[ModelConfig, ModelParams]:
     """Read a DeepSeek-V4 checkpoint folder (config.json + *.safetensors) -> (cfg, params).
 
@@ -275,24 +375,52 @@ def load_hf_checkpoint(
     With `mesh` (also multi-process, under `jax.distributed`), each leaf is placed in its parameter
     sharding (`sharding.placement.param_shardings`) and this process reads only the slices its own
     devices hold, each once. `stats`, when given, records the bytes read per tensor.
+
+    weights "fp8" keeps the weights the file stores FP8 / FP4 that the model contracts through
+    `ops.quant` (attention, indexer query, shared and routed experts, MTP projections) as
+    `BlockScaled` leaves, values and scales as stored (transposed / regrouped to our orientation):
+    the matmuls dequantize them per block (`ops.quant.matmul`), with the same result as the default
+    "plain" (dequantized once, here). Everything else loads as with "plain". A folder that stores
+    none of those weights quantized (a plain F32 / BF16 export) is a one-line ValueError under
+    "fp8": there is nothing to keep, and silently loading it plain would hide a wrong folder.
     """
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
     ck = open_hf_checkpoint(path, dtype)
-    shardings = leaves_by_path(param_shardings(ck.cfg, mesh, rules)) if mesh is not None else {}
+    stored = ck.stored if weights == "fp8" else {}
+    if weights == "fp8" and not stored:
+        raise ValueError(f"weights='fp8' keeps the FP8 / FP4 weights of a release, but {ck.path!r} stores none of "
+                         "the quantizable weights quantized; load it with weights='plain'")
+    abstract = _with_stored(abstract_params(ck.cfg), stored)
+    shardings = leaves_by_path(param_shardings(ck.cfg, mesh, rules, abstract)) if mesh is not None else {}
     placed: dict[str, jax.Array] = {}
-    for ours, leaf in ck.leaves.items():
-        if mesh is None:
-            placed[ours] = jnp.asarray(ck.read(ours))
-            continue
-        shape, sharding = tuple(leaf.shape), shardings[ours]
-        # One read per distinct slice held by this process's devices (replicas share it).
-        held: dict[Any, np.ndarray] = {}
-        for index in sharding.addressable_devices_indices_map(shape).values():
-            k = _index_key(index, shape)
-            if k not in held:
-                held[k] = ck.read(ours, index)
-        placed[ours] = jax.make_array_from_callback(shape, sharding, lambda i, h=held, s=shape: h[_index_key(i, s)])
+    for ours in ck.leaves:
+        # (key of the placed array, its shape, reader of a region): one per leaf, two for a stored one
+        parts = [(ours, tuple(ck.leaves[ours].shape), functools.partial(ck.read, ours))]
+        if ours in stored:
+            parts = [(f"{ours}.{part}", tuple(getattr(stored[ours], part).shape),
+                      functools.partial(ck.read_stored, ours, part)) for part in ("data", "scale")]
+        for key, shape, read in parts:
+            placed[key] = jnp.asarray(read(())) if mesh is None else _place(read, shape, shardings[key])
     if stats is not None:
-        read = ck.stats()
-        stats.bytes_read, stats.bytes_in_files = read.bytes_read, read.bytes_in_files
-    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_params(ck.cfg))
+        read_stats = ck.stats()
+        stats.bytes_read, stats.bytes_in_files = read_stats.bytes_read, read_stats.bytes_in_files
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     return ck.cfg, jax.tree_util.tree_unflatten(treedef, [placed[jax.tree_util.keystr(p)] for p, _ in flat])
+
+
+def _with_stored(abstract: ModelParams, stored: dict[str, BlockScaled]) -> ModelParams:
+    """`abstract` with the leaves of `stored` (keystr paths) replaced by their BlockScaled."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    return jax.tree_util.tree_unflatten(treedef, [stored.get(jax.tree_util.keystr(p), x) for p, x in flat])
+
+
+def _place(read: Any, shape: tuple[int, ...], sharding: Any) -> jax.Array:
+    """A global array of `shape` in `sharding`, reading each distinct slice held by this process's
+    devices once (replicas share it)."""
+    held: dict[Any, np.ndarray] = {}
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        k = _index_key(index, shape)
+        if k not in held:
+            held[k] = read(index)
+    return jax.make_array_from_callback(shape, sharding, lambda i: held[_index_key(i, shape)])

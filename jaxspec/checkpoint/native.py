@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jaxspec.checkpoint import errors
 from jaxspec.config import ModelConfig
 from jaxspec.model import ModelParams
+from jaxspec.ops.quant import BlockScaled
 from jaxspec.sharding.placement import abstract_params, param_shardings, sharded_abstract
 
 CONFIG = "config.json"
@@ -28,6 +29,9 @@ def leaves_by_path(tree: Any) -> dict[str, Any]:
 
 def check_structure(cfg: ModelConfig, params: Any) -> None:
     """ValueError unless `params` has exactly the structure, shapes and dtypes `cfg` implies."""
+    if any(isinstance(x, BlockScaled) for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, BlockScaled))):
+        raise ValueError("params hold FP8 / FP4 weights (weights='fp8'); this writer takes plain params: "
+                         "jaxspec.ops.quant.dequantize_params(params) first, or keep the release's safetensors")
     expected = abstract_params(cfg)
     if jax.tree_util.tree_structure(params) != jax.tree_util.tree_structure(expected):
         raise ValueError("params do not match the pytree structure implied by cfg")

@@ -38,6 +38,27 @@ def csv(kind):
 # ---- flag groups ------------------------------------------------------------------------------
 
 
+def add_weights_args(p: argparse.ArgumentParser, *, checkpoint: bool = False) -> None:
+    """--weights plain | fp8, and for plan / cost (abstract shapes, no file) --experts fp4 | fp8;
+    `checkpoint`: the command loads --checkpoint, whose files say how the experts are stored."""
+    if checkpoint:
+        p.add_argument("--weights", choices=("plain", "fp8"), default="plain",
+                       help="plain: dequantize a DeepSeek-V4 release's FP8 / FP4 weights on load; fp8: keep them "
+                       "resident with their scales, dequantized per block inside the matmuls (default plain)")
+        return
+    p.add_argument("--weights", choices=("plain", "fp8"), default="plain",
+                   help="plain: every weight in the preset's dtype; fp8: the weights DeepSeek's release stores "
+                   "quantized stay FP8 / FP4 with their scales (default plain)")
+    p.add_argument("--experts", choices=("fp4", "fp8"), default="fp4",
+                   help="with --weights fp8: routed experts FP4 1x32 (instruct release) or FP8 128x128 (Base release)")
+
+
+def weights_label(cfg: Any, args: argparse.Namespace) -> str:
+    if args.weights == "plain":
+        return cfg.dtype
+    return f"{cfg.dtype}, weights FP8 128x128 + routed experts {args.experts.upper()} as released"
+
+
 def add_model_arguments(p: argparse.ArgumentParser, *, text: bool = False) -> None:
     """--checkpoint, plus --preset for commands that also run on random weights (text=False)."""
     if text:
@@ -103,15 +124,17 @@ def load_model(args: argparse.Namespace, console: Console | None = None, *, need
 
     --checkpoint is a folder written by `save_checkpoint` (config.json + params/), or a DeepSeek-V4
     safetensors folder as released (config.json + *.safetensors, official or HF spelling, FP8 / FP4
-    weights dequantized on load; its tokenizer.json is read with HF `tokenizers`), loaded straight
-    into `mesh` when one is given. `need_tokenizer` names the command for the error when a
-    checkpoint without tokenizer.json (or no checkpoint) is given to a command that encodes text.
+    weights dequantized on load, or kept with --weights fp8; its tokenizer.json is read with HF
+    `tokenizers`), loaded straight into `mesh` when one is given. `need_tokenizer` names the command
+    for the error when a checkpoint without tokenizer.json (or no checkpoint) is given to a command
+    that encodes text.
     """
     import jax
 
     from jaxspec.checkpoint import load_checkpoint, load_hf_checkpoint
     from jaxspec.config import ModelConfig
     from jaxspec.model import init_params
+    from jaxspec.ops.quant import is_quantized
 
     checkpoint = getattr(args, "checkpoint", None)
     if checkpoint is not None:
@@ -122,16 +145,24 @@ def load_model(args: argparse.Namespace, console: Console | None = None, *, need
             console.print(f"[yellow]note:[/] --preset {args.preset} ignored: the config comes from the checkpoint")
         t0 = time.perf_counter()
         note = ""
+        weights = getattr(args, "weights", "plain")
+        is_release = any(f.endswith(".safetensors") for f in os.listdir(path))
+        if weights == "fp8" and not is_release:
+            raise ValueError(f"--weights fp8 keeps the FP8 / FP4 weights of a DeepSeek-V4 safetensors release; "
+                             f"{checkpoint!r} is not one (no *.safetensors)")
         if os.path.isdir(os.path.join(path, "params")):
             cfg, params, tokenizer = load_checkpoint(path)
             if cfg.dtype != "float32" and jax.default_backend() == "cpu":
                 cfg, params = as_float32(cfg, params)
                 note = ", cast to float32 for the CPU"
-        elif any(f.endswith(".safetensors") for f in os.listdir(path)):
+        elif is_release:
             dtype = "float32" if jax.default_backend() == "cpu" else None
-            cfg, params = load_hf_checkpoint(path, dtype=dtype, mesh=mesh)
+            cfg, params = load_hf_checkpoint(path, dtype=dtype, mesh=mesh, weights=weights)
             tokenizer = hf_tokenizer(path)
             note = f", DeepSeek-V4 safetensors, {cfg.dtype}" + (" on the mesh" if mesh is not None else "")
+            if weights == "fp8":
+                kept = [x for x in jax.tree.leaves(params, is_leaf=is_quantized) if is_quantized(x)]
+                note += f", {len(kept)} weights kept FP8 / FP4 ({', '.join(sorted({x.fmt for x in kept}))})"
         else:
             raise ValueError(f"checkpoint {checkpoint!r} has neither params/ (a jaxspec checkpoint) nor "
                              "*.safetensors (a DeepSeek-V4 release)")
@@ -141,6 +172,9 @@ def load_model(args: argparse.Namespace, console: Console | None = None, *, need
                            f"checkpoint {path} (loaded in {time.perf_counter() - t0:.1f} s{note})")
     if need_tokenizer:
         raise ValueError(f"{need_tokenizer} needs --checkpoint (a folder with tokenizer.json)")
+    if getattr(args, "weights", "plain") == "fp8":
+        raise ValueError("--weights fp8 keeps the FP8 / FP4 weights of a DeepSeek-V4 safetensors release: "
+                         "pass --checkpoint")
     preset = getattr(args, "preset", None) or DEFAULT_PRESET
     cfg = ModelConfig.preset(preset)
     abstract = jax.eval_shape(lambda k: init_params(cfg, k), jax.random.key(seed))

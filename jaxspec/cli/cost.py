@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from jaxspec.cli.common import csv, positive
+from jaxspec.cli.common import add_weights_args, csv, positive, weights_label
 
 
 def add_parser(subparsers: Any) -> None:
@@ -35,6 +35,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--sweep", default=None, metavar="RUNS_JSONL",
                    help="take tau per spec and batch size from a `jaxspec sweep` runs.jsonl (mean over datasets)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write every number as JSON")
+    add_weights_args(p)
     p.set_defaults(func=run)
 
 
@@ -96,13 +97,14 @@ def run(args: argparse.Namespace, console: Console) -> int:
             if b % shape[0]:
                 raise ValueError(f"batch size {b} does not divide by the mesh's data axis {shape[0]}")
 
-    console.print(f"[bold]jaxspec cost[/]: {args.preset} ({cfg.dtype}), context {args.context}, "
+    console.print(f"[bold]jaxspec cost[/]: {args.preset} ({weights_label(cfg, args)}), context {args.context}, "
                   f"{'1 device' if mesh is None else f'mesh data={shape[0]} tensor={shape[1]} expert={shape[2]}'}; "
                   f"{acc.name}: {acc.peak_flops / 1e12:.0f} TFLOP/s, {acc.bandwidth / 1e12:.1f} TB/s "
                   f"(nominal {acc.nominal_bandwidth / 1e12:.1f}), {overhead_us:g} us per forward pass")
     with console.status("lowering") as status:
         rows = cost.project(cfg, specs, args.batch_sizes, args.context, acc, overhead_us * 1e-6, mesh,
-                            progress=lambda what: status.update(f"lowering {what}"))
+                            progress=lambda what: status.update(f"lowering {what}"), weights=args.weights,
+                            experts=args.experts)
     table = Table(title="per device, one call" if mesh is not None else "one call")
     for name in ("batch", "spec", "stage", "GFLOP", "GB accessed", "collective MB", "projected ms", "bound"):
         table.add_column(name, justify="left" if name in ("spec", "stage", "bound") else "right")
@@ -136,7 +138,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"preset": args.preset, "context": args.context, "mesh": list(shape), "accelerator": acc.name,
+            json.dump({"preset": args.preset, "weights": args.weights, "experts": args.experts,
+                       "context": args.context, "mesh": list(shape), "accelerator": acc.name,
                        "overhead_us": overhead_us, "rows": [
                            {"batch": r.batch, "spec": r.spec, "step_seconds": r.step_seconds,
                             "stages": {k: {"flops": c.flops, "bytes": c.bytes, "collective_bytes": c.collective_bytes,

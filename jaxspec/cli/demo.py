@@ -11,7 +11,14 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from jaxspec.cli.common import add_mesh_arguments, add_model_arguments, load_model, mesh_from_args, positive
+from jaxspec.cli.common import (
+    add_mesh_arguments,
+    add_model_arguments,
+    add_weights_args,
+    load_model,
+    mesh_from_args,
+    positive,
+)
 
 DEMO_TEXT_PROMPTS = (
     "The capital of France is",
@@ -42,6 +49,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--spec", default="s3_k2_d6", help="tree speculation to compare against (default s3_k2_d6); "
                    "'auto' takes the checkpoint's tune.json choice for this batch; 'none' skips speculation")
+    add_weights_args(p, checkpoint=True)
     add_mesh_arguments(p)
     p.set_defaults(func=run)
 
@@ -81,16 +89,20 @@ def run(args: argparse.Namespace, console: Console) -> int:
     import numpy as np
 
     from jaxspec.generate import compile_count, generate
+    from jaxspec.ops.quant import is_quantized, stored_nbytes
     from jaxspec.sharding.runner import sharded_compile_count
 
     mesh = mesh_from_args(args)
     model = load_model(args, console, seed=args.seed, mesh=mesh)
     cfg, params, tokenizer, source = model.cfg, model.params, model.tokenizer, model.description
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    leaves = jax.tree.leaves(params, is_leaf=is_quantized)  # a BlockScaled counts its weight's elements
+    n_params = sum(int(np.prod(x.shape)) for x in leaves)
+    resident = sum(stored_nbytes(x) for x in leaves)
     console.print(f"[bold]jaxspec demo[/]: {source}")
     console.print(
         f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
-        f"{n_params / 1e6:.2f}M params, {cfg.dtype}; backend {jax.default_backend()} "
+        f"{n_params / 1e6:.2f}M params ({resident / 2**20:.1f} MiB resident), {cfg.dtype}; "
+        f"backend {jax.default_backend()} "
         f"({', '.join(str(d) for d in jax.devices())})"
     )
 

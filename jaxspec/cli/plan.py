@@ -8,7 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from jaxspec.cli.common import positive
+from jaxspec.cli.common import add_weights_args, positive, weights_label
 
 
 def add_parser(subparsers: Any) -> None:
@@ -23,6 +23,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--mesh", default=None, metavar="D,T,E", help="data,tensor,expert sizes (default: by devices)")
     p.add_argument("--batch", type=int, default=16, help="sequences (default 16)")
     p.add_argument("--context", type=int, default=65536, help="tokens per sequence (default 65536)")
+    add_weights_args(p)
     p.set_defaults(func=run)
 
 
@@ -42,10 +43,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
         used = shape[0] * shape[1] * shape[2]
         if used != args.devices:
             raise ValueError(f"--mesh {args.mesh} spans {used} devices but --devices is {args.devices}")
-    plan = memory_plan(cfg, shape, args.batch, args.context)
+    plan = memory_plan(cfg, shape, args.batch, args.context, weights=args.weights, experts=args.experts)
     gib = 2.0**30
     console.print(
-        f"[bold]jaxspec plan[/]: {args.preset} ({cfg.dtype}) on {args.devices} devices, mesh data={shape[0]} "
+        f"[bold]jaxspec plan[/]: {args.preset} ({weights_label(cfg, args)}) on {args.devices} devices, "
+        f"mesh data={shape[0]} "
         f"tensor={shape[1]} expert={shape[2]}; batch {plan.batch}, context {plan.context}"
     )
     table = Table(show_lines=False)

@@ -22,7 +22,9 @@ from flax import struct
 from jaxspec.config import ModelConfig
 from jaxspec.layers.compressor import CompressorParams, compressor_rows, init_compressor, pool_entries
 from jaxspec.layers.indexer import IndexerParams, index_queries, index_scores, init_indexer
+from jaxspec.ops import quant
 from jaxspec.ops.norms import rms_norm, unweighted_rms_norm
+from jaxspec.ops.quant import Weight
 from jaxspec.ops.rope import apply_rope, inv_freq, rope_angles
 from jaxspec.pallas.tree_attention import tree_attention
 from jaxspec.sharding.active import shard_kernel
@@ -33,13 +35,14 @@ _QUERY_AXES = ("batch", None, "heads", None)  # [B, T, H, c]
 
 @struct.dataclass
 class AttentionParams:
-    wq_a: jax.Array = axes("embed", "q_lora")  # [d, q_lora_rank]
+    # The projections may be BlockScaled (weights kept FP8 as the release stores them).
+    wq_a: Weight = axes("embed", "q_lora", quant="fp8")  # [d, q_lora_rank]
     q_norm: jax.Array = axes("q_lora")  # [q_lora_rank] fp32
-    wq_b: jax.Array = axes("q_lora", "heads")  # [q_lora_rank, H*c], head-major
-    wkv: jax.Array = axes("embed", "kv")  # [d, c]: one shared K=V head (MQA), never split
+    wq_b: Weight = axes("q_lora", "heads", quant="fp8")  # [q_lora_rank, H*c], head-major
+    wkv: Weight = axes("embed", "kv", quant="fp8")  # [d, c]: one shared K=V head (MQA), never split
     kv_norm: jax.Array = axes("kv")  # [c] fp32
-    wo_a: jax.Array = axes("o_groups", "group_width", "o_lora")  # [g, H*c/g, o_lora_rank]
-    wo_b: jax.Array = axes("o_groups", "embed")  # [g*o_lora_rank, d], group-major
+    wo_a: Weight = axes("o_groups", "group_width", "o_lora", quant="fp8_groups")  # [g, H*c/g, o_lora_rank]
+    wo_b: Weight = axes("o_groups", "embed", quant="fp8")  # [g*o_lora_rank, d], group-major
     sink: jax.Array = axes("heads")  # [H] fp32
     compressor: CompressorParams | None
     indexer: IndexerParams | None
@@ -181,10 +184,10 @@ def attention(
     freqs = inv_freq(cfg, compressed)
     cos, sin = rope_angles(ctx.positions, freqs)  # [B, T, r/2]
 
-    q_latent = rms_norm(x @ p.wq_a, p.q_norm, cfg.rms_norm_eps)
-    q = (q_latent @ p.wq_b).reshape(b, t, h, c)
+    q_latent = rms_norm(quant.matmul(x, p.wq_a), p.q_norm, cfg.rms_norm_eps)
+    q = quant.matmul(q_latent, p.wq_b).reshape(b, t, h, c)
     q = apply_rope(unweighted_rms_norm(q, cfg.rms_norm_eps), cos[:, :, None], sin[:, :, None])
-    kv = apply_rope(rms_norm(x @ p.wkv, p.kv_norm, cfg.rms_norm_eps), cos, sin)  # [B, T, c]
+    kv = apply_rope(rms_norm(quant.matmul(x, p.wkv), p.kv_norm, cfg.rms_norm_eps), cos, sin)  # [B, T, c]
     rows = AttentionRows(kv=kv)
 
     # Window keys: the committed ring (last W positions) and the new tokens a token may see.
@@ -252,5 +255,5 @@ def attention(
 
     g = cfg.o_groups
     grouped = out.reshape(b, t, g, h * c // g)
-    projected = jnp.einsum("btgi,gio->btgo", grouped, p.wo_a).reshape(b, t, -1)
-    return projected @ p.wo_b, rows
+    projected = quant.einsum("btgi,gio->btgo", grouped, p.wo_a).reshape(b, t, -1)
+    return quant.matmul(projected, p.wo_b), rows

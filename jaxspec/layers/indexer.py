@@ -10,13 +10,15 @@ from flax import struct
 
 from jaxspec.config import ModelConfig
 from jaxspec.layers.compressor import CompressorParams, init_compressor
+from jaxspec.ops import quant
+from jaxspec.ops.quant import Weight
 from jaxspec.ops.rope import apply_rope
 from jaxspec.sharding.rules import axes
 
 
 @struct.dataclass
 class IndexerParams:
-    wq_b: jax.Array = axes("q_lora", "index_heads")  # [q_lora_rank, H_I * c_I]
+    wq_b: Weight = axes("q_lora", "index_heads", quant="fp8")  # [q_lora_rank, H_I * c_I]
     weights_proj: jax.Array = axes("embed", "index_heads")  # [d, H_I] fp32
     compressor: CompressorParams  # CSA scheme at width c_I
 
@@ -41,7 +43,7 @@ def index_queries(
 ) -> tuple[jax.Array, jax.Array]:
     """-> index queries [B, T, H_I, c_I] fp32 (RoPE'd), head weights [B, T, H_I] fp32 (scaled)."""
     b, t, _ = q_latent.shape
-    q = (q_latent @ p.wq_b).reshape(b, t, cfg.index_n_heads, cfg.index_head_dim)
+    q = quant.matmul(q_latent, p.wq_b).reshape(b, t, cfg.index_n_heads, cfg.index_head_dim)
     q = apply_rope(q, cos[:, :, None], sin[:, :, None]).astype(jnp.float32)
     weights = (x.astype(jnp.float32) @ p.weights_proj) * (cfg.index_n_heads**-0.5)
     return q, weights

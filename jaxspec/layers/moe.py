@@ -9,15 +9,17 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec.config import ModelConfig
+from jaxspec.ops import quant
+from jaxspec.ops.quant import Weight
 from jaxspec.sharding.active import routed_experts
 from jaxspec.sharding.rules import axes, stacked
 
 
 @struct.dataclass
 class MLPParams:
-    w1: jax.Array = axes("embed", "expert_hidden")  # [d, I] gate
-    w3: jax.Array = axes("embed", "expert_hidden")  # [d, I] up
-    w2: jax.Array = axes("expert_hidden", "embed")  # [I, d] down
+    w1: Weight = axes("embed", "expert_hidden", quant="fp8")  # [d, I] gate
+    w3: Weight = axes("embed", "expert_hidden", quant="fp8")  # [d, I] up
+    w2: Weight = axes("expert_hidden", "embed", quant="fp8")  # [I, d] down
 
 
 @struct.dataclass
@@ -25,7 +27,7 @@ class MoEParams:
     gate: jax.Array = axes("embed", "router")  # [d, E]
     gate_bias: jax.Array | None = axes("router")  # [E] fp32, selection only (None on hash layers)
     tid2eid: jax.Array | None = axes("hash_vocab", "topk")  # [V, k] int32 on hash layers
-    experts: MLPParams = stacked("experts")  # w1/w3: [E, d, I], w2: [E, I, d]
+    experts: MLPParams = stacked("experts", quant="expert")  # w1/w3: [E, d, I], w2: [E, I, d]
     shared: MLPParams | None  # w1/w3: [d, I], w2: [I, d]
 
 
@@ -92,10 +94,11 @@ def dense_experts(
     # [E, d, I] layout; a single [N, d] x [d, E*I] matmul would copy every weight transposed first.
     per_expert = (((2,), (1,)), ((0,), (0,)))  # contract the feature axis, batch over experts
     rows = jnp.broadcast_to(x, (num_experts, *x.shape))  # [E, N, d]
-    gate = jax.lax.dot_general(rows, experts.w1, per_expert)  # [E, N, I]
-    up = jax.lax.dot_general(rows, experts.w3, per_expert)
+    gate = jax.lax.dot_general(rows, quant.dequantize(experts.w1), per_expert)  # [E, N, I]
+    up = jax.lax.dot_general(rows, quant.dequantize(experts.w3), per_expert)
     hidden = clamped_swiglu(gate, up, cfg.swiglu_limit) * combine.T[:, :, None].astype(x.dtype)
-    out = jax.lax.dot_general(hidden, experts.w2, per_expert, preferred_element_type=jnp.float32)  # [E, N, d]
+    out = jax.lax.dot_general(hidden, quant.dequantize(experts.w2), per_expert,
+                              preferred_element_type=jnp.float32)  # [E, N, d]
     return jnp.sum(out, axis=0)
 
 
@@ -111,10 +114,12 @@ def gathered_experts(
     here = flat < num_experts
     expert = jnp.where(here, flat, 0)
     tokens = jnp.repeat(x, k, axis=0)  # [N*k, d]
-    gate = jnp.einsum("ad,adi->ai", tokens, experts.w1[expert])
-    up = jnp.einsum("ad,adi->ai", tokens, experts.w3[expert])
+    # BlockScaled experts are gathered still quantized (values and scales of the selected experts),
+    # so the copy is as small as the stored weights; each is dequantized right before its einsum.
+    gate = quant.einsum("ad,adi->ai", tokens, quant.take(experts.w1, expert))
+    up = quant.einsum("ad,adi->ai", tokens, quant.take(experts.w3, expert))
     hidden = clamped_swiglu(gate, up, cfg.swiglu_limit)
-    out = jnp.einsum("ai,aid->ad", hidden, experts.w2[expert], preferred_element_type=jnp.float32)
+    out = quant.einsum("ai,aid->ad", hidden, quant.take(experts.w2, expert), preferred_element_type=jnp.float32)
     scale = jnp.where(here, weights.reshape(-1), 0.0)
     return jnp.sum((out * scale[:, None]).reshape(n, k, d), axis=1)
 
@@ -133,10 +138,10 @@ def grouped_experts(
     token = order // k
     group_sizes = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
     rows = x[token]  # [N*k, d] in expert order
-    gate = jax.lax.ragged_dot(rows, experts.w1, group_sizes)
-    up = jax.lax.ragged_dot(rows, experts.w3, group_sizes)
+    gate = jax.lax.ragged_dot(rows, quant.dequantize(experts.w1), group_sizes)
+    up = jax.lax.ragged_dot(rows, quant.dequantize(experts.w3), group_sizes)
     hidden = clamped_swiglu(gate, up, cfg.swiglu_limit)
-    out = jax.lax.ragged_dot(hidden, experts.w2, group_sizes, preferred_element_type=jnp.float32)
+    out = jax.lax.ragged_dot(hidden, quant.dequantize(experts.w2), group_sizes, preferred_element_type=jnp.float32)
     scale = jnp.where(flat[order] < num_experts, weights.reshape(-1)[order], 0.0)
     return jnp.zeros((n, d), jnp.float32).at[token].add(out * scale[:, None])
 
@@ -175,6 +180,6 @@ def moe(p: MoEParams, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array) -> j
     indices, weights = route(p, cfg, flat, token_ids.reshape(b * t))
     out = routed_experts(sparse_experts, p.experts, cfg, flat, indices, weights)
     if p.shared is not None:
-        sh = clamped_swiglu(flat @ p.shared.w1, flat @ p.shared.w3, cfg.swiglu_limit)
-        out = out + sh @ p.shared.w2
+        sh = clamped_swiglu(quant.matmul(flat, p.shared.w1), quant.matmul(flat, p.shared.w3), cfg.swiglu_limit)
+        out = out + quant.matmul(sh, p.shared.w2)
     return out.reshape(b, t, d).astype(x.dtype)

@@ -9,14 +9,16 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec.config import ModelConfig
+from jaxspec.ops import quant
 from jaxspec.ops.norms import rms_norm
+from jaxspec.ops.quant import Weight
 from jaxspec.sharding.rules import axes
 
 
 @struct.dataclass
 class MTPInputParams:
-    e_proj: jax.Array = axes("embed", "embed_out")  # [d, d]
-    h_proj: jax.Array = axes("embed", "embed_out")  # [d, d]
+    e_proj: Weight = axes("embed", "embed_out", quant="fp8")  # [d, d]
+    h_proj: Weight = axes("embed", "embed_out", quant="fp8")  # [d, d]
     enorm: jax.Array = axes("embed")  # [d] fp32
     hnorm: jax.Array = axes("embed")  # [d] fp32
 
@@ -39,6 +41,6 @@ def mtp_inputs(
     next_embed: jax.Array,  # [B, T, d] embedding of token i+1
 ) -> jax.Array:
     """u_j = h_proj(hnorm(H_i,j)) + e_proj(enorm(e)) for every stream j -> [B, T, hc, d]."""
-    h = rms_norm(hidden, p.hnorm, cfg.rms_norm_eps) @ p.h_proj
-    e = rms_norm(next_embed, p.enorm, cfg.rms_norm_eps) @ p.e_proj
+    h = quant.matmul(rms_norm(hidden, p.hnorm, cfg.rms_norm_eps), p.h_proj)
+    e = quant.matmul(rms_norm(next_embed, p.enorm, cfg.rms_norm_eps), p.e_proj)
     return h + e[:, :, None, :]

@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxspec.config import ModelConfig
+from jaxspec.ops.quant import BlockScaled
 from jaxspec.sharding.rules import DATA, mesh_shape, spec_for, tree_specs
 
 
@@ -109,14 +110,20 @@ def routed_experts(
     w1_spec = tuple(spec_for(experts.w1.shape, ("experts", "embed", "expert_hidden"), sizes, active.rules, cfg))
     w1_spec += (None,) * (3 - len(w1_spec))
     experts_entry, hidden_entry = w1_spec[0], w1_spec[2]
+    if hidden_entry is not None and not _whole_blocks(experts, hidden_entry, sizes):
+        hidden_entry = None  # a shard of quantized weights must hold whole scale blocks
     reduce_axes = as_tuple(experts_entry) + as_tuple(hidden_entry)
     if not reduce_axes:
         return ffn(experts, cfg, x, indices, weights)
     data = DATA if sizes[DATA] > 1 and x.shape[0] % sizes[DATA] == 0 else None
+
+    def spec(w, entries):  # a BlockScaled's values and scales split alike (blocks are whole, see above)
+        return w.replace(data=P(*entries), scale=P(*entries)) if isinstance(w, BlockScaled) else P(*entries)
+
     specs = type(experts)(
-        w1=P(experts_entry, None, hidden_entry),
-        w3=P(experts_entry, None, hidden_entry),
-        w2=P(experts_entry, hidden_entry, None),
+        w1=spec(experts.w1, (experts_entry, None, hidden_entry)),
+        w3=spec(experts.w3, (experts_entry, None, hidden_entry)),
+        w2=spec(experts.w2, (experts_entry, hidden_entry, None)),
     )
     expert_axes = as_tuple(experts_entry)
 
@@ -136,6 +143,18 @@ def routed_experts(
         # infer shardings over (ragged_dot has no inference rule for explicit axes).
         axis_names=set(reduce_axes) | {DATA},
     )(experts, x, indices, weights)
+
+
+def _whole_blocks(experts: Any, hidden_entry: Any, sizes: Mapping[str, int]) -> bool:
+    """Whether splitting the experts' hidden width over `hidden_entry` leaves every shard of a
+    BlockScaled w1 / w3 / w2 with whole scale blocks (and whole bytes of packed FP4)."""
+    parts = int(np.prod([sizes[a] for a in as_tuple(hidden_entry)]))
+    for w, axis in ((experts.w1, 2), (experts.w3, 2), (experts.w2, 1)):
+        if isinstance(w, BlockScaled):
+            unit = np.lcm(w.block[axis], 2 if w.packed and axis == w.ndim - 2 else 1)
+            if (w.shape[axis] // parts) % unit:
+                return False
+    return True
 
 
 def as_tuple(entry: Any) -> tuple[str, ...]:

@@ -16,8 +16,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspec.config import ModelConfig
 from jaxspec.model import init_params
+from jaxspec.ops.quant import abstract_block_scaled, release_layout
 from jaxspec.sharding.active import as_tuple
-from jaxspec.sharding.rules import DATA, check_mesh, check_rules, mesh_shape, positive_size, tree_specs
+from jaxspec.sharding.rules import DATA, check_mesh, check_rules, map_declared, mesh_shape, positive_size, tree_specs
 from jaxspec.state import abstract_state
 
 
@@ -35,21 +36,41 @@ def _named(mesh: jax.sharding.Mesh, specs: Any) -> Any:
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def param_shardings(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: Mapping[str, Any] | None = None) -> Any:
-    """ModelParams-shaped tree of NamedShardings on `mesh`."""
-    return _named(check_mesh(mesh), param_specs(cfg, mesh, rules))
+def param_shardings(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: Mapping[str, Any] | None = None,
+                    params: Any = None) -> Any:
+    """ModelParams-shaped tree of NamedShardings on `mesh` (of `params`' structure when given: a
+    BlockScaled leaf gets one for its values and one for its scales)."""
+    return _named(check_mesh(mesh), param_specs(cfg, mesh, rules, params))
+
+
+WEIGHTS = ("plain", "fp8")
 
 
 @functools.lru_cache(maxsize=16)
-def abstract_params(cfg: ModelConfig) -> Any:
-    return jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+def abstract_params(cfg: ModelConfig, weights: str = "plain", experts: str = "fp4") -> Any:
+    """ShapeDtypeStructs of `init_params(cfg)`. weights "fp8": the leaves DeepSeek's release stores
+    quantized are BlockScaled as it stores them (`ops.quant.release_layout`; `experts` "fp4" for the
+    instruct release's routed experts, "fp8" for the Base release's)."""
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    if weights == "plain":
+        return params
+
+    def quantized(x, names, tag, path):
+        if tag is None:
+            return x
+        block, fmt, scale_dtype = release_layout(tag, x.shape, experts)
+        return abstract_block_scaled(x.shape, x.dtype, block, fmt, scale_dtype)
+
+    return map_declared(params, quantized)
 
 
 def shard_params(
     params: Any, cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: Mapping[str, Any] | None = None
 ) -> Any:
     """Place `params` on `mesh` (leaves already placed that way are left alone)."""
-    shardings = param_shardings(cfg, mesh, rules)
+    shardings = param_shardings(cfg, mesh, rules, params)
 
     def place(x, s):
         if isinstance(x, jax.Array) and x.sharding == s:
@@ -121,6 +142,7 @@ class MemoryPlan:
     state_groups: dict[str, int]
     total_param_bytes: int  # all devices together, unreplicated (the checkpoint's size)
     total_state_bytes: int
+    weights: str = "plain"  # "plain" (cfg.dtype) or "fp8" (as the release stores them)
 
     @property
     def bytes_per_device(self) -> int:
@@ -133,9 +155,12 @@ def memory_plan(
     batch: int,
     context: int,
     rules: Mapping[str, Any] | None = None,
+    weights: str = "plain",
+    experts: str = "fp4",
 ) -> MemoryPlan:
     """Per-device bytes of parameters and of the decode state (`init_state(cfg, batch, context)`)
     on `mesh` (a Mesh, or a (data, tensor, expert) shape: no devices needed), from abstract shapes.
+    weights "fp8": parameters as the release stores them, values and scales (`abstract_params`).
 
     Activations and the speculation scratch (a few tokens per sequence) are not included.
     """
@@ -147,7 +172,7 @@ def memory_plan(
         raise ValueError(f"context must be <= max_position_embeddings={cfg.max_position_embeddings}, got {context}")
     batch = -(-batch // sizes[DATA]) * sizes[DATA]
     rules = check_rules(rules)
-    params = abstract_params(cfg)
+    params = abstract_params(cfg, weights, experts)
     state = abstract_state(cfg, batch, context)
     p_specs = param_specs(cfg, sizes, rules, params)
     s_specs = state_specs(cfg, state, sizes, rules)
@@ -174,4 +199,5 @@ def memory_plan(
         state_groups=state_groups,
         total_param_bytes=total_params,
         total_state_bytes=total_state,
+        weights=weights,
     )

@@ -29,6 +29,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jaxspec.config import ModelConfig
+from jaxspec.ops.quant import BlockScaled
 
 DATA, TENSOR, EXPERT = "data", "tensor", "expert"
 MESH_AXES = (DATA, TENSOR, EXPERT)
@@ -171,22 +172,31 @@ def initialize_distributed(
 # ---------------------------------------------------------------------------------------------
 # logical axes, declared beside the arrays
 # ---------------------------------------------------------------------------------------------
-def axes(*names: str | None, default: Any = dataclasses.MISSING) -> Any:
+def axes(*names: str | None, default: Any = dataclasses.MISSING, quant: str | None = None) -> Any:
     """A dataclass field of an array whose dimensions are the logical axes `names`, e.g.
-    `wq_b: jax.Array = axes("q_lora", "heads")  # [q_lora_rank, H*c]`."""
-    return dataclasses.field(default=default, metadata={"axes": tuple(names)})
+    `wq_b: jax.Array = axes("q_lora", "heads", quant="fp8")  # [q_lora_rank, H*c]`. `quant` says how
+    DeepSeek's release stores the matrix (`ops.quant.QUANT_TAGS`); such a field may hold a
+    `BlockScaled` (values and scales share the field's axes)."""
+    metadata: dict[str, Any] = {"axes": tuple(names)}
+    if quant is not None:
+        metadata["quant"] = quant
+    return dataclasses.field(default=default, metadata=metadata)
 
 
-def stacked(*names: str, default: Any = dataclasses.MISSING) -> Any:
+def stacked(*names: str, default: Any = dataclasses.MISSING, quant: str | None = None) -> Any:
     """A field holding a sub-tree whose every array carries extra leading logical axes `names`
-    (a stack of experts: `experts: MLPParams = stacked("experts")`)."""
-    return dataclasses.field(default=default, metadata={"stack": tuple(names)})
+    (a stack of experts: `experts: MLPParams = stacked("experts", quant="expert")`); `quant`, when
+    given, replaces the quantization tag of every quantizable array in the sub-tree."""
+    metadata: dict[str, Any] = {"stack": tuple(names)}
+    if quant is not None:
+        metadata["quant"] = quant
+    return dataclasses.field(default=default, metadata=metadata)
 
 
-def logical_axes(tree: Any, _path: str = "", _prefix: tuple[str, ...] = ()) -> Any:
-    """The tree of logical-axis tuples of a params or decode-state tree (concrete or abstract):
-    same structure, each array replaced by the axes its field declares."""
-    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+def map_declared(tree: Any, fn: Any, _path: str = "", _prefix: tuple[str, ...] = (), _quant: str | None = None) -> Any:
+    """Replace every array (or BlockScaled) of a params or decode-state tree by
+    `fn(value, axes, quant_tag, path)`, from the declarations of the dataclass fields holding them."""
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type) and not isinstance(tree, BlockScaled):
         changes = {}
         for f in dataclasses.fields(tree):
             value = getattr(tree, f.name)
@@ -195,18 +205,31 @@ def logical_axes(tree: Any, _path: str = "", _prefix: tuple[str, ...] = ()) -> A
             path = f"{_path}.{f.name}" if _path else f.name
             if "axes" in f.metadata:
                 names = _prefix + f.metadata["axes"]
-                if np.ndim(value) != len(names):
+                if np.ndim(value) != len(names) and getattr(value, "ndim", None) != len(names):
                     raise ValueError(f"{path} has {np.ndim(value)} dims but declares {len(names)} axes: {names}")
-                changes[f.name] = names
+                quant = (_quant or f.metadata["quant"]) if "quant" in f.metadata else None
+                changes[f.name] = fn(value, names, quant, path)
             else:
-                changes[f.name] = logical_axes(value, path, _prefix + f.metadata.get("stack", ()))
+                changes[f.name] = map_declared(value, fn, path, _prefix + f.metadata.get("stack", ()),
+                                               f.metadata.get("quant", _quant))
         return dataclasses.replace(tree, **changes)
     if isinstance(tree, (tuple, list)):
-        return type(tree)(logical_axes(v, f"{_path}.{i}", _prefix) for i, v in enumerate(tree))
+        return type(tree)(map_declared(v, fn, f"{_path}.{i}", _prefix, _quant) for i, v in enumerate(tree))
     raise ValueError(
         f"no logical-axis rule for {_path or 'the tree'} ({type(tree).__name__}): declare its field with "
         "jaxspec.sharding.axes(...) where it is declared"
     )
+
+
+def logical_axes(tree: Any) -> Any:
+    """The tree of logical-axis tuples of a params or decode-state tree (concrete or abstract):
+    same structure, each array replaced by the axes its field declares (a BlockScaled by a
+    BlockScaled holding those axes for both its values and its scales)."""
+
+    def names_of(value, names, quant, path):
+        return value.replace(data=names, scale=names) if isinstance(value, BlockScaled) else names
+
+    return map_declared(tree, names_of)
 
 
 def is_axes(a: Any) -> bool:
@@ -259,12 +282,36 @@ def spec_for(
         entries.pop()
     return P(*entries)
 
+def quantized_spec(
+    w: BlockScaled, names: Sequence[str | None], mesh: Any, rules: Mapping[str, Sequence[str]] | None = None,
+    cfg: ModelConfig | None = None,
+) -> BlockScaled:
+    """PartitionSpecs of a BlockScaled's values and scales: the weight's spec (`spec_for` on its
+    logical shape), except that a dimension stays whole unless every shard holds whole blocks
+    (and whole bytes of packed FP4), so a shard's values and its scales are the same blocks."""
+    sizes = mesh_shape(mesh)
+    entries = list(spec_for(w.shape, names, mesh, rules, cfg))
+    entries += [None] * (len(w.shape) - len(entries))
+    for i, entry in enumerate(entries):
+        parts = math.prod(sizes[a] for a in ((entry,) if isinstance(entry, str) else entry or ()))
+        unit = math.lcm(w.block[i], 2 if w.packed and i == len(w.shape) - 2 else 1)
+        if parts > 1 and (w.shape[i] // parts) % unit:
+            entries[i] = None
+    while entries and entries[-1] is None:
+        entries.pop()
+    return w.replace(data=P(*entries), scale=P(*entries))
+
+
 def tree_specs(tree: Any, mesh: Any, rules: Mapping[str, Any] | None = None, cfg: ModelConfig | None = None) -> Any:
     """Tree of PartitionSpecs of a params or decode-state tree (concrete or abstract) on `mesh`."""
     rules = check_rules(rules)
-    return jax.tree.map(
-        lambda names, x: spec_for(np.shape(x), names, mesh, rules, cfg), logical_axes(tree), tree, is_leaf=is_axes
-    )
+
+    def spec(names, x):
+        if isinstance(x, BlockScaled):
+            return quantized_spec(x, names.data, mesh, rules, cfg)
+        return spec_for(np.shape(x), names, mesh, rules, cfg)
+
+    return jax.tree.map(spec, logical_axes(tree), tree, is_leaf=lambda a: is_axes(a) or isinstance(a, BlockScaled))
 
 
 def parse_mesh(text: str) -> tuple[int, int, int]:

@@ -111,7 +111,7 @@ def _build_program(raw, mesh, rules, cfg, args, static, batch):
             return out
 
     in_shardings = tuple(
-        param_shardings(cfg, mesh, rules) if isinstance(a, ModelParams)
+        param_shardings(cfg, mesh, rules, a) if isinstance(a, ModelParams)
         else jax.tree.map(lambda x: NamedSharding(mesh, batch_spec(x) if data_manual else P()), a)
         for a in dyn_args
     )
