@@ -80,6 +80,19 @@ def add_data_arguments(p: argparse.ArgumentParser, num_prompts: int, what: str) 
                    help="folder with gsm8k/ and mbpp/ (default $JAXSPEC_DATA, else ../shared/data)")
 
 
+def train_prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
+    """The first --num-prompts train-split prompts of each of --datasets, tokenized (held-out
+    prompts are the sweep's, never calibration's or training's)."""
+    from jaxspec.data import TRAIN_SPLITS, load_dataset
+    from jaxspec.eval import encode_prompts
+
+    prompts = []
+    for name in args.datasets:
+        examples = load_dataset(name, TRAIN_SPLITS[name], root=args.data_root)[: args.num_prompts]
+        prompts += encode_prompts(tokenizer, examples, args.max_prompt_tokens)
+    return prompts
+
+
 def add_mesh_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mesh", default=None, metavar="D,T,E",
                    help="shard over a data,tensor,expert mesh, e.g. 1,8,1 (default: one device)")

@@ -9,7 +9,7 @@ from typing import Any
 
 from rich.console import Console
 
-from jaxspec.cli.common import add_data_arguments, csv, load_model, positive
+from jaxspec.cli.common import add_data_arguments, csv, load_model, positive, train_prompts
 
 
 def add_parser(subparsers: Any) -> None:
@@ -58,19 +58,14 @@ def add_parser(subparsers: Any) -> None:
 def run_data(args: argparse.Namespace, console: Console) -> int:
     from rich.progress import Progress
 
-    from jaxspec.data import TRAIN_SPLITS, load_dataset
     from jaxspec.distill import generate_data
-    from jaxspec.eval import encode_prompts
 
     for name in ("num_prompts", "new_tokens", "max_prompt_tokens", "chunk"):
         positive(name.replace("_", "-"), getattr(args, name))
     if any(t < 0 for t in args.temperatures):
         raise ValueError(f"--temperatures must be >= 0, got {list(args.temperatures)}")
     model = load_model(args, console, need_tokenizer="distill-data")
-    prompts = []
-    for name in args.datasets:
-        examples = load_dataset(name, TRAIN_SPLITS[name], root=args.data_root)[: args.num_prompts]
-        prompts += encode_prompts(model.tokenizer, examples, args.max_prompt_tokens)
+    prompts = train_prompts(args, model.tokenizer)
     console.print(f"{len(prompts)} train-split prompts x temperatures {list(args.temperatures)}, "
                   f"{args.new_tokens} new tokens -> {args.out}")
     with Progress() as bar:

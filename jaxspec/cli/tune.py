@@ -9,7 +9,7 @@ from typing import Any
 
 from rich.console import Console
 
-from jaxspec.cli.common import add_data_arguments, csv, load_model, positive
+from jaxspec.cli.common import add_data_arguments, csv, load_model, positive, train_prompts
 
 
 def add_parser(subparsers: Any) -> None:
@@ -44,8 +44,6 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    from jaxspec.data import TRAIN_SPLITS, load_dataset
-    from jaxspec.eval import encode_prompts
     from jaxspec.report import comparison_table, tuning_table
     from jaxspec.tune import calibrate, compare_with_sweep
     from jaxspec.tuning import load_tuning
@@ -68,10 +66,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
         projected_cfg = ModelConfig.preset(args.projected_preset)
     model = load_model(args, console, need_tokenizer="tuning")
-    prompts = []
-    for name in args.datasets:
-        examples = load_dataset(name, TRAIN_SPLITS[name], root=args.data_root)[: args.num_prompts]
-        prompts += encode_prompts(model.tokenizer, examples, args.max_prompt_tokens)
+    prompts = train_prompts(args, model.tokenizer)
     console.print(f"calibrating on {len(prompts)} train-split prompts, {len(args.candidates)} candidates, "
                   f"batch sizes {list(args.batch_sizes)}")
     tuning = calibrate(model.params, model.cfg, prompts, args.batch_sizes, args.candidates, args.new_tokens,
