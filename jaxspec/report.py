@@ -134,6 +134,48 @@ def plot_gains(records: list[dict[str, Any]], out_dir: str | Path) -> list[Path]
     return paths
 
 
+def plot_acceptance(before: list[dict[str, Any]], after: list[dict[str, Any]], spec: str,
+                    path: str | Path) -> Path:
+    """Per-depth and per-rank acceptance of one spec, two drafts (e.g. before / after distillation),
+    one column per dataset: draft tokens accepted per cycle at each depth of `spec`'s trees, and the
+    sweep's per-dataset rank acceptance (how often the k-th ranked child is the target's token)."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    def pick(records, dataset):  # any batch: greedy acceptance does not depend on it
+        return next((r for r in records if r["spec"] == spec and r["dataset"] == dataset
+                     and "per_depth_acceptance" in r), None)
+
+    datasets = sorted({r["dataset"] for r in after if r["spec"] == spec} & {r["dataset"] for r in before
+                                                                           if r["spec"] == spec})
+    if not datasets:
+        raise ValueError(f"no dataset has {spec} runs in both record sets")
+    fig = Figure(figsize=(4.2 * len(datasets), 6.4))
+    axes = fig.subplots(2, len(datasets), squeeze=False)
+    for col, dataset in enumerate(datasets):
+        for (label, records), style in zip((("before", before), ("after", after)), ("--", "-"), strict=True):
+            r = pick(records, dataset)
+            if r is None:
+                continue
+            depth, rank = r["per_depth_acceptance"], r["rank_acceptance"]
+            axes[0][col].plot(range(1, len(depth) + 1), depth, style, marker="o",
+                              label=f"{label} (tau {r['tau']:.2f})")
+            axes[1][col].bar(np.arange(len(rank)) + (0.2 if label == "after" else -0.2), rank, width=0.4,
+                             label=label)
+        axes[0][col].set_title(f"{dataset}, {spec}")
+        axes[0][col].set_xlabel("draft depth")
+        axes[0][col].xaxis.set_major_locator(MaxNLocator(integer=True))
+        axes[0][col].set_ylabel("draft tokens accepted at depth, per cycle")
+        axes[0][col].set_ylim(0, 1)
+        axes[0][col].legend(fontsize=7)
+        axes[1][col].set_xlabel("child rank (0 = draft's top-1), one-level tree of 4")
+        axes[1][col].set_ylabel("P(this rank is the target's token)")
+        axes[1][col].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return Path(path)
+
+
 def comparison_table(rows: Sequence[dict[str, Any]]) -> str:
     lines = [
         "| dataset | batch | chosen | chosen tok/s | best in sweep | best tok/s | AR tok/s | chosen/best | chosen/AR |",

@@ -13,7 +13,7 @@ import pytest
 
 from jaxspec.config import SpecConfig
 from jaxspec.eval import SweepConfig, distinct_ngram_ratio
-from jaxspec.report import markdown_table
+from jaxspec.report import markdown_table, plot_acceptance
 from jaxspec.tree.budget import matched_linear, sequoia_optimum
 
 
@@ -202,3 +202,15 @@ def test_merge_keeps_complete_groups_only(tmp_path):
     c.write_text("".join(json.dumps(r) + "\n" for r in [_record(8, "ar", 3.0), _record(8, "s2_k2_d4", 3.0)]))
     records, left_out = merge_runs([a, b, c])
     assert records[2:] == [_record(8, "ar", 3.0), _record(8, "s2_k2_d4", 3.0)] and left_out == []
+
+
+def test_acceptance_figure_before_after(tmp_path):
+    def run(tau, depth):
+        r = _record(1, "s2_k2_d4", tau)
+        r.update(per_depth_acceptance=depth, rank_acceptance=[0.6, 0.1, 0.05, 0.0])
+        return r
+
+    path = plot_acceptance([run(2.0, [0.7, 0.3])], [run(2.5, [0.9, 0.6])], "s2_k2_d4", tmp_path / "acc.png")
+    assert path.stat().st_size > 10_000 and path.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="no dataset has s4_k2_d8 runs in both"):
+        plot_acceptance([run(2.0, [0.7, 0.3])], [run(2.5, [0.9, 0.6])], "s4_k2_d8", tmp_path / "none.png")

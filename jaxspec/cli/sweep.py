@@ -32,6 +32,10 @@ def add_parser(subparsers: Any) -> None:
                    help="keep the (dataset, batch) groups --out/runs.jsonl already finished; run the rest")
     p.add_argument("--merge", type=csv(str), default=None, metavar="RUNS,RUNS",
                    help="run nothing: join the complete (dataset, batch) groups of these runs.jsonl files into --out")
+    p.add_argument("--before", default=None, metavar="RUNS",
+                   help="with --merge: another draft's runs.jsonl; also draws acceptance_before_after.png "
+                        "(per-depth and per-rank acceptance of --acceptance-spec, that draft vs. these runs)")
+    p.add_argument("--acceptance-spec", default="s4_k2_d8", help="the spec of that figure (default s4_k2_d8)")
     p.set_defaults(func=run)
 
 
@@ -39,8 +43,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
     import jax
 
     from jaxspec.eval import SweepConfig, merge_runs, run_sweep
-    from jaxspec.report import write_report
+    from jaxspec.report import plot_acceptance, write_report
 
+    if args.before is not None and not args.merge:
+        raise ValueError("--before goes with --merge (a figure of finished runs)")
     if args.merge:
         missing = [p for p in args.merge if not Path(p).is_file()]
         if missing:
@@ -51,6 +57,13 @@ def run(args: argparse.Namespace, console: Console) -> int:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         write_report(records, args.out)
+        if args.before is not None:
+            if not Path(args.before).is_file():
+                raise ValueError(f"no such runs file: {args.before}")
+            before = [json.loads(line) for line in Path(args.before).read_text().splitlines() if line.strip()]
+            figure = plot_acceptance(before, records, args.acceptance_spec,
+                                     Path(args.out) / "acceptance_before_after.png")
+            console.print(f"acceptance of {args.acceptance_spec} before / after: {figure}")
         console.print((Path(args.out) / "table.md").read_text())
         console.print(f"{len(records)} runs from {len(args.merge)} file(s) written to {args.out}/runs.jsonl")
         return 0
