@@ -11,32 +11,50 @@ import pytest
 import jaxspec as js
 from jaxspec import distill
 from jaxspec.generate import prefill_for_speculation
+from jaxspec.testing import randomize
 from jaxspec.tree.draft import draft_tree
 
 
-@pytest.mark.parametrize("root_position", [0, 9, 21])
-def test_unrolled_training_chain_equals_the_drafted_chain(agreeing_params, test_cfg, root_position):
-    params, cfg, steps = agreeing_params, test_cfg, 3
-    rng = np.random.default_rng(root_position)
-    seq = rng.integers(0, cfg.vocab_size, 40).astype(np.int32)
-    r = root_position
-    # draft_tree after committing x_0..x_r, with x_{r+1} as the root (as a cycle would)
-    state, _, hidden = prefill_for_speculation(params, cfg, jnp.asarray(seq[None, : r + 1]), jnp.asarray([r + 1]), 64)
-    pool = jax.jit(draft_tree, static_argnums=(1, 2))(params, cfg, js.SpecConfig(steps, 1, steps + 1), state,
-                                                       jnp.asarray(seq[None, r + 1]), hidden)
-    chain = np.asarray(pool.token[0])  # t_1 .. t_S
-    # the training forward fed the draft's own tokens after the root
-    seq[r + 2 : r + 1 + steps] = chain[: steps - 1]
-    t = 30
-    target_hidden, _ = distill.target_pass(params, cfg, jnp.asarray(seq[None, :t]))
-    logits = distill.unrolled_draft_logits(params, cfg, target_hidden, jnp.asarray(seq[None, : t + steps]), steps)
-    logp = [jax.nn.log_softmax(x[0, r]) for x in logits]
-    assert [int(jnp.argmax(x)) for x in logp] == chain.tolist()
-    score = np.cumsum([float(x[tok]) for x, tok in zip(logp, chain, strict=True)])
-    np.testing.assert_allclose(score, np.asarray(pool.score[0]), rtol=1e-5, atol=1e-5)
+@pytest.fixture(scope="session")
+def small():
+    # The `test` preset cut to two layers (CSA + indexer, HCA; the MTP block is the sliding layer):
+    # every mechanism the draft and its training touch, at a fraction of the compile time.
+    cfg = js.ModelConfig.preset("test", num_layers=2, layer_types=("csa", "hca"))
+    params = jax.jit(lambda k: randomize(js.init_params(cfg, k), jax.random.fold_in(k, 1)))(jax.random.key(0))
+    return cfg, params
 
 
-def test_distill_step_trains_the_draft_only(test_params, test_cfg):
+def test_unrolled_training_chain_equals_the_drafted_chain(small):
+    cfg, params = small
+    steps, t, width = 3, 30, 22
+    spec = js.SpecConfig(steps, 1, steps + 1)
+    # One program each for every root (prompts padded to one width): roots before, at and after the
+    # compressors' block boundaries.
+    prefill = jax.jit(prefill_for_speculation, static_argnums=(1, 4))
+    draft = jax.jit(draft_tree, static_argnums=(1, 2))
+    target_pass = jax.jit(distill.target_pass, static_argnums=(1,))
+    unrolled = jax.jit(distill.unrolled_draft_logits, static_argnums=(1, 4))
+    for r in (0, 9, 21):
+        rng = np.random.default_rng(r)
+        seq = rng.integers(0, cfg.vocab_size, 40).astype(np.int32)
+        # draft_tree after committing x_0..x_r, with x_{r+1} as the root (as a cycle would)
+        prompt = np.zeros((1, width), np.int32)
+        prompt[0, : r + 1] = seq[: r + 1]
+        state, _, hidden = prefill(params, cfg, jnp.asarray(prompt), jnp.asarray([r + 1]), 64)
+        pool = draft(params, cfg, spec, state, jnp.asarray(seq[None, r + 1]), hidden)
+        chain = np.asarray(pool.token[0])  # t_1 .. t_S
+        # the training forward fed the draft's own tokens after the root
+        seq[r + 2 : r + 1 + steps] = chain[: steps - 1]
+        target_hidden, _ = target_pass(params, cfg, jnp.asarray(seq[None, :t]))
+        logits = unrolled(params, cfg, target_hidden, jnp.asarray(seq[None, : t + steps]), steps)
+        logp = [jax.nn.log_softmax(x[0, r]) for x in logits]
+        assert [int(jnp.argmax(x)) for x in logp] == chain.tolist(), r
+        score = np.cumsum([float(x[tok]) for x, tok in zip(logp, chain, strict=True)])
+        np.testing.assert_allclose(score, np.asarray(pool.score[0]), rtol=1e-5, atol=1e-5)
+
+
+def test_distill_step_trains_the_draft_only(small):
+    test_cfg, test_params = small
     dc = distill.DistillConfig(num_steps=2, steps=10, warmup_steps=0)
     ds = distill.init_distill_state(test_params, dc)
     rng = np.random.default_rng(0)
@@ -53,7 +71,8 @@ def test_distill_step_trains_the_draft_only(test_params, test_cfg):
     assert jax.tree.structure(ds.mtp) == jax.tree.structure(test_params.mtp)
 
 
-def test_generate_data_resumes_and_loads(test_params, test_cfg, tmp_path):
+def test_generate_data_resumes_and_loads(small, tmp_path):
+    test_cfg, test_params = small
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
     n = distill.generate_data(test_params, test_cfg, prompts, tmp_path, max_new_tokens=6, chunk_size=2,
                               temperatures=(0.0, 1.0))
