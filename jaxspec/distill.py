@@ -36,6 +36,7 @@ from jaxspec.config import ModelConfig
 from jaxspec.generate import generate
 from jaxspec.layers.attention import AttentionContext
 from jaxspec.model import ModelParams, MTPParams
+from jaxspec.report import plot_distill_history
 from jaxspec.train import _manager, export_checkpoint, learning_rate, restore_train_state, save_train_state
 
 CHUNK_FILE = "chunk_{:05d}.npz"
@@ -337,6 +338,8 @@ def distill_loop(
             with open(os.path.join(out, "distill.json"), "w") as f:
                 json.dump({"step": int(ds.step), "final": final, "config": dataclasses.asdict(dc),
                            "history": history}, f, indent=1)
+            if history:
+                plot_distill_history(history, os.path.join(out, "distill.png"))
 
     def do_eval() -> None:
         m = evaluate(ds, params, cfg, eval_seqs, dc, batch, width, eval_rows)

@@ -13,7 +13,7 @@ import pytest
 
 from jaxspec.config import SpecConfig
 from jaxspec.eval import SweepConfig, distinct_ngram_ratio
-from jaxspec.report import markdown_table, plot_acceptance
+from jaxspec.report import markdown_table, plot_acceptance, plot_distill_history
 from jaxspec.tree.budget import matched_linear, sequoia_optimum
 
 
@@ -214,3 +214,11 @@ def test_acceptance_figure_before_after(tmp_path):
     assert path.stat().st_size > 10_000 and path.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError, match="no dataset has s4_k2_d8 runs in both"):
         plot_acceptance([run(2.0, [0.7, 0.3])], [run(2.5, [0.9, 0.6])], "s4_k2_d8", tmp_path / "none.png")
+
+
+def test_distill_history_figure(tmp_path):
+    held = lambda step, a: {"step": step, "heldout": {"agree1": a, "agree2": a - 0.1, "kl1": 1 - a, "kl2": 1.1 - a}}  # noqa: E731
+    train = [{"step": s, "train_agree1": 0.5, "train_agree2": 0.4, "train_kl1": 0.5, "train_kl2": 0.6}
+             for s in range(1, 30)]
+    path = plot_distill_history([held(0, 0.5), *train, held(30, 0.7)], tmp_path / "d.png")
+    assert path.stat().st_size > 10_000 and path.read_bytes()[:4] == b"\x89PNG"
