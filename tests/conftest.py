@@ -18,3 +18,22 @@ def test_params(test_cfg):
 @pytest.fixture(scope="session")
 def agreeing_params(test_params):
     return high_acceptance(test_params)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Keep each `xdist_group` on one worker. pytest-xdist's `--dist loadgroup` tags a grouped test's
+    node id with "@group" and schedules by that tag; under pytest 9 its tag no longer reaches the id
+    (pytest keeps ids in `_id`), so the groups were spread over both workers and the 8-device and
+    2-process subprocesses ran once per worker. Tag them here where xdist's tag is missing."""
+    if not config.getvalue("loadgroup"):
+        return
+    try:
+        from _pytest.nodeid import coerce_node_id
+    except ImportError:  # pytest < 9: xdist's own tag works
+        return
+    for item in items:
+        groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                         for m in item.iter_markers("xdist_group")})
+        if groups and "@" not in item.nodeid:
+            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(groups)}")

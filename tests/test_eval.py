@@ -108,8 +108,9 @@ _SWEEP = textwrap.dedent(
     from jaxspec.testing import high_acceptance, randomize
     import jaxspec as js
     from jaxspec.eval import SweepConfig, run_sweep
-    cfg = js.ModelConfig.preset("test")
-    params = high_acceptance(randomize(js.init_params(cfg, jax.random.key(0)), jax.random.key(1)))
+    cfg = js.ModelConfig.preset("test", num_layers=2, layer_types=("csa", "hca"))
+    params = jax.jit(lambda k: high_acceptance(randomize(js.init_params(cfg, k), jax.random.fold_in(k, 1))))(
+        jax.random.key(0))
     rng = __import__("numpy").random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, int(rng.integers(2, 12))).tolist() for _ in range(8)]
     sweep = SweepConfig(datasets=("gsm8k",), specs=("s2_k2_d4",), batch_sizes=(8,), num_prompts=8,

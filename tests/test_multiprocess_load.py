@@ -38,9 +38,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_RUN: dict[str, tuple] = {}
+
+
 @pytest.fixture(scope="session")
 def run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("multiprocess")
+    # Kept for the worker process's life: an xdist worker whose queue runs dry tears down session
+    # fixtures too, which ran the three processes twice per CI run.
+    if "run" not in _RUN:
+        _RUN["run"] = _run_processes(tmp_path_factory.mktemp("multiprocess"))
+    return _RUN["run"]
+
+
+def _run_processes(root):
     ckpt, out = root / "ckpt", root / "out"
     out.mkdir()
     params = high_acceptance(randomize(js.init_params(CFG, jax.random.key(0)), jax.random.key(1)))
