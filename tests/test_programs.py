@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import long_test
 
 from jaxspec import programs
 
@@ -159,8 +160,7 @@ def test_speculative_loops_past_the_cache_give_back_their_maps(tmp_path):
 
 @pytest.mark.xdist_group("program_cache")
 @pytest.mark.skipif(not LINUX_MAPS, reason="needs /proc/self/maps")
-@pytest.mark.skipif(os.environ.get("JAXSPEC_LONG_TESTS") != "1",
-                    reason="14 minutes of a core: JAXSPEC_LONG_TESTS=1 ./test.sh -k sixty runs it")
+@long_test  # 14 minutes of a core
 def test_sixty_speculative_loops_in_one_process(tmp_path):
     """60 distinct speculative loops under the default vm.max_map_count and the default 20 programs:
     without the cache this process died at the 59th loop (64,716 maps); with it the maps stay under
