@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")"
 . scripts/setup.sh test
 ruff check jaxspec tests bench notebooks
-exec python -m pytest -n 2 --dist loadgroup --durations=25 tests "$@"
+exec python -m pytest -n 2 --durations=25 tests "$@"

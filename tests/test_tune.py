@@ -6,7 +6,6 @@ import os
 
 import numpy as np
 import pytest
-from conftest import long_test
 
 import jaxspec as js
 from jaxspec.cost import projected_seconds
@@ -100,7 +99,7 @@ def test_compare_with_sweep_reports_ratios():
         compare_with_sweep(Tuning((0.7,), {1: "s2_k1_d3"}, "sequoia", (), 64), records)
 
 
-@long_test  # ~100 s; the CLI test below calibrates on the shipped checkpoint end to end
+@pytest.mark.long  # ~100 s; the CLI test below calibrates on the shipped checkpoint end to end
 def test_calibrate_measures_every_candidate_per_bucket(agreeing_params, test_cfg):
     candidates = ("s2_k1_d3", "s2_k2_d4")
     tuning = calibrate(agreeing_params, test_cfg, PROMPTS, (1, 3), candidates, max_new_tokens=24, iters=2,
