@@ -109,7 +109,7 @@ def _closed_loop(exc: BaseException | None) -> bool:
 # retrieved: the restore already failed on the first one) and their completion callbacks hitting
 # the closed loop.
 _ORPHAN_LOGS = ("Task was destroyed but it is pending", "exception was never retrieved")
-_ORPHAN_SOURCES = ("orbax", "TensorStore", "Encountered error while reading array")
+_ORPHAN_SOURCES = ["orbax", "TensorStore", "Encountered error while reading array"]  # + each folder restored
 
 
 class _OrphanedTaskFilter(logging.Filter):
@@ -123,12 +123,18 @@ class _OrphanedTaskFilter(logging.Filter):
 _INSTALLED: list[Any] = []
 
 
-def quiet_orphaned_reads() -> None:
+def quiet_orphaned_reads(params_dir: str) -> None:
     """Before an orbax restore: drop the noise its orphaned reads make should one read fail (the
     restore stops at the first failure, closes its event loop, and the reads still in flight end
     later, on TensorStore's threads, at any time up to interpreter exit). Installed once per
     process, before the first read, so no timing can slip past it; other unraisable errors, thread
-    errors and log records still reach the old hooks. After a failure, call `settle_orphaned_reads`."""
+    errors and log records still reach the old hooks. After a failure, call `settle_orphaned_reads`.
+
+    A read's own error names the file it read (TensorStore: 'local file "<params_dir>/"'), so the
+    asyncio records dropped are those that name `params_dir` or orbax / TensorStore."""
+    folder = os.path.join(os.path.abspath(params_dir), "")
+    if folder not in _ORPHAN_SOURCES:
+        _ORPHAN_SOURCES.append(folder)
     if _INSTALLED:
         return
     previous_unraisable, previous_excepthook = sys.unraisablehook, sys.excepthook

@@ -110,7 +110,7 @@ def load_checkpoint(
     placed = abstract if mesh is None else sharded_abstract(abstract, param_shardings(cfg, mesh, rules))
     errors.check_orbax_metadata(params_dir)
     ckptr = ocp.StandardCheckpointer()
-    errors.quiet_orphaned_reads()
+    errors.quiet_orphaned_reads(params_dir)
     failure = None
     try:
         _check_stored_arrays(ckptr, params_dir, abstract, path)
