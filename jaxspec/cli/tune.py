@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -38,6 +39,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--projected-preset", default=None, metavar="PRESET",
                    help="with --projected: project the times of this preset (default: the checkpoint's model)")
     p.add_argument("--out", default=None, help="tuning file (default CHECKPOINT/tune.json)")
+    p.add_argument("--fresh", action="store_true",
+                   help="measure every bucket again (by default a rerun reuses the buckets OUT.progress.jsonl holds "
+                        "for the same model, prompts and candidates)")
     p.add_argument("--compare", default=None, metavar="RUNS_JSONL",
                    help="a `jaxspec sweep` runs.jsonl: report the choice's measured tokens/s against the best")
     p.set_defaults(func=run)
@@ -69,9 +73,16 @@ def run(args: argparse.Namespace, console: Console) -> int:
     prompts = train_prompts(args, model.tokenizer)
     console.print(f"calibrating on {len(prompts)} train-split prompts, {len(args.candidates)} candidates, "
                   f"batch sizes {list(args.batch_sizes)}")
+    out = Path(args.out or os.path.expanduser(args.checkpoint))
+    progress = (out.with_suffix("") if out.suffix == ".json" else out / "tune").with_suffix(".progress.jsonl")
+    if args.fresh and progress.exists():
+        progress.unlink()
+    progress.parent.mkdir(parents=True, exist_ok=True)
+    args.resume_hint = f"finished buckets are kept in {progress}: rerun the same command to continue"
     tuning = calibrate(model.params, model.cfg, prompts, args.batch_sizes, args.candidates, args.new_tokens,
-                       args.iters, args.estimator, projected=args.projected, projected_cfg=projected_cfg)
-    out = tuning.save(args.out or os.path.expanduser(args.checkpoint))
+                       args.iters, args.estimator, projected=args.projected, projected_cfg=projected_cfg,
+                       resume=progress)
+    out = tuning.save(out)
     console.print(tuning_table(tuning))
     console.print("chosen: " + ", ".join(f"batch {b}: {name}" for b, name in tuning.choices.items()))
     console.print(f"saved to {out}")
