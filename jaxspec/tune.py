@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import cost, stages
+from jaxspec import costmodel, stages
 from jaxspec.config import ModelConfig, SpecConfig
 from jaxspec.eval import measure_rank_acceptance
 from jaxspec.generate import batch_bucket, length_bucket, prepare_prompts
@@ -80,7 +80,7 @@ def project_measurements(measurements: Sequence[dict[str, Any]], cfg: ModelConfi
     `accelerator` (in place); the measured ones stay as measured_step_seconds / measured_cycle_seconds."""
     for m in measurements:
         spec = None if m["spec"] == NO_SPECULATION else SpecConfig.parse(m["spec"])
-        seconds = cost.projected_seconds(cfg, spec, m["batch"], context, accelerator)
+        seconds = costmodel.projected_seconds(cfg, spec, m["batch"], context, accelerator)
         if spec is None:
             m.update(measured_step_seconds=m["step_seconds"], step_seconds=seconds, tokens_per_s=m["batch"] / seconds)
         else:
@@ -131,7 +131,7 @@ def calibrate(
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
     if projected is not None:
-        cost.accelerator(projected)  # a ValueError naming the known ones
+        costmodel.hardware(projected)  # a ValueError naming the known ones
     specs = [SpecConfig.parse(c) if isinstance(c, str) else c for c in candidates]
     if not specs:
         raise ValueError("need at least one candidate spec")

@@ -33,8 +33,8 @@ def add_parser(subparsers: Any) -> None:
                    help="expected tokens per cycle: Sequoia's optimum from the per-rank acceptance, or the "
                    "mean accepted length measured on the calibration prompts")
     p.add_argument("--projected", default=None, metavar="ACCELERATOR",
-                   help="choose with the cost model's projected step times on this accelerator (e.g. h200) and the "
-                   "acceptance measured here, instead of this machine's times")
+                   help="choose with the analytic cost model's projected step times on this accelerator (e.g. "
+                   "h200) and the acceptance measured here, instead of this machine's times")
     p.add_argument("--projected-preset", default=None, metavar="PRESET",
                    help="with --projected: project the times of this preset (default: the checkpoint's model)")
     p.add_argument("--out", default=None, help="tuning file (default CHECKPOINT/tune.json)")
@@ -57,9 +57,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if args.projected_preset is not None and args.projected is None:
         raise ValueError("--projected-preset needs --projected ACCELERATOR")
     if args.projected is not None:
-        from jaxspec.cost import accelerator
+        from jaxspec.costmodel import hardware
 
-        accelerator(args.projected)  # unknown names fail before the model loads
+        hardware(args.projected)  # unknown names fail before the model loads
     projected_cfg = None
     if args.projected_preset is not None:
         from jaxspec.config import ModelConfig
