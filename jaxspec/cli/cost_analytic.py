@@ -14,7 +14,8 @@ from rich.table import Table
 ASSUMPTIONS = (
     "Model, not measurement: per device, the context full (every compressed entry exists); weights read once per "
     "stage at stored precision; routed experts at the expected distinct count per device (independent routing, "
-    "less --overlap on learned routers), time from the busiest device (expected maximum, binomial approximation); "
+    "less --overlap on learned routers), time from the busiest device (its expected maximum, exact given the union "
+    "size); "
     "t = max(FLOPs / peak, busiest bytes / HBM) + kernels x launch_us + collectives x (collective_us + bytes / "
     "NVLink) + passes x pass_us; latency terms fitted to published H200 points (jaxspec cost --calibrate); "
     "break-even tau = cycle / AR step; speedup = tau x AR step / cycle."

@@ -62,6 +62,11 @@ def _unit_name(path: str) -> str:
     return "head"  # the main hc_head and final norm
 
 
+# What the commit stage's MTP refresh keeps: it needs only the window kv rows of the MTP block, so
+# the compiled program drops its queries, output projections, FFN and head (dead code).
+_MTP_KV = ("mtp.inputs.", "mtp.block.hc_attn.", "mtp.block.attn_norm", "mtp.block.attn.wkv", "mtp.block.attn.kv_norm")
+
+
 def _leaves(cfg: ModelConfig, sizes: dict[str, int], weights: str, experts: str):
     params = abstract_params(cfg, weights, experts)
     specs = jax.tree.leaves(param_specs(cfg, sizes, None, params), is_leaf=lambda s: isinstance(s, P))
@@ -77,8 +82,8 @@ def weight_units(cfg: ModelConfig, mesh: tuple[int, int, int], weights: str = "p
     sizes = dict(zip((DATA, TENSOR, "expert"), mesh, strict=True))
     acc: dict[str, dict[str, Any]] = {}
 
-    def slot(path: str) -> dict[str, Any]:
-        name = _unit_name(path)
+    def slot(path: str, name: str | None = None) -> dict[str, Any]:
+        name = name or _unit_name(path)
         return acc.setdefault(name, {"dense_bytes": 0.0, "dense_elems": 0.0, "expert_bytes": 0.0,
                                      "expert_elems": 0.0, "expert_groups": 1, "hash_routed": False,
                                      "row_bytes": 0.0, "heads": 0})
@@ -100,6 +105,8 @@ def weight_units(cfg: ModelConfig, mesh: tuple[int, int, int], weights: str = "p
             u["expert_groups"] = ways[0]
         else:
             u["dense_bytes"] += nbytes
+            if path.startswith(_MTP_KV):
+                slot(path, "mtp_kv")["dense_bytes"] += nbytes
     for path, x, spec in _leaves(cfg, sizes, "plain", experts):
         if len(x.shape) < 2 or path.rsplit(".", 1)[-1] in GATHERED:
             continue
@@ -108,11 +115,15 @@ def weight_units(cfg: ModelConfig, mesh: tuple[int, int, int], weights: str = "p
         if ".ffn.experts." in path:
             u["expert_elems"] += math.prod(shard[1:])
         else:
-            u["dense_elems"] += math.prod(shard)
+            # h_proj maps each of the hc residual streams (docs/cost_model.md): hc x the tokens
+            elems = math.prod(shard) * (cfg.hc_mult if path == "mtp.inputs.h_proj" else 1)
+            u["dense_elems"] += elems
+            if path.startswith(_MTP_KV):
+                slot(path, "mtp_kv")["dense_elems"] += elems
         if path.endswith("attn.wq_b") and ".indexer." not in path:
             u["heads"] = cfg.num_heads * shard[1] // x.shape[1]
     kinds = {f"layers.{i}": k for i, k in enumerate(cfg.layer_types)}
-    kinds.update(mtp="mtp", mtp_head="head", head="head", vocab="head", embed="embed")
+    kinds.update(mtp="mtp", mtp_kv="mtp", mtp_head="head", head="head", vocab="head", embed="embed")
     return {name: Unit(kind=kinds[name], **v) for name, v in acc.items()}
 
 

@@ -34,7 +34,7 @@ HARDWARE = {
 
 # Kernels one pass through a unit launches (a parameter: counted by hand from the layer's ops as
 # a fused GPU program would run them; docs/cost_model.md lists them).
-DEFAULT_KERNELS = {"sliding": 22, "hca": 26, "csa": 34, "head": 4}
+DEFAULT_KERNELS = {"sliding": 22, "hca": 26, "csa": 34, "head": 4, "mtp_kv": 6}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +48,7 @@ class Latency:
 PRIOR = Latency(launch_us=3.0, collective_us=10.0)  # before calibration (docs/cost_model.md)
 # `jaxspec cost --calibrate` on jaxspec/costmodel/calibration_points.json (tests/test_costmodel.py
 # refits and checks these).
-H200 = Latency(launch_us=4.36, collective_us=11.5)
+H200 = Latency(launch_us=4.44, collective_us=11.6)
 
 
 def hardware(name: str) -> Hardware:

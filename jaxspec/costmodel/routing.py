@@ -6,15 +6,19 @@ missed by all of them with probability (1 - k/E)^n and the union holds E(1 - (1 
 `overlap` rho in [0, 1) says tokens share experts more than that (as a learned router does on real
 text): every token after the first adds only (1 - rho) of the new experts independence would.
 
-The busiest device (binomial approximation, stated in docs/cost_model.md): each of the m = E/G
-experts of a device is touched independently with the union's probability p, so its count is
-Binomial(m, p), and the G devices are treated as independent; then E[max] = sum_{j>=1} (1 - F(j-1)^G)
-with F the binomial CDF, computed exactly for that model (no sampling).
+The busiest device: under independent uniform routing, given the union's size u, the union is a
+uniform u-subset of the experts (by symmetry), so the busiest of G devices holding m = E/G experts
+each has an exactly computable expected count: P(max < j) = [x^u] (sum_{c<j} C(m, c) x^c)^G / C(E, u)
+(a polynomial product), E[max] = sum_j (1 - P(max < j)). The one approximation: u is taken at its
+mean (interpolated between the neighbouring integers). For one token (u = k) this is exact.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+
+import numpy as np
 
 
 def _check(num_experts: int, topk: int, tokens: float, overlap: float) -> None:
@@ -38,29 +42,37 @@ def expected_distinct(num_experts: int, topk: int, tokens: float, overlap: float
     return topk + (union - topk) * (1.0 - overlap)
 
 
-def _binomial_cdf(m: int, p: float) -> list[float]:
-    """[P(X <= j) for j = 0..m] of X ~ Binomial(m, p)."""
-    pmf = [math.comb(m, j) * p**j * (1.0 - p) ** (m - j) for j in range(m + 1)]
-    out, total = [], 0.0
-    for v in pmf:
-        total += v
-        out.append(min(total, 1.0))
+@functools.lru_cache(maxsize=4096)
+def _max_given_union(num_experts: int, groups: int, union: int) -> float:
+    """E[max over groups of the experts of a uniform `union`-subset in each group] (exact)."""
+    m = num_experts // groups
+    total = math.comb(num_experts, union)
+    out = 0.0
+    for j in range(1, min(m, union) + 1):
+        per_group = np.array([math.comb(m, c) for c in range(j)], dtype=np.float64)
+        poly = np.ones(1)
+        for _ in range(groups):
+            poly = np.convolve(poly, per_group)[: union + 1]
+        below = poly[union] / total if len(poly) > union else 0.0
+        out += 1.0 - below
     return out
 
 
 def expected_max_per_device(num_experts: int, topk: int, tokens: float, groups: int, overlap: float = 0.0) -> float:
     """Expected distinct experts on the busiest of `groups` devices holding E/groups experts each
-    (binomial approximation, see the module docstring). groups 1: the union itself."""
+    (exact given the union's size, taken at its mean: see the module docstring). groups 1: the union."""
     _check(num_experts, topk, tokens, overlap)
     if groups < 1 or num_experts % groups:
         raise ValueError(f"groups must divide num_experts={num_experts}, got {groups}")
     distinct = expected_distinct(num_experts, topk, tokens, overlap)
     if groups == 1 or distinct == 0:
         return distinct
-    m = num_experts // groups
-    p = distinct / num_experts
-    cdf = _binomial_cdf(m, p)
-    return sum(1.0 - cdf[j - 1] ** groups for j in range(1, m + 1))
+    low = math.floor(distinct)
+    frac = distinct - low
+    value = _max_given_union(num_experts, groups, low) if low else 0.0
+    if frac > 1e-9:
+        value = (1.0 - frac) * value + frac * _max_given_union(num_experts, groups, low + 1)
+    return value
 
 
 def expected_mean_per_device(num_experts: int, topk: int, tokens: float, groups: int, overlap: float = 0.0) -> float:

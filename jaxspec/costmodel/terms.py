@@ -113,6 +113,15 @@ def _attention_keys(cfg: ModelConfig, kind: str, tokens: int, prior: int, st: La
     return keys, 0.0
 
 
+def kv_pass(s: Setup, tokens: int, commit: int) -> Costs:
+    """The MTP refresh of the commit stage: only the window kv rows of the MTP block are kept
+    (e/h projections, the attention-side hyper-connection, wkv), written for `commit` tokens."""
+    u, st = s.units()["mtp_kv"], s.state()["mtp"]
+    n = s.rows * tokens
+    nbytes = {"weights": u.dense_bytes, "state_write": s.rows * commit * st.write_row_bytes}
+    return Costs(nbytes, sum(nbytes.values()), {"matmul": 2.0 * n * u.dense_elems}, {}, {"mtp_kv": 1}, 0)
+
+
 def layer_pass(s: Setup, name: str, tokens: int, prior: int = 0, commit: int = 0) -> Costs:
     """One pass of `tokens` tokens per sequence through unit `name` ("layers.i" or "mtp"); `prior`
     scratch keys a draft step also reads; `commit` tokens per sequence written to its state."""
@@ -201,7 +210,7 @@ def stage_table(s: Setup, spec: SpecConfig | None) -> dict[str, Costs]:
         draft = draft + mtp_pass(s, n, prior=slots, commit=0, head=True)
     plan = Costs({}, 0.0, {}, {}, {}, 0)  # index arithmetic on [B, D]: no weights, no state
     path = spec.num_steps + 1  # commit: the accepted path's rows (at most S + 1) and the MTP refresh
-    commit = mtp_pass(s, path, prior=0, commit=path, head=False)
+    commit = embed_rows(s, path) + dataclasses.replace(kv_pass(s, path, commit=path), passes=1)
     writes = sum(layer.write_row_bytes for name, layer in s.state().items() if name != "mtp") * s.rows * path
     commit = commit + Costs({"state_write": writes}, writes, {}, {}, {}, 0)
     return {"draft": draft, "plan": plan, "verify": main_pass(s, spec.num_draft_tokens, commit=0), "commit": commit}
