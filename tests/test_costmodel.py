@@ -191,3 +191,18 @@ def test_cli_projects_best_chain_and_tree(tmp_path, capsys):
     row = data["rows"][0]["stages"]["ar"]
     # the stage's seconds are the sum of its named terms
     assert row["seconds"] == pytest.approx(math.fsum(row["seconds_terms"].values()))
+
+
+def test_latency_terms_by_hand(flash):
+    cfg, _, ar, _ = flash
+    hw, lat = latency.hardware("h200"), latency.H200
+    parts = latency.split(ar, hw, lat)
+    kernels = dict(lat.kernels)
+    # 2 sliding + 21 CSA + 20 HCA layers, one head
+    launches = 2 * kernels["sliding"] + 21 * kernels["csa"] + 20 * kernels["hca"] + kernels["head"]
+    assert parts["launch"] == pytest.approx(launches * lat.launch_us * 1e-6)
+    # per layer one tensor all-reduce and two expert all-to-alls, one vocab all-gather
+    assert parts["collective_latency"] == pytest.approx((43 + 2 * 43 + 1) * lat.collective_us * 1e-6)
+    assert parts["roofline"] == pytest.approx(ar.busiest_bytes / 4.3e12)  # memory-bound at batch 1
+    assert parts["dispatch"] == pytest.approx(lat.pass_us * 1e-6)
+    assert latency.seconds(ar, hw, lat) == pytest.approx(math.fsum(parts.values()))

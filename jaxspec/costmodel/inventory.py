@@ -133,18 +133,18 @@ LAYOUTS = ("rules", "even")
 def layout_units(cfg: ModelConfig, mesh: tuple[int, int, int], weights: str, experts: str,
                  layout: str) -> dict[str, Unit]:
     """`weight_units` under the sharding rules ("rules": jaxspec's layout, some leaves replicated)
-    or "even": every non-routed weight split evenly over the tensor x expert devices and the
-    experts over them too (the issue's hand count; how the serving stacks behind the published
-    points place V4)."""
+    or "even": every non-routed weight split evenly over "tensor" (replicated over "data" and
+    "expert", as tensor-parallel attention is) and the routed experts over tensor x expert: the
+    issue's hand count, and how the serving stacks behind the published points place V4."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if layout == "rules":
         return weight_units(cfg, mesh, weights, experts)
-    ways = mesh[1] * mesh[2]
+    t, ways = mesh[1], mesh[1] * mesh[2]
     whole = weight_units(cfg, (1, 1, 1), weights, experts)
-    return {name: dataclasses.replace(u, dense_bytes=u.dense_bytes / ways, dense_elems=u.dense_elems / ways,
-                                      expert_groups=ways if u.expert_bytes else 1, row_bytes=u.row_bytes / mesh[1],
-                                      heads=u.heads // mesh[1])
+    return {name: dataclasses.replace(u, dense_bytes=u.dense_bytes / t, dense_elems=u.dense_elems / t,
+                                      expert_groups=ways if u.expert_bytes else 1, row_bytes=u.row_bytes / t,
+                                      heads=u.heads // t)
             for name, u in whole.items()}
 
 
