@@ -206,3 +206,29 @@ def test_latency_terms_by_hand(flash):
     assert parts["roofline"] == pytest.approx(ar.busiest_bytes / 4.3e12)  # memory-bound at batch 1
     assert parts["dispatch"] == pytest.approx(lat.pass_us * 1e-6)
     assert latency.seconds(ar, hw, lat) == pytest.approx(math.fsum(parts.values()))
+
+
+def test_cli_xla_path_still_reports(tmp_path, capsys):
+    out = tmp_path / "xla.json"
+    assert main(["cost", "--model", "xla", "--preset", "test", "--specs", "s2_k2_d4", "--batch-sizes", "1",
+                 "--context", "64", "--tau", "2.0", "--json", str(out)]) == 0
+    assert "XLA's cost analysis" in " ".join(capsys.readouterr().out.split())
+    data = json.loads(out.read_text())
+    assert {(r["batch"], r["spec"]) for r in data["rows"]} == {(1, "ar"), (1, "s2_k2_d4")}
+
+
+def test_tune_projects_onto_a_mesh(test_cfg):
+    from jaxspec.costmodel import projected_seconds
+    from jaxspec.tune import project_measurements
+
+    rows = [{"spec": "ar", "batch": 2, "step_seconds": 1.0, "tokens_per_s": 2.0},
+            {"spec": "s2_k2_d4", "batch": 2, "cycle_seconds": 1.0}]
+    project_measurements(rows, test_cfg, 64, "h200", (1, 2, 1))
+    spec = js.SpecConfig.parse("s2_k2_d4")
+    assert rows[0]["step_seconds"] == pytest.approx(projected_seconds(test_cfg, None, 2, 64, "h200", (1, 2, 1)))
+    assert rows[1]["cycle_seconds"] == pytest.approx(projected_seconds(test_cfg, spec, 2, 64, "h200", (1, 2, 1)))
+    assert rows[0]["measured_step_seconds"] == 1.0
+    # two tensor devices split the weights: faster than one
+    assert rows[0]["step_seconds"] != projected_seconds(test_cfg, None, 2, 64, "h200")
+    with pytest.raises(ValueError, match="must divide num_heads"):
+        project_measurements([dict(rows[0])], test_cfg, 64, "h200", (1, 3, 1))

@@ -37,6 +37,8 @@ def add_parser(subparsers: Any) -> None:
                    "h200) and the acceptance measured here, instead of this machine's times")
     p.add_argument("--projected-preset", default=None, metavar="PRESET",
                    help="with --projected: project the times of this preset (default: the checkpoint's model)")
+    p.add_argument("--projected-mesh", default="1,1,1", metavar="D,T,E",
+                   help="with --projected: the mesh (data,tensor,expert) the projection is for (default 1,1,1)")
     p.add_argument("--out", default=None, help="tuning file (default CHECKPOINT/tune.json)")
     p.add_argument("--compare", default=None, metavar="RUNS_JSONL",
                    help="a `jaxspec sweep` runs.jsonl: report the choice's measured tokens/s against the best")
@@ -65,12 +67,16 @@ def run(args: argparse.Namespace, console: Console) -> int:
         from jaxspec.config import ModelConfig
 
         projected_cfg = ModelConfig.preset(args.projected_preset)
+    from jaxspec.sharding import parse_mesh
+
+    projected_mesh = parse_mesh(args.projected_mesh)
     model = load_model(args, console, need_tokenizer="tuning")
     prompts = train_prompts(args, model.tokenizer)
     console.print(f"calibrating on {len(prompts)} train-split prompts, {len(args.candidates)} candidates, "
                   f"batch sizes {list(args.batch_sizes)}")
     tuning = calibrate(model.params, model.cfg, prompts, args.batch_sizes, args.candidates, args.new_tokens,
-                       args.iters, args.estimator, projected=args.projected, projected_cfg=projected_cfg)
+                       args.iters, args.estimator, projected=args.projected, projected_cfg=projected_cfg,
+                       projected_mesh=projected_mesh)
     out = tuning.save(args.out or os.path.expanduser(args.checkpoint))
     console.print(tuning_table(tuning))
     console.print("chosen: " + ", ".join(f"batch {b}: {name}" for b, name in tuning.choices.items()))

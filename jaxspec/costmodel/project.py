@@ -56,7 +56,7 @@ def best(rows: Sequence[Row], ar: Row, taus: Mapping[tuple[str, int], float] | N
 @functools.lru_cache(maxsize=64)
 def projected_seconds(cfg: ModelConfig, spec: SpecConfig | None, batch: int, context: int, accelerator: str,
                       mesh: tuple[int, int, int] = (1, 1, 1)) -> float:
-    """Projected seconds of one AR step (spec None) or one cycle with the shipped latency terms
-    (`latency.H200`) on `accelerator`."""
+    """Projected seconds of one AR step (spec None) or one cycle on `mesh` of `accelerator`, with the
+    shipped latency terms (`latency.H200`) and the calibration's `even` layout."""
     hw = latency.hardware(accelerator)
-    return row(Setup(cfg, mesh, batch, context), spec, hw, latency.H200).step_seconds
+    return row(Setup(cfg, mesh, batch, context, layout="even"), spec, hw, latency.H200).step_seconds
