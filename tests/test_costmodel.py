@@ -160,6 +160,7 @@ def _one_line_error(argv):
     (["cost", "--preset", "test", "--devices", "2", "--mesh", "2,1,1", "--batch-sizes", "3"], "data axis"),
     (["cost", "--calibrate", "--calibration", "/nonexistent/points.json"], "does not exist"),
     (["cost", "--preset", "test", "--overlap", "1.5"], "--overlap"),
+    (["cost", "--preset", "test", "--kernels", "mla=3"], "--kernels takes KIND=N"),
 ])
 def test_bad_input_is_one_line(argv, expected):
     assert expected in _one_line_error(argv)
@@ -191,6 +192,14 @@ def test_cli_projects_best_chain_and_tree(tmp_path, capsys):
     row = data["rows"][0]["stages"]["ar"]
     # the stage's seconds are the sum of its named terms
     assert row["seconds"] == pytest.approx(math.fsum(row["seconds_terms"].values()))
+    # more kernels per CSA layer: the launch term grows by exactly the added launches
+    more = tmp_path / "more.json"
+    assert main(["cost", "--preset", "test", "--specs", "s3_k1_d4", "--batch-sizes", "1", "--context", "64",
+                 "--kernels", "csa=44", "--json", str(more)]) == 0
+    launch = json.loads(more.read_text())["rows"][0]["stages"]["ar"]["seconds_terms"]["launch"]
+    csa_layers = js.ModelConfig.preset("test").layer_types.count("csa")
+    added = csa_layers * (44 - dict(latency.H200.kernels)["csa"]) * latency.H200.launch_us * 1e-6
+    assert launch == pytest.approx(row["seconds_terms"]["launch"] + added)
 
 
 def test_latency_terms_by_hand(flash):

@@ -31,6 +31,14 @@ def _latency(args: argparse.Namespace) -> Any:
     for name, value in changes.items():
         if value < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+    if args.kernels:
+        kernels = dict(lat.kernels)
+        for item in args.kernels.split(","):
+            kind, _, count = item.partition("=")
+            if kind not in kernels or not count.isdigit():
+                raise ValueError(f"--kernels takes KIND=N with KIND in {sorted(kernels)}, got {item!r}")
+            kernels[kind] = int(count)
+        changes["kernels"] = tuple(kernels.items())
     return dataclasses.replace(lat, **changes)
 
 
