@@ -241,3 +241,33 @@ def test_tune_projects_onto_a_mesh(test_cfg):
     assert rows[0]["step_seconds"] != projected_seconds(test_cfg, None, 2, 64, "h200")
     with pytest.raises(ValueError, match="must divide num_heads"):
         project_measurements([dict(rows[0])], test_cfg, 64, "h200", (1, 3, 1))
+
+
+def test_overlap_is_measured_on_the_models_own_routing(test_cfg, test_params):
+    import jax
+    import jax.numpy as jnp
+
+    from jaxspec.costmodel import overlap
+    from jaxspec.model import causal_context, forward
+    from jaxspec.state import init_state
+
+    prompts = [list(range(1, 13)), [3, 17, 17, 17, 5, 9, 9, 9, 40, 2, 2, 2]]
+    tokens = jnp.asarray(prompts[1:], jnp.int32)
+    choices, streams = overlap.jitted_layer_choices(test_params, test_cfg, tokens)
+    ref = jax.jit(forward, static_argnums=(1,))(test_params, test_cfg, init_state(test_cfg, 1, 12), tokens,
+                                                causal_context(jnp.zeros((1,), jnp.int32), jnp.ones((1, 12), bool)))
+    np.testing.assert_allclose(np.asarray(streams), np.asarray(ref.hidden), rtol=1e-5, atol=1e-5)
+    assert len(choices) == test_cfg.num_layers and choices[0].shape == (12, test_cfg.num_experts_per_tok)
+    got = overlap.measure(test_params, test_cfg, prompts, n=4)
+    # by hand from the same choices: distinct experts of each 4-token window of the learned layers
+    counts = []
+    for prompt in prompts:
+        chosen, _ = overlap.jitted_layer_choices(test_params, test_cfg, jnp.asarray([prompt], jnp.int32))
+        for i in range(test_cfg.num_hash_layers, test_cfg.num_layers):
+            idx = np.asarray(chosen[i])
+            counts += [len(np.unique(idx[s:s + 4])) for s in (0, 4, 8)]
+    assert got["windows"] == len(counts) and got["distinct"] == pytest.approx(np.mean(counts))
+    k, union = test_cfg.num_experts_per_tok, routing.expected_distinct(test_cfg.n_routed_experts, 2, 4)
+    assert got["overlap"] == pytest.approx(min(max(1 - (np.mean(counts) - k) / (union - k), 0.0), 0.99))
+    with pytest.raises(ValueError, match="n must be >= 2"):
+        overlap.measure(test_params, test_cfg, [[1, 2]], n=1)
