@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import cost, stages
+from jaxspec import costmodel, stages
 from jaxspec.config import ModelConfig, SpecConfig
 from jaxspec.eval import measure_rank_acceptance
 from jaxspec.generate import batch_bucket, length_bucket, prepare_prompts
@@ -77,12 +77,13 @@ def choose(measurements: Sequence[dict[str, Any]], estimator: str) -> dict[int, 
 
 
 def project_measurements(measurements: Sequence[dict[str, Any]], cfg: ModelConfig, context: int,
-                         accelerator: str) -> None:
-    """Replace each measurement's AR-step / cycle seconds by the cost model's projection for `cfg` on
-    `accelerator` (in place); the measured ones stay as measured_step_seconds / measured_cycle_seconds."""
+                         accelerator: str, mesh: tuple[int, int, int] = (1, 1, 1)) -> None:
+    """Replace each measurement's AR-step / cycle seconds by the analytic cost model's projection for
+    `cfg` on `mesh` of `accelerator` (in place); the measured ones stay as measured_step_seconds /
+    measured_cycle_seconds."""
     for m in measurements:
         spec = None if m["spec"] == NO_SPECULATION else SpecConfig.parse(m["spec"])
-        seconds = cost.projected_seconds(cfg, spec, m["batch"], context, accelerator)
+        seconds = costmodel.projected_seconds(cfg, spec, m["batch"], context, accelerator, tuple(mesh))
         if spec is None:
             m.update(measured_step_seconds=m["step_seconds"], step_seconds=seconds, tokens_per_s=m["batch"] / seconds)
         else:
@@ -111,13 +112,14 @@ def calibrate(
     progress: bool = True,
     projected: str | None = None,
     projected_cfg: ModelConfig | None = None,
+    projected_mesh: tuple[int, int, int] = (1, 1, 1),
     resume: str | Path | None = None,
 ) -> Tuning:
     """Measure acceptance and step times on `prompts`, then choose a spec (or none) per batch bucket.
 
-    With `projected` (an accelerator of `jaxspec.cost`, e.g. "h200") the choice uses the cost model's
-    projected AR-step and cycle times on that accelerator instead of this machine's (of
-    `projected_cfg`, default the checkpoint's own config) with the acceptance measured here: a
+    With `projected` (an accelerator of `jaxspec.costmodel`, e.g. "h200") the choice uses the analytic
+    cost model's projected AR-step and cycle times on `projected_mesh` of that accelerator instead of
+    this machine's (of `projected_cfg`, default the checkpoint's own config) with the acceptance measured here: a
     choice for a machine that is not at hand. The measured times are kept beside them.
 
     With `resume` (a JSON-lines file) each finished batch bucket is appended there, and a bucket a
@@ -139,7 +141,7 @@ def calibrate(
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
     if projected is not None:
-        cost.accelerator(projected)  # a ValueError naming the known ones
+        costmodel.hardware(projected)  # a ValueError naming the known ones
     specs = [SpecConfig.parse(c) if isinstance(c, str) else c for c in candidates]
     if not specs:
         raise ValueError("need at least one candidate spec")
@@ -178,7 +180,7 @@ def calibrate(
                 for row, values in rows.items():
                     accepted.setdefault(spec_name, {}).setdefault(int(row), []).extend(values)
     if projected is not None:
-        project_measurements(measurements, projected_cfg or cfg, max_len, projected)
+        project_measurements(measurements, projected_cfg or cfg, max_len, projected, projected_mesh)
     # A prompt's accepted length does not depend on the batch (greedy rows are independent): pool
     # every bucket's cycles per prompt.
     for m in measurements:

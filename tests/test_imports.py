@@ -27,7 +27,7 @@ RANKS = [
     ("jaxspec.tree",),
     ("jaxspec.generate",),
     ("jaxspec.checkpoint", "jaxspec.stages", "jaxspec.report", "jaxspec.eval", "jaxspec.tune",
-     "jaxspec.train", "jaxspec.packing", "jaxspec.cost", "jaxspec.distill"),
+     "jaxspec.train", "jaxspec.packing", "jaxspec.cost", "jaxspec.costmodel", "jaxspec.distill"),
     ("jaxspec.cli",),
     ("jaxspec", "jaxspec.__main__"),
 ]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jaxspec as js
-from jaxspec.cost import projected_seconds
+from jaxspec.costmodel import projected_seconds
 from jaxspec.report import comparison_table, tuning_table
 from jaxspec.tree.budget import expected_tokens_per_cycle, sequoia_optimum
 from jaxspec.tune import auto_spec, batch_tokens_per_cycle, calibrate, choose, compare_with_sweep, project_measurements
