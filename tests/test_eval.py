@@ -224,3 +224,37 @@ def test_distill_history_figure(tmp_path):
              for s in range(1, 30)]
     path = plot_distill_history([held(0, 0.5), *train, held(30, 0.7)], tmp_path / "d.png")
     assert path.stat().st_size > 10_000 and path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sweep_stopped_mid_way_finishes_the_rest_when_rerun(test_cfg, test_params, tmp_path, monkeypatch):
+    """Ctrl-C in the second (dataset, batch) group; the same sweep run again keeps the first group's
+    records as they were and runs only the second (resume is what `jaxspec sweep` does by default)."""
+    import jaxspec.eval as eval_lib
+    from jaxspec.eval import SweepConfig, load_runs, run_sweep
+
+    real, calls = eval_lib.run_batch, []
+
+    def counted(*args, **kwargs):
+        calls.append((args[2].name if args[2] else "ar", kwargs["pad_batch_to"]))
+        if stop_at is not None and len(calls) == stop_at:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(eval_lib, "run_batch", counted)
+    sweep = SweepConfig(datasets=("gsm8k",), specs=("s2_k1_d3",), batch_sizes=(2, 4), num_prompts=4,
+                        max_new_tokens=6, rank_width=2)
+    prompts = {"gsm8k": [[5, 6, 7], [3], [9, 10, 11, 12], [4, 5]]}
+    # The rank-acceptance pass (one call), then group b=2: AR and the spec, each a compile call + 2
+    # batches; stop at the first call of group b=4.
+    stop_at = 1 + 2 * 3 + 1
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(test_params, test_cfg, None, sweep, tmp_path, prompts_by_dataset=prompts, progress=False,
+                  resume=True)
+    first = load_runs(tmp_path / "runs.jsonl")
+    assert [(r["batch_size"], r["spec"]) for r in first] == [(2, "ar"), (2, "s2_k1_d3")]
+    calls.clear()
+    stop_at = None
+    records = run_sweep(test_params, test_cfg, None, sweep, tmp_path, prompts_by_dataset=prompts, progress=False,
+                        resume=True)
+    assert {b for name, b in calls if name in ("ar", "s2_k1_d3")} == {4}  # only the unfinished group ran
+    assert records[:2] == first and [(r["batch_size"], r["spec"]) for r in records[2:]] == [(4, "ar"), (4, "s2_k1_d3")]
