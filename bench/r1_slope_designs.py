@@ -31,6 +31,8 @@ DESIGNS: dict[str, dict[str, Any]] = {
     "D8 D1 + D2 + D4": dict(r1={"mtp_weights": "plain", "preset": "r1-structure"}),
     "D9 D1 + D2 + D3 + D4 (the published recipe)": dict(r1={**_TRTLLM, "preset": "r1-structure"}),
     "D10 D1 + D3": dict(r1={"moe_groups": 2}),
+    "D11 D1 + embedding all-reduce per pass": dict(embed_collective=True),
+    "D12 D9 + embedding all-reduce per pass": dict(r1={**_TRTLLM, "preset": "r1-structure"}, embed_collective=True),
 }
 _V4 = ("v4-flash-fp8-sglang-4xh200", "v4-flash-fp4-sglang-4xh200", "v4-pro-sglang-8xh200")
 
@@ -46,6 +48,21 @@ def _mtp_as_main_layer(kernels_per_pass: int):
     return plain, layer_pass
 
 
+def _embed_with_collective():
+    """An embed_rows whose vocab-split lookup is summed over "tensor" (one all-reduce of the rows)."""
+    plain = terms.embed_rows
+
+    def embed_rows(s, tokens):
+        c = plain(s, tokens)
+        t = s.mesh[1]
+        if t == 1:
+            return c
+        sent = 2.0 * (t - 1) / t * s.rows * tokens * s.cfg.hidden_size * s.act_bytes
+        return dataclasses.replace(c, collectives={"all_reduce": (1, sent)})
+
+    return plain, embed_rows
+
+
 def evaluate(design: dict[str, Any]) -> dict[str, Any]:
     points = copy.deepcopy(calibrate.load_points())
     for p in points:
@@ -53,8 +70,10 @@ def evaluate(design: dict[str, Any]) -> dict[str, Any]:
             p.update(design.get("r1", {}))
     kernels = {**latency.DEFAULT_KERNELS, **design.get("kernels", {})}
     b200 = latency.HARDWARE["b200"]
-    plain = None
+    plain = plain_embed = None
     try:
+        if design.get("embed_collective"):
+            plain_embed, terms.embed_rows = _embed_with_collective()
         if "bandwidth" in design:
             latency.HARDWARE["b200"] = dataclasses.replace(b200, bandwidth=design["bandwidth"])
         if "mtp_kernels" in design:
@@ -66,6 +85,8 @@ def evaluate(design: dict[str, Any]) -> dict[str, Any]:
         latency.HARDWARE["b200"] = b200
         if plain is not None:
             terms.layer_pass = plain
+        if plain_embed is not None:
+            terms.embed_rows = plain_embed
     r1 = rows["r1-fp4-trtllm-8xb200"]
     return {"launch_us": fitted.launch_us, "collective_us": fitted.collective_us, "slope": r1["model"],
             "slope_residual": r1["residual"], "steps_ms": r1["model_ms"],
