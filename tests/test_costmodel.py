@@ -132,14 +132,15 @@ def test_calibration_reproduces_the_v4_points_and_ships_the_fit(calibration):
     assert rows["r1-vllm-8xh200-mtp3"]["why"]
 
 
-@pytest.mark.xfail(strict=True, reason="bar missed: the model's R1 step-vs-drafts slope is -34% of TensorRT-LLM's")
 def test_r1_step_vs_drafts_slope(calibration):
+    # met (-27%) once a draft step counts its own input and selection kernels; under TensorRT-LLM's
+    # published MoE mesh (TP4 x EP2) it is missed again: docs/cost_model.md, the designs table
     _, rows = calibration
     assert abs(rows["r1-fp4-trtllm-8xb200"]["residual"]) <= 0.30
 
 
 def test_r1_slope_is_positive_and_below_published(calibration):
-    # the shape the xfail above misses by 4 points: more drafts cost more, by about two thirds as much
+    # more drafts cost more, by about three quarters as much as published
     _, rows = calibration
     r = rows["r1-fp4-trtllm-8xb200"]
     assert 0 < r["model"] < r["published"] and np.all(np.diff(r["model_ms"]) > 0)

@@ -73,32 +73,14 @@ def _taus(path: str) -> dict[tuple[str, int], float]:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    import jax
-
-    from jaxspec import cost, sharding
     from jaxspec.config import ModelConfig, SpecConfig
 
     if args.calibrate:
         from jaxspec.cli.cost_analytic import run_calibrate
 
         return run_calibrate(args, console)
-    positive("devices", args.devices)
-    positive("context", args.context)
-    for b in args.batch_sizes:
-        positive("batch-sizes", b)
+    _check_args(args)
     cfg = ModelConfig.preset(args.preset)
-    if args.model == "analytic":
-        from jaxspec.costmodel import latency
-
-        latency.hardware(args.accelerator)
-    else:
-        acc = cost.accelerator(args.accelerator)
-    if not 0.0 <= args.overlap < 1.0:
-        raise ValueError(f"--overlap must be in [0, 1), got {args.overlap}")
-    if args.tau is not None and args.tau < 1:
-        raise ValueError(f"--tau must be >= 1 (the bonus token alone), got {args.tau}")
-    if args.tau is not None and args.sweep is not None:
-        raise ValueError("give --tau or --sweep, not both")
     taus: dict[tuple[str, int], float] = {}
     for path in (args.sweep.split(",") if args.sweep else []):
         taus.update(_taus(path))
@@ -110,9 +92,37 @@ def run(args: argparse.Namespace, console: Console) -> int:
         from jaxspec.cli.cost_analytic import run_analytic
 
         return run_analytic(args, console, specs, taus)
-    overhead_us = cost.DEFAULT_OVERHEAD_US if args.overhead_us is None else args.overhead_us
-    if overhead_us < 0:
-        raise ValueError(f"--overhead-us must be >= 0, got {overhead_us}")
+    return _run_xla(args, console, cfg, specs, taus)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """ValueError (one line) on a bad argument shared by both paths."""
+    from jaxspec import cost
+
+    positive("devices", args.devices)
+    positive("context", args.context)
+    for b in args.batch_sizes:
+        positive("batch-sizes", b)
+    if args.model == "analytic":
+        from jaxspec.costmodel import latency
+
+        latency.hardware(args.accelerator)
+    else:
+        cost.accelerator(args.accelerator)
+    if not 0.0 <= args.overlap < 1.0:
+        raise ValueError(f"--overlap must be in [0, 1), got {args.overlap}")
+    if args.tau is not None and args.tau < 1:
+        raise ValueError(f"--tau must be >= 1 (the bonus token alone), got {args.tau}")
+    if args.tau is not None and args.sweep is not None:
+        raise ValueError("give --tau or --sweep, not both")
+
+
+def _xla_mesh(args: argparse.Namespace, cfg: Any) -> tuple[Any, tuple[int, int, int]]:
+    """-> (the simulated CPU mesh or None for one device, its shape)."""
+    import jax
+
+    from jaxspec import sharding
+
     mesh = None
     shape = sharding.parse_mesh(args.mesh) if args.mesh is not None else sharding.default_mesh_shape(args.devices, cfg)
     if shape[0] * shape[1] * shape[2] != args.devices:
@@ -135,6 +145,18 @@ def run(args: argparse.Namespace, console: Console) -> int:
         for b in args.batch_sizes:
             if b % shape[0]:
                 raise ValueError(f"batch size {b} does not divide by the mesh's data axis {shape[0]}")
+    return mesh, shape
+
+
+def _run_xla(args: argparse.Namespace, console: Console, cfg: Any, specs: list, taus: dict) -> int:
+    """`--model xla`: XLA's cost analysis of each stage's lowered CPU program and its roofline."""
+    from jaxspec import cost
+
+    acc = cost.accelerator(args.accelerator)
+    overhead_us = cost.DEFAULT_OVERHEAD_US if args.overhead_us is None else args.overhead_us
+    if overhead_us < 0:
+        raise ValueError(f"--overhead-us must be >= 0, got {overhead_us}")
+    mesh, shape = _xla_mesh(args, cfg)
 
     console.print(f"[bold]jaxspec cost[/]: {args.preset} ({weights_label(cfg, args)}), context {args.context}, "
                   f"{'1 device' if mesh is None else f'mesh data={shape[0]} tensor={shape[1]} expert={shape[2]}'}; "

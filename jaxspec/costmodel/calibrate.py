@@ -38,8 +38,17 @@ def r1_like() -> ModelConfig:
     return ModelConfig.preset("v4-pro", n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048)
 
 
+def r1_structure() -> ModelConfig:
+    """`r1_like` with R1's layer structure as far as V4's layer kinds reach: every layer attends over
+    the whole context without compressor or indexer (MLA ~ a sliding layer whose window covers a
+    2048-token context), and no hash-routed layers. R1's 3 dense FFN layers stay MoE."""
+    return dataclasses.replace(r1_like(), layer_types=("sliding",) * 61, sliding_window=2048, num_hash_layers=0)
+
+
 def model_config(preset: str) -> ModelConfig:
-    return r1_like() if preset == "r1-like" else ModelConfig.preset(preset)
+    if preset in ("r1-like", "r1-structure"):
+        return r1_like() if preset == "r1-like" else r1_structure()
+    return ModelConfig.preset(preset)
 
 
 def default_path() -> str:
@@ -73,7 +82,7 @@ def load_points(path: str | None = None) -> list[dict[str, Any]]:
 
 def _setup(p: dict[str, Any], batch: int | None = None) -> Setup:
     return Setup(model_config(p["preset"]), tuple(p["mesh"]), batch or p["batch"], p["context"], p["weights"],
-                 p["experts"], layout="even")
+                 p["experts"], layout="even", mtp_weights=p.get("mtp_weights"), moe_groups=p.get("moe_groups"))
 
 
 def cycle_costs(p: dict[str, Any], spec: SpecConfig | None) -> Costs:

@@ -130,20 +130,30 @@ def weight_units(cfg: ModelConfig, mesh: tuple[int, int, int], weights: str = "p
 LAYOUTS = ("rules", "even")
 
 
+@functools.lru_cache(maxsize=64)
 def layout_units(cfg: ModelConfig, mesh: tuple[int, int, int], weights: str, experts: str,
-                 layout: str) -> dict[str, Unit]:
+                 layout: str, moe_groups: int | None = None) -> dict[str, Unit]:
     """`weight_units` under the sharding rules ("rules": jaxspec's layout, some leaves replicated)
     or "even": every non-routed weight split evenly over "tensor" (replicated over "data" and
     "expert", as tensor-parallel attention is) and the routed experts over tensor x expert: the
-    issue's hand count, and how the serving stacks behind the published points place V4."""
+    issue's hand count, and how the serving stacks behind the published points place V4.
+    `moe_groups` (even only): the experts split into that many expert-parallel groups, each expert
+    tensor-split over the group's devices (TensorRT-LLM's TP4 x EP2 on 8 GPUs: moe_groups 2)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if layout == "rules":
+        if moe_groups is not None:
+            raise ValueError("moe_groups needs layout 'even'")
         return weight_units(cfg, mesh, weights, experts)
     t, ways = mesh[1], mesh[1] * mesh[2]
+    groups = ways if moe_groups is None else moe_groups
+    if groups < 1 or ways % groups or cfg.n_routed_experts % groups:
+        raise ValueError(f"moe_groups must divide the {ways} devices and {cfg.n_routed_experts} experts, got {groups}")
+    split = ways // groups  # devices one expert is split over
     whole = weight_units(cfg, (1, 1, 1), weights, experts)
     return {name: dataclasses.replace(u, dense_bytes=u.dense_bytes / t, dense_elems=u.dense_elems / t,
-                                      expert_groups=ways if u.expert_bytes else 1, row_bytes=u.row_bytes / t,
+                                      expert_bytes=u.expert_bytes / split, expert_elems=u.expert_elems / split,
+                                      expert_groups=groups if u.expert_bytes else 1, row_bytes=u.row_bytes / t,
                                       heads=u.heads // t)
             for name, u in whole.items()}
 

@@ -28,13 +28,19 @@ HARDWARE = {
     # H200 SXM: 989 TFLOP/s dense bf16; 4.8 TB/s HBM3e nominal, ~4.3 TB/s by a device copy; NVLink 4:
     # 18 links x 50 GB/s = 900 GB/s bidirectional, 450 GB/s each way.
     "h200": Hardware("NVIDIA H200", 989e12, 4.3e12, 450e9),
-    # B200: 2.25 PFLOP/s dense bf16; 8 TB/s HBM3e nominal (~7.2 used); NVLink 5: 900 GB/s each way.
+    # B200: 2.25 PFLOP/s dense bf16; 8 TB/s HBM3e nominal, 7.2 used (the H200's 90% of nominal);
+    # NVLink 5: 18 links x 100 GB/s = 1.8 TB/s bidirectional, 900 GB/s each way.
     "b200": Hardware("NVIDIA B200", 2250e12, 7.2e12, 900e9),
 }
 
 # Kernels one pass through a unit launches (a parameter: counted by hand from the layer's ops as
 # a fused GPU program would run them; docs/cost_model.md lists them).
-DEFAULT_KERNELS = {"sliding": 22, "hca": 26, "csa": 34, "head": 4, "mtp_kv": 6}
+# A draft step also launches its MTP input kernels ("mtp_in": embedding gather, hnorm, h_proj, enorm,
+# e_proj) and its selection kernels ("draft_sample": log-softmax max and sum, vocab top-k, scratch kv
+# and position scatters; "draft_expand", every step but the last: top-k of the step's candidates,
+# gathers of the next inputs and streams), counted from tree/draft.py and layers/mtp.py.
+DEFAULT_KERNELS = {"sliding": 22, "hca": 26, "csa": 34, "head": 4, "mtp_kv": 6, "mtp_in": 5, "draft_sample": 5,
+                   "draft_expand": 3}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +54,7 @@ class Latency:
 PRIOR = Latency(launch_us=3.0, collective_us=10.0)  # before calibration (docs/cost_model.md)
 # `jaxspec cost --calibrate` on jaxspec/costmodel/calibration_points.json (tests/test_costmodel.py
 # refits and checks these).
-H200 = Latency(launch_us=4.44, collective_us=11.6)
+H200 = Latency(launch_us=4.35, collective_us=11.5)
 
 
 def hardware(name: str) -> Hardware:

@@ -69,6 +69,8 @@ class Setup:
     experts: str = "fp4"
     overlap: float = 0.0  # routing overlap of learned routers (hash layers stay independent)
     layout: str = "rules"  # "rules" (jaxspec's sharding) or "even" (every weight split evenly)
+    mtp_weights: str | None = None  # the MTP block's own stored precision (None: as `weights`)
+    moe_groups: int | None = None  # even layout: expert-parallel groups, each expert tensor-split (None: EP only)
 
     @property
     def rows(self) -> int:  # sequences on one data shard
@@ -79,7 +81,11 @@ class Setup:
         return 2 if self.cfg.dtype == "bfloat16" else 4
 
     def units(self) -> dict[str, Unit]:
-        return layout_units(self.cfg, self.mesh, self.weights, self.experts, self.layout)
+        units = layout_units(self.cfg, self.mesh, self.weights, self.experts, self.layout, self.moe_groups)
+        if self.mtp_weights is None:
+            return units
+        mtp = layout_units(self.cfg, self.mesh, self.mtp_weights, self.experts, self.layout, self.moe_groups)
+        return {**units, **{name: mtp[name] for name in ("mtp", "mtp_kv", "mtp_head")}}
 
     def state(self) -> dict[str, LayerState]:
         return state_layers(self.cfg, self.mesh, self.batch, self.context)
@@ -155,7 +161,10 @@ def layer_pass(s: Setup, name: str, tokens: int, prior: int = 0, commit: int = 0
     coll: dict[str, tuple[int, float]] = {}
     if t > 1:  # the head-split attention output is summed over "tensor"
         coll["all_reduce"] = (1, 2.0 * (t - 1) / t * n * d * s.act_bytes)
-    if g > 1:  # dispatch + combine of the routed assignments over the expert devices
+    if s.moe_groups is not None and t * s.mesh[2] > 1:  # tokens replicated: partial sums all-reduced
+        count, sent = coll.get("all_reduce", (0, 0.0))
+        coll["all_reduce"] = (count + 1, sent + 2.0 * (t - 1) / t * n * d * s.act_bytes)
+    elif g > 1:  # dispatch + combine of the routed assignments over the expert devices
         coll["all_to_all"] = (2, 2.0 * (g - 1) / g * n * k * d * s.act_bytes)
     busy = nbytes["weights"] + busiest * u.expert_bytes + nbytes["rows"] + nbytes["state_read"] + nbytes["state_write"]
     return Costs(nbytes, busy, flops, coll, {kind: 1}, 0)
@@ -192,7 +201,9 @@ def main_pass(s: Setup, tokens: int, commit: int) -> Costs:
 
 def mtp_pass(s: Setup, tokens: int, prior: int, commit: int, head: bool) -> Costs:
     """The MTP block (e/h projections + one sliding layer) over `tokens` per sequence."""
-    total = embed_rows(s, tokens) + layer_pass(s, "mtp", tokens, prior=prior, commit=commit)
+    # its own input kernels: the embedding gather, hnorm, h_proj, enorm, e_proj ("mtp_in")
+    inputs = Costs({}, 0.0, {}, {}, {"mtp_in": 1}, 0)
+    total = embed_rows(s, tokens) + inputs + layer_pass(s, "mtp", tokens, prior=prior, commit=commit)
     if head:
         total = total + head_pass(s, tokens, mtp=True)
     return dataclasses.replace(total, passes=1)
@@ -207,7 +218,11 @@ def stage_table(s: Setup, spec: SpecConfig | None) -> dict[str, Costs]:
     draft = EMPTY
     for step in range(1, spec.num_steps + 1):
         n = 1 if step == 1 else spec.topk
-        draft = draft + mtp_pass(s, n, prior=slots, commit=0, head=True)
+        # the step's own selection kernels beyond the head: "draft_sample" (log-softmax, top-k of the
+        # vocab, the scratch kv / position scatters) every step, "draft_expand" (top-k of the step's
+        # candidates, the gathers of the next inputs) before every step but the first
+        select = {"draft_sample": 1, **({"draft_expand": 1} if step < spec.num_steps else {})}
+        draft = draft + mtp_pass(s, n, prior=slots, commit=0, head=True) + Costs({}, 0.0, {}, {}, select, 0)
     plan = Costs({}, 0.0, {}, {}, {}, 0)  # index arithmetic on [B, D]: no weights, no state
     path = spec.num_steps + 1  # commit: the accepted path's rows (at most S + 1) and the MTP refresh
     commit = embed_rows(s, path) + dataclasses.replace(kv_pass(s, path, commit=path), passes=1)
