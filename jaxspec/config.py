@@ -210,13 +210,8 @@ def _ratio_to_layer_type(ratio: Any, csa_ratio: int) -> str:
     return "csa" if ratio == csa_ratio else "hca"
 
 
-def _from_hf_config(c: dict[str, Any], **overrides: Any) -> ModelConfig:
-    if not isinstance(c, dict):
-        raise ValueError(f"config must be a dict, got {type(c).__name__}")
-    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if k not in c]
-    if missing:
-        raise ValueError(f"config.json is missing required keys {missing}")
-    n = c["num_hidden_layers"]
+def _hf_layer_types(c: dict[str, Any], n: int) -> tuple[tuple[str, ...], int, int]:
+    """-> (layer kinds, CSA ratio, HCA ratio) from HF's `layer_types` or the release's `compress_ratios`."""
     rates = dict(c.get("compress_rates") or {})
     csa_ratio = int(rates.get("compressed_sparse_attention", c.get("compress_rate_csa", 4)))
     if "layer_types" in c and c["layer_types"] is not None:
@@ -239,22 +234,11 @@ def _from_hf_config(c: dict[str, Any], **overrides: Any) -> ModelConfig:
             raise ValueError(f"MTP layers must be sliding-window only (ratio 0), got {mtp_ratios}")
     else:
         raise ValueError("config.json needs `layer_types` (HF form) or `compress_ratios` (official form)")
-    head_dim = int(c.get("head_dim", 512))
-    if "qk_rope_head_dim" in c:
-        rope_head_dim = int(c["qk_rope_head_dim"])
-    elif c.get("partial_rotary_factor"):
-        rope_head_dim = int(head_dim * c["partial_rotary_factor"])
-    else:
-        rope_head_dim = 64
-    if "num_hash_layers" in c:
-        num_hash = int(c["num_hash_layers"])
-    elif c.get("mlp_layer_types"):
-        types = list(c["mlp_layer_types"])
-        num_hash = sum(1 for t in types if t == "hash_moe")
-        if types[:num_hash] != ["hash_moe"] * num_hash:
-            raise ValueError("hash_moe layers must come first in mlp_layer_types")
-    else:
-        num_hash = 3
+    return layer_types, csa_ratio, hca_ratio
+
+
+def _hf_yarn(c: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's YaRN fields from `rope_scaling` or `rope_parameters.compress` (None: no scaling)."""
     yarn = c.get("rope_scaling")
     rp = c.get("rope_parameters")
     if yarn is None and isinstance(rp, dict) and isinstance(rp.get("compress"), dict):
@@ -272,6 +256,34 @@ def _from_hf_config(c: dict[str, Any], **overrides: Any) -> ModelConfig:
             "yarn_beta_fast": float(yarn.get("beta_fast") or 32),
             "yarn_beta_slow": float(yarn.get("beta_slow") or 1),
         }
+    return yarn_kwargs
+
+
+def _from_hf_config(c: dict[str, Any], **overrides: Any) -> ModelConfig:
+    if not isinstance(c, dict):
+        raise ValueError(f"config must be a dict, got {type(c).__name__}")
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if k not in c]
+    if missing:
+        raise ValueError(f"config.json is missing required keys {missing}")
+    n = c["num_hidden_layers"]
+    layer_types, csa_ratio, hca_ratio = _hf_layer_types(c, n)
+    head_dim = int(c.get("head_dim", 512))
+    if "qk_rope_head_dim" in c:
+        rope_head_dim = int(c["qk_rope_head_dim"])
+    elif c.get("partial_rotary_factor"):
+        rope_head_dim = int(head_dim * c["partial_rotary_factor"])
+    else:
+        rope_head_dim = 64
+    if "num_hash_layers" in c:
+        num_hash = int(c["num_hash_layers"])
+    elif c.get("mlp_layer_types"):
+        types = list(c["mlp_layer_types"])
+        num_hash = sum(1 for t in types if t == "hash_moe")
+        if types[:num_hash] != ["hash_moe"] * num_hash:
+            raise ValueError("hash_moe layers must come first in mlp_layer_types")
+    else:
+        num_hash = 3
+    yarn_kwargs = _hf_yarn(c)
     scoring = c.get("scoring_func", "sqrtsoftplus")
     if scoring != "sqrtsoftplus":
         raise ValueError(f"scoring_func must be 'sqrtsoftplus', got {scoring!r}")
