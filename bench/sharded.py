@@ -9,7 +9,7 @@ a mesh cannot be faster than one device there: the CPU numbers show the sharding
 smaller kernels and the collectives), not a speedup. Per method and mesh: one warm-up call (compile
 excluded), then `repeats` timed calls, round-robin over meshes; median. tok/s = batch * new_tokens
 / time (prefill included). check = tokens identical to the 1-device run. Parameters are placed on
-each mesh once (`sharding.placement.shard_params`) before timing. Parameters are
+each mesh once (`placement.shard_params`) before timing. Parameters are
 `jaxspec.testing.high_acceptance` of a random init (the `agreeing` variant of spec_vs_ar.py): the
 draft accepts often, so speculation does real tree work.
 """
@@ -31,8 +31,8 @@ from _common import check_positive, console, parser, usable_cores, write_json  #
 from rich.table import Table  # noqa: E402
 
 import jaxspec as js  # noqa: E402
+from jaxspec.placement import shard_params  # noqa: E402
 from jaxspec.sharding import make_mesh, parse_mesh  # noqa: E402
-from jaxspec.sharding.placement import shard_params  # noqa: E402
 from jaxspec.testing import high_acceptance  # noqa: E402
 
 

@@ -4,9 +4,9 @@ from jaxspec.checkpoint import load_checkpoint, load_hf_checkpoint, save_checkpo
 from jaxspec.config import ModelConfig, SpecConfig
 from jaxspec.generate import DecodeOptions, GenerateOutput, generate, speculative_generate
 from jaxspec.model import ModelParams, forward, init_params
-from jaxspec.sharding.placement import memory_plan, shard_params
+from jaxspec.placement import memory_plan, shard_params
+from jaxspec.runner import prefill_logits
 from jaxspec.sharding.rules import make_mesh
-from jaxspec.sharding.runner import prefill_logits
 from jaxspec.state import DecodeState, init_state
 
 __all__ = [

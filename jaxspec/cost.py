@@ -33,11 +33,11 @@ from jax.extend.core import DropVar, Var, jaxprs_in_params
 
 from jaxspec import stages
 from jaxspec.config import ModelConfig, SpecConfig
+from jaxspec.model import WEIGHTS, abstract_params
 from jaxspec.ops.quant import SCOPE, count_weight_reads
+from jaxspec.runner import lower_abstract
 from jaxspec.sharding.active import is_dynamic
-from jaxspec.sharding.placement import WEIGHTS, abstract_params
 from jaxspec.sharding.rules import DATA, check_mesh
-from jaxspec.sharding.runner import lower_abstract
 from jaxspec.state import abstract_state
 
 STAGES = ("ar", "draft", "plan", "verify", "commit")

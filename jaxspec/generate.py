@@ -19,10 +19,10 @@ from jaxspec import state as state_lib
 from jaxspec.config import ModelConfig, SpecConfig
 from jaxspec.model import ModelParams, causal_context, check_params, extend, forward, mtp_forward
 from jaxspec.programs import bounded_jit
+from jaxspec.runner import on_mesh, pad_batch
 from jaxspec.sampling import Sampling, sample_tokens, validate_sampling
 from jaxspec.sharding.active import constrain_state
 from jaxspec.sharding.rules import check_mesh
-from jaxspec.sharding.runner import on_mesh, pad_batch
 from jaxspec.tree.commit import commit_accepted_path
 from jaxspec.tree.draft import draft_tree, prune_to_budget
 from jaxspec.tree.plan import build_plan, verify_context

@@ -29,8 +29,9 @@ from jaxspec.layers.mhc import (
 from jaxspec.layers.moe import MoEParams, init_moe, moe
 from jaxspec.layers.mtp import MTPInputParams, init_mtp_input, mtp_inputs
 from jaxspec.ops.norms import rms_norm
+from jaxspec.ops.quant import abstract_block_scaled, release_layout
 from jaxspec.programs import bounded_jit
-from jaxspec.sharding.rules import axes
+from jaxspec.sharding.rules import axes, map_declared
 from jaxspec.state import DecodeState
 
 
@@ -108,6 +109,29 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> ModelParams:
         head=(0.02 * jax.random.normal(keys[-4], (d, v))).astype(dtype),
         mtp=mtp,
     )
+
+
+WEIGHTS = ("plain", "fp8")
+
+
+@functools.lru_cache(maxsize=16)
+def abstract_params(cfg: ModelConfig, weights: str = "plain", experts: str = "fp4") -> Any:
+    """ShapeDtypeStructs of `init_params(cfg)`. weights "fp8": the leaves DeepSeek's release stores
+    quantized are BlockScaled as it stores them (`ops.quant.release_layout`; `experts` "fp4" for the
+    instruct release's routed experts, "fp8" for the Base release's)."""
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    if weights == "plain":
+        return params
+
+    def quantized(x, names, tag, path):
+        if tag is None:
+            return x
+        block, fmt, scale_dtype = release_layout(tag, x.shape, experts)
+        return abstract_block_scaled(x.shape, x.dtype, block, fmt, scale_dtype)
+
+    return map_declared(params, quantized)
 
 
 def block(

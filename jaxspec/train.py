@@ -215,7 +215,7 @@ def ship_params(cfg: ModelConfig, params: ModelParams, dtype: str) -> tuple[Mode
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     out_cfg = cfg.replace(dtype=dtype)
-    abstract = jax.eval_shape(lambda: model_lib.init_params(out_cfg, jax.random.key(0)))
+    abstract = model_lib.abstract_params(out_cfg)
     return out_cfg, jax.tree.map(lambda x, a: jnp.asarray(x).astype(a.dtype), params, abstract)
 
 

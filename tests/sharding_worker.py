@@ -27,10 +27,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jaxspec as js  # noqa: E402
-from jaxspec import sharding  # noqa: E402
+from jaxspec import (  # noqa: E402
+    placement,
+    runner,
+    sharding,  # noqa: E402
+)
 from jaxspec.generate import _speculative_loop, length_bucket, prepare_prompts  # noqa: E402
 from jaxspec.sampling import Sampling  # noqa: E402
-from jaxspec.sharding import placement, runner  # noqa: E402
 
 # 8 heads / groups / experts split on every mesh; CSA (hash-routed) + HCA layers, MTP (sliding).
 CFG = js.ModelConfig.preset(

@@ -15,8 +15,7 @@ import jaxspec as js
 from jaxspec import stages
 from jaxspec.generate import prefill_for_speculation
 from jaxspec.layers.moe import dense_experts, gathered_experts, grouped_experts, moe, route, sparse_experts
-from jaxspec.model import jitted_prefill_logits
-from jaxspec.sharding.placement import abstract_params
+from jaxspec.model import abstract_params, jitted_prefill_logits
 from jaxspec.state import abstract_state
 from jaxspec.tree.draft import draft_tree, draft_tree_exhaustive
 

@@ -25,9 +25,9 @@ from jaxspec.checkpoint.keys import key_table
 from jaxspec.checkpoint.quant import dequantize as np_dequantize
 from jaxspec.cli import main
 from jaxspec.cost import _live_scopes
+from jaxspec.model import abstract_params
 from jaxspec.ops import quant
 from jaxspec.ops.quant import BlockScaled
-from jaxspec.sharding.placement import abstract_params
 from jaxspec.sharding.rules import map_declared
 
 CFG = js.ModelConfig.preset("test")  # float32

@@ -9,9 +9,8 @@ from flax import struct
 from jax.sharding import PartitionSpec as P
 
 import jaxspec as js
-from jaxspec import sharding
+from jaxspec import placement, sharding
 from jaxspec.cli import main
-from jaxspec.sharding import placement
 from jaxspec.state import abstract_state
 
 PRESETS = ["test", "tiny", "v4-flash", "v4-pro"]

@@ -28,9 +28,9 @@ from jaxspec.checkpoint.native import CONFIG, leaves_by_path
 from jaxspec.checkpoint.quant import FP4_BLOCK, FP8_BLOCK, apply_scale, scale_grid, unpack_fp4
 from jaxspec.checkpoint.safetensors_io import INDEX, SUPPORTED, Reader, TensorInfo, open_folder
 from jaxspec.config import DTYPES, ModelConfig
-from jaxspec.model import ModelParams
+from jaxspec.model import WEIGHTS, ModelParams, abstract_params
 from jaxspec.ops.quant import BlockScaled
-from jaxspec.sharding.placement import WEIGHTS, abstract_params, param_shardings
+from jaxspec.placement import param_shardings
 from jaxspec.sharding.rules import map_declared
 
 _FLOAT = ("F32", "BF16", "F16", "F64")
@@ -373,7 +373,7 @@ def load_hf_checkpoint(
     Raises a one-line ValueError naming the tensor on a missing, unexpected, misshaped or
     unsupported tensor, a missing or misshaped scale, or a missing shard.
     With `mesh` (also multi-process, under `jax.distributed`), each leaf is placed in its parameter
-    sharding (`sharding.placement.param_shardings`) and this process reads only the slices its own
+    sharding (`placement.param_shardings`) and this process reads only the slices its own
     devices hold, each once. `stats`, when given, records the bytes read per tensor.
 
     weights "fp8" keeps the weights the file stores FP8 / FP4 that the model contracts through

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 
 from jaxspec.checkpoint import errors
 from jaxspec.config import ModelConfig
-from jaxspec.model import ModelParams
+from jaxspec.model import ModelParams, abstract_params
 from jaxspec.ops.quant import BlockScaled
-from jaxspec.sharding.placement import abstract_params, param_shardings, sharded_abstract
+from jaxspec.placement import param_shardings, sharded_abstract
 
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
@@ -91,7 +91,7 @@ def load_checkpoint(
     """-> (cfg, params, tokenizer or None) from a folder written by `save_checkpoint`.
 
     With `mesh` (see `jaxspec.make_mesh`) every leaf is restored straight into its parameter
-    sharding (`sharding.placement.param_shardings(cfg, mesh, rules)`): each device reads only its slice.
+    sharding (`placement.param_shardings(cfg, mesh, rules)`): each device reads only its slice.
     """
     import orbax.checkpoint as ocp
 

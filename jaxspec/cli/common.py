@@ -156,7 +156,7 @@ def load_model(args: argparse.Namespace, console: Console | None = None, *, need
 
     from jaxspec.checkpoint import load_checkpoint, load_hf_checkpoint
     from jaxspec.config import ModelConfig
-    from jaxspec.model import init_params
+    from jaxspec.model import abstract_params, init_params
     from jaxspec.ops.quant import is_quantized
 
     checkpoint = getattr(args, "checkpoint", None)
@@ -200,8 +200,7 @@ def load_model(args: argparse.Namespace, console: Console | None = None, *, need
                          "pass --checkpoint")
     preset = getattr(args, "preset", None) or DEFAULT_PRESET
     cfg = ModelConfig.preset(preset)
-    abstract = jax.eval_shape(lambda k: init_params(cfg, k), jax.random.key(seed))
-    nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
+    nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_params(cfg)))
     if nbytes > MAX_RANDOM_INIT_BYTES:
         raise ValueError(
             f"preset {preset!r} needs {nbytes / 2**30:.0f} GiB of weights: too large for a random-init demo; "

@@ -90,7 +90,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
     from jaxspec.generate import compile_count, generate
     from jaxspec.ops.quant import is_quantized, stored_nbytes
-    from jaxspec.sharding.runner import sharded_compile_count
+    from jaxspec.runner import sharded_compile_count
 
     mesh = mesh_from_args(args)
     model = load_model(args, console, seed=args.seed, mesh=mesh)

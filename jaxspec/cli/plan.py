@@ -30,7 +30,7 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace, console: Console) -> int:
     from jaxspec import sharding
     from jaxspec.config import ModelConfig
-    from jaxspec.sharding.placement import memory_plan
+    from jaxspec.placement import memory_plan
 
     positive("devices", args.devices)
     positive("batch", args.batch)

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
     from jaxspec import tokenizer as tok_lib
     from jaxspec.config import ModelConfig
-    from jaxspec.model import init_params
+    from jaxspec.model import abstract_params
     from jaxspec.packing import build_data, tokenizer_texts, unigram_loss
     from jaxspec.train import OptConfig, train_loop
 
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     train_rows = np.concatenate([sampler.batch(10**6 + i, 64) for i in range(8)])
     uni = unigram_loss(train_rows, np.concatenate(list(eval_rows.values())), cfg.vocab_size)
     console.print(f"unigram baseline (held-out, all datasets): {uni:.4f} nats")
-    n_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))))
+    n_params = sum(x.size for x in jax.tree.leaves(abstract_params(cfg)))
     console.print(f"model {args.preset}: {n_params / 1e6:.2f}M params; batch {args.batch} x {args.seq_len} tokens; "
                   f"opt {opt}")
     budget = None if args.time_budget_minutes is None else 60 * args.time_budget_minutes

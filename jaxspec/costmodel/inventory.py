@@ -18,8 +18,9 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxspec.config import ModelConfig
+from jaxspec.model import abstract_params
+from jaxspec.placement import _path_str, param_specs, state_specs
 from jaxspec.sharding.active import as_tuple
-from jaxspec.sharding.placement import _path_str, abstract_params, param_specs, state_specs
 from jaxspec.sharding.rules import DATA, TENSOR
 from jaxspec.state import abstract_state
 

@@ -1,10 +1,7 @@
-"""Sharding in two parts.
-
-Low (imported by the layers): `rules` (logical axes declared beside the arrays, rules mapping them
+"""Sharding below the layers: `rules` (logical axes declared beside the arrays, rules mapping them
 onto a ("data", "tensor", "expert") mesh, meshes) and `active` (the mesh of the program being
-traced, the expert-parallel MoE and per-shard kernels). High (uses the model):
-`placement` (parameter / state shardings, memory plan) and `runner` (sharded jitted programs).
-This package namespace re-exports the low part only, so importing it never pulls in the model.
+traced, the expert-parallel MoE and per-shard kernels). What places the model's arrays and runs
+its programs on a mesh sits above the model: `jaxspec.placement` and `jaxspec.runner`.
 """
 
 from jaxspec.sharding.active import constrain_state, global_rows, routed_experts, shard_kernel

@@ -1,6 +1,6 @@
 """The mesh of the sharded program being traced, and the per-shard helpers the layers call.
 
-While `sharding.runner` traces a program on a mesh, `activate` records the mesh, rules and config;
+While `runner` traces a program on a mesh, `activate` records the mesh, rules and config;
 without one every helper here is the identity, so the layers run unchanged on one device.
 Explicit collectives live here: the expert-parallel MoE (`routed_experts`, shard_map + psum) and
 kernels run once per shard (`shard_kernel`, check_vma=False).

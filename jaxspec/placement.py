@@ -1,10 +1,9 @@
 """Where the model's parameters and decode state live on a mesh, and how many bytes that is per
-device (the memory plan). Above the model: it needs `init_params` for abstract shapes."""
+device (the memory plan). Above the model: it places `model.abstract_params`."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -15,10 +14,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxspec.config import ModelConfig
-from jaxspec.model import init_params
-from jaxspec.ops.quant import abstract_block_scaled, release_layout
+from jaxspec.model import WEIGHTS, abstract_params  # noqa: F401  (the placement of these shapes)
 from jaxspec.sharding.active import as_tuple
-from jaxspec.sharding.rules import DATA, check_mesh, check_rules, map_declared, mesh_shape, positive_size, tree_specs
+from jaxspec.sharding.rules import DATA, check_mesh, check_rules, mesh_shape, positive_size, tree_specs
 from jaxspec.state import abstract_state
 
 
@@ -41,29 +39,6 @@ def param_shardings(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: Mapping[st
     """ModelParams-shaped tree of NamedShardings on `mesh` (of `params`' structure when given: a
     BlockScaled leaf gets one for its values and one for its scales)."""
     return _named(check_mesh(mesh), param_specs(cfg, mesh, rules, params))
-
-
-WEIGHTS = ("plain", "fp8")
-
-
-@functools.lru_cache(maxsize=16)
-def abstract_params(cfg: ModelConfig, weights: str = "plain", experts: str = "fp4") -> Any:
-    """ShapeDtypeStructs of `init_params(cfg)`. weights "fp8": the leaves DeepSeek's release stores
-    quantized are BlockScaled as it stores them (`ops.quant.release_layout`; `experts` "fp4" for the
-    instruct release's routed experts, "fp8" for the Base release's)."""
-    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
-    if weights not in WEIGHTS:
-        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
-    if weights == "plain":
-        return params
-
-    def quantized(x, names, tag, path):
-        if tag is None:
-            return x
-        block, fmt, scale_dtype = release_layout(tag, x.shape, experts)
-        return abstract_block_scaled(x.shape, x.dtype, block, fmt, scale_dtype)
-
-    return map_declared(params, quantized)
 
 
 def shard_params(

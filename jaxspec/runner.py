@@ -23,12 +23,12 @@ from jaxspec import programs
 from jaxspec.config import ModelConfig
 from jaxspec.model import ModelParams, check_params, jitted_prefill_logits
 from jaxspec.model import prefill_logits as model_prefill_logits
+from jaxspec.placement import param_shardings, shard_params
 from jaxspec.sharding.active import activate, is_dynamic
-from jaxspec.sharding.placement import param_shardings, shard_params
 from jaxspec.sharding.rules import DATA, check_mesh, check_rules
 
 # The owner of the sharded programs in `jaxspec.programs`' bounded LRU (their compile count).
-SHARDED = "jaxspec.sharding.runner"
+SHARDED = "jaxspec.runner"
 
 
 def _program(
