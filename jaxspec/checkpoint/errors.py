@@ -123,7 +123,7 @@ class _OrphanedTaskFilter(logging.Filter):
 _INSTALLED: list[Any] = []
 
 
-def quiet_orphaned_reads(params_dir: str) -> None:
+def quiet_orphaned_reads(params_dir: str | None = None) -> None:
     """Before an orbax restore: drop the noise its orphaned reads make should one read fail (the
     restore stops at the first failure, closes its event loop, and the reads still in flight end
     later, on TensorStore's threads, at any time up to interpreter exit). Installed once per
@@ -132,8 +132,7 @@ def quiet_orphaned_reads(params_dir: str) -> None:
 
     A read's own error names the file it read (TensorStore: 'local file "<params_dir>/"'), so the
     asyncio records dropped are those that name `params_dir` or orbax / TensorStore."""
-    folder = os.path.join(os.path.abspath(params_dir), "")
-    if folder not in _ORPHAN_SOURCES:
+    if params_dir is not None and (folder := os.path.join(os.path.abspath(params_dir), "")) not in _ORPHAN_SOURCES:
         _ORPHAN_SOURCES.append(folder)
     if _INSTALLED:
         return
