@@ -23,6 +23,7 @@ RANKS = [
     ("jaxspec.layers",),
     ("jaxspec.state", "jaxspec.sampling"),
     ("jaxspec.model",),
+    ("jaxspec.prefill",),
     ("jaxspec.sharding.placement", "jaxspec.sharding.runner", "jaxspec.testing"),
     ("jaxspec.tree",),
     ("jaxspec.generate",),
