@@ -60,9 +60,11 @@ def prefill_memory(
     rules: Mapping[str, Any] | None = None,
     weights: str = "plain",
     experts: str = "fp4",
+    prompt: int | None = None,
 ) -> PrefillMemory:
     """Per-device memory of prefilling `batch` prompts of `context` tokens into a state of `context`
     positions, `chunk` tokens at a time (default `prefill.prefill_chunk(cfg)`), on `mesh` or one device.
+    `prompt`: the prompt width when shorter than the state (default `context`).
 
     On CPU a bf16 config is compiled as its float32 twin (see below): then only `temp_bytes` and
     `flops_per_chunk` speak for the model; its parameter and state bytes are `memory_plan`'s."""
@@ -71,6 +73,9 @@ def prefill_memory(
     batch, context = positive_size("batch", batch), positive_size("context", context)
     if context > cfg.max_position_embeddings:
         raise ValueError(f"context must be <= max_position_embeddings={cfg.max_position_embeddings}, got {context}")
+    prompt = context if prompt is None else positive_size("prompt", prompt)
+    if prompt > context:
+        raise ValueError(f"prompt ({prompt}) must be <= context ({context}): the state holds the prompt")
     chunk = prefill.prefill_chunk(cfg) if chunk is None else prefill.check_chunk(chunk)
     cfg = cfg.replace(prefill_chunk=chunk)
     if jax.default_backend() == "cpu" and cfg.dtype != "float32":
@@ -80,7 +85,7 @@ def prefill_memory(
         cfg = cfg.replace(dtype="float32")
     params = abstract_params(cfg, weights, experts)
     state = abstract_state(cfg, batch, context)
-    tokens = jax.ShapeDtypeStruct((batch, context), jnp.int32)
+    tokens = jax.ShapeDtypeStruct((batch, prompt), jnp.int32)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
     fn = _prefill_fn(cfg)
     if mesh is None:
@@ -99,7 +104,7 @@ def prefill_memory(
     if isinstance(cost, (list, tuple)):  # older jax: one dict per device program
         cost = cost[0]
     return PrefillMemory(
-        chunk=prefill.effective_chunk(cfg, context, chunk),
+        chunk=prefill.effective_chunk(cfg, prompt, chunk),
         batch=batch,
         context=context,
         temp_bytes=int(mem.temp_size_in_bytes),
