@@ -16,6 +16,7 @@ from conftest import long_test, randomize
 
 import jaxspec as js
 from jaxspec import model, prefill
+from jaxspec.cli import main
 from jaxspec.generate import compile_count
 from jaxspec.state import init_state
 
@@ -113,6 +114,21 @@ def test_prompt_longer_than_the_state_is_one_line_error(test_params, test_cfg):
         prefill.prefill_logits(test_params, test_cfg, np.zeros((1, test_cfg.max_position_embeddings + 1), np.int32))
 
 
+def test_demo_prompt_file_and_chunk(tmp_path, capsys):
+    path = tmp_path / "prompt.txt"
+    path.write_text(" ".join(str(i % 90) for i in range(40)))  # no tokenizer: token ids
+    argv = ["demo", "--preset", "test", "--batch", "1", "--new-tokens", "4", "--spec", "none",
+            "--prompt-file", str(path)]
+    assert main([*argv, "--prefill-chunk", "8"]) == 0
+    assert "prompt: 40 tokens from" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as err:
+        main([*argv, "--prefill-chunk", "3"])
+    assert "\n" not in str(err.value.code) and "power of two" in str(err.value.code)
+    path.write_text("not token ids")
+    with pytest.raises(SystemExit, match="must hold token ids"):
+        main(argv)
+
+
 # ---- long: the issue's lengths on tiny and on a 2-layer config with V4-Flash's ratios ------------------
 
 
@@ -124,18 +140,25 @@ def v4_ratio_config() -> js.ModelConfig:
     )
 
 
-@long_test  # ~6 minutes on one core: the one-shot reference at 3000 tokens is the quadratic program
+@long_test  # ~10 minutes on one core: the one-shot reference at 3000 tokens is the quadratic program
 @pytest.mark.parametrize("name", ["tiny", "v4-ratios"])
 def test_issue_lengths_chunked_equal_one_shot(name):
+    """Rows of 1 .. 3000 tokens of one sequence in one ragged batch: every prompt position's logits
+    equal the one-shot prefill of the 3000-token row (causal: a prefix's logits are its first rows)."""
     cfg = js.ModelConfig.preset("tiny") if name == "tiny" else v4_ratio_config()
     params = randomize(js.init_params(cfg, jax.random.key(0)), jax.random.key(1))
-    for n in (1, 31, 32, 33, 127, 128, 129, 1000, 3000):
-        tokens = jnp.asarray(np.random.default_rng(n).integers(0, cfg.vocab_size, (1, n)), jnp.int32)
-        ref = model.prefill_logits(params, cfg, tokens)
-        for chunk in (128, 256):  # 128 divides 128, neither divides 31, 33, 129, 1000 or 3000
-            assert _max_rel(prefill.prefill_logits(params, cfg, tokens, chunk=chunk), ref) <= 1e-5, (n, chunk)
-        if n in (33, 1000, 3000):
-            prompt = [np.asarray(tokens[0]).tolist()]
-            want = js.generate(params, cfg.replace(prefill_chunk=4096), prompt, max_new_tokens=16).tokens
-            got = js.generate(params, cfg.replace(prefill_chunk=128), prompt, max_new_tokens=16).tokens
-            np.testing.assert_array_equal(got, want)
+    lengths = [1, 31, 32, 33, 127, 128, 129, 1000, 3000]
+    seq = np.random.default_rng(0).integers(0, cfg.vocab_size, 3000).astype(np.int32)
+    ref = np.asarray(model.prefill_logits(params, cfg, jnp.asarray(seq[None])))[0]
+    tokens, lens = jnp.asarray(np.tile(seq, (len(lengths), 1))), jnp.asarray(lengths, jnp.int32)
+    for chunk in (128, 256):  # 128 divides 128, neither divides 31, 33, 129, 1000 or 3000
+        c = cfg.replace(prefill_chunk=chunk)
+        run = jax.jit(lambda p, t, n, c=c: prefill.chunked_prefill(
+            p, c, init_state(c, len(lengths), 3000), t, n, all_logits=True)[0].logits)
+        got = np.asarray(run(params, tokens, lens))
+        for i, n in enumerate(lengths):
+            assert _max_rel(got[i, :n], ref[:n]) <= 1e-5, (n, chunk)
+    prompt = [seq.tolist()]
+    want = js.generate(params, cfg.replace(prefill_chunk=4096), prompt, max_new_tokens=16).tokens  # one chunk
+    np.testing.assert_array_equal(js.generate(params, cfg.replace(prefill_chunk=128), prompt,
+                                              max_new_tokens=16).tokens, want)
