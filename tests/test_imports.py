@@ -24,7 +24,7 @@ RANKS = [
     ("jaxspec.state", "jaxspec.sampling"),
     ("jaxspec.model",),
     ("jaxspec.prefill",),
-    ("jaxspec.sharding.placement", "jaxspec.sharding.runner", "jaxspec.testing"),
+    ("jaxspec.sharding.placement", "jaxspec.sharding.runner", "jaxspec.testing", "jaxspec.prefill_plan"),
     ("jaxspec.tree",),
     ("jaxspec.generate",),
     ("jaxspec.checkpoint", "jaxspec.stages", "jaxspec.report", "jaxspec.eval", "jaxspec.tune",
