@@ -3,7 +3,7 @@
 The `test` preset (window 8, CSA 4, HCA 16) with chunks of 4..16 crosses the same boundaries the
 long lengths cross on `tiny` / V4 ratios: blocks straddling a chunk, CSA's overlapping windows, a
 chunk longer than the window ring, prompts shorter than one chunk. The long lengths (1 .. 3000
-tokens, tiny and a 2-layer V4-ratio config) are a long_test.
+tokens, tiny and a 2-layer V4-ratio config) are a long test (JAXSPEC_LONG_TESTS=1).
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import long_test, randomize
 
 import jaxspec as js
 from jaxspec import model, prefill
 from jaxspec.cli import main
 from jaxspec.generate import compile_count
 from jaxspec.state import init_state
+from jaxspec.testing import randomize
 
 LENGTHS = [1, 31, 32, 33]  # one ragged batch: shorter than, equal to and across chunk multiples
 
@@ -140,7 +140,7 @@ def v4_ratio_config() -> js.ModelConfig:
     )
 
 
-@long_test  # ~10 minutes on one core: the one-shot reference at 3000 tokens is the quadratic program
+@pytest.mark.long  # ~10 minutes on one core: the one-shot reference at 3000 tokens is the quadratic program
 @pytest.mark.parametrize("name", ["tiny", "v4-ratios"])
 def test_issue_lengths_chunked_equal_one_shot(name):
     """Rows of 1 .. 3000 tokens of one sequence in one ragged batch: every prompt position's logits
