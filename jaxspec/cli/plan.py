@@ -113,6 +113,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         )
     console.print(
         f"[dim]unsharded: parameters {plan.total_param_bytes / gib:.1f} GiB, decode state "
-        f"{plan.total_state_bytes / gib:.1f} GiB; activations and the speculation scratch are not included[/]"
+        f"{plan.total_state_bytes / gib:.1f} GiB; "
+        f"{'decode activations' if args.prefill else 'activations'} and the speculation scratch are not included[/]"
     )
     return 0
