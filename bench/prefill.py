@@ -130,6 +130,7 @@ def equal(name: str, *chunks: int) -> None:
         got = np.asarray(run(params, tokens, lens))
         res[f"chunk{chunk}"] = {n: float(np.max(np.abs(got[i, :n] - ref[:n])) / np.max(np.abs(ref[:n])))
                                 for i, n in enumerate(lengths)}
+    print(json.dumps(res), flush=True)  # before the one-shot generate, the run's memory peak
     prompt = [seq.tolist()]
     want = js.generate(params, cfg.replace(prefill_chunk=4096), prompt, max_new_tokens=16).tokens  # one chunk
     got = js.generate(params, cfg.replace(prefill_chunk=128), prompt, max_new_tokens=16).tokens
