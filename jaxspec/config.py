@@ -62,6 +62,8 @@ class ModelConfig:
     attention_impl: str = "xla"
     bos_id: int | None = None
     eos_id: int | None = None
+    # Tokens per prefill chunk (a power of two); 0 = the default `jaxspec.prefill.prefill_chunk` picks.
+    prefill_chunk: int = 0
 
     def __post_init__(self):
         _validate_model_config(self)
@@ -198,6 +200,9 @@ def _validate_model_config(cfg: ModelConfig) -> None:
         raise ValueError(f"dtype must be one of {DTYPES}, got {cfg.dtype!r}")
     if cfg.attention_impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {cfg.attention_impl!r}")
+    chunk = cfg.prefill_chunk
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0 or chunk & (chunk - 1):
+        raise ValueError(f"prefill_chunk must be 0 (default) or a power of two >= 1, got {chunk!r}")
     if cfg.yarn_factor is not None and cfg.yarn_factor <= 0:
         raise ValueError(f"yarn_factor must be > 0 or None, got {cfg.yarn_factor}")
 

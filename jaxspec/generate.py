@@ -17,7 +17,8 @@ import numpy as np
 
 from jaxspec import state as state_lib
 from jaxspec.config import ModelConfig, SpecConfig
-from jaxspec.model import ModelParams, causal_context, check_params, extend, forward, mtp_forward
+from jaxspec.model import ModelParams, check_params, extend, forward
+from jaxspec.prefill import chunked_prefill, prefill_for_speculation
 from jaxspec.programs import bounded_jit
 from jaxspec.runner import on_mesh, pad_batch
 from jaxspec.sampling import Sampling, sample_tokens, validate_sampling
@@ -215,14 +216,12 @@ def _generate_loop(
     eos_id: jax.Array,  # -1 = none
     sampling: Sampling,
 ):
-    bb, sb = prompt_tokens.shape
+    bb = prompt_tokens.shape[0]
     key, temperature, top_k, top_p = sampling.key, sampling.temperature, sampling.top_k, sampling.top_p
     pad_id = jnp.maximum(eos_id, 0)
     state = constrain_state(state_lib.init_state(cfg, bb, max_len))
-    valid = jnp.arange(sb)[None, :] < prompt_lengths[:, None]
-    out, state = extend(params, cfg, state, prompt_tokens, valid)
-    last_logits = jnp.take_along_axis(out.logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
-    first = sample_tokens(last_logits, jax.random.fold_in(key, 0), temperature, top_k, top_p)
+    prefilled, state = chunked_prefill(params, cfg, state, prompt_tokens, prompt_lengths)
+    first = sample_tokens(prefilled.last_logits, jax.random.fold_in(key, 0), temperature, top_k, top_p)
     tokens = jnp.full((bb, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
     num_generated = jnp.ones((bb,), jnp.int32)
     done = (first == eos_id) | (num_generated >= max_new_tokens)
@@ -379,48 +378,6 @@ def speculative_cycle(
         params, cfg, state, tree.tokens, verify_out, acc, last_hidden, active
     )
     return state, last_hidden, tree, acc
-
-
-def prefill_for_speculation(
-    params: ModelParams,
-    cfg: ModelConfig,
-    prompt_tokens: jax.Array,  # [B, S] int32, left-aligned, zero padded
-    prompt_lengths: jax.Array,  # [B] int32, >= 1
-    max_len: int,
-    sampling: Sampling | None = None,
-) -> tuple[state_lib.DecodeState, jax.Array, jax.Array]:
-    """Target prefill + the MTP ring over the prompt; -> (state, root [B], last_hidden [B, hc, d]).
-
-    The root is the first generated token, drawn exactly as `generate` draws it (greedy when
-    `sampling` is None), not yet committed: it is the root of the first cycle's tree.
-    """
-    if prompt_tokens.ndim != 2 or prompt_lengths.shape != prompt_tokens.shape[:1]:
-        raise ValueError(
-            f"prompt_tokens must be [B, S] and prompt_lengths [B], got {prompt_tokens.shape} and {prompt_lengths.shape}"
-        )
-    bb, sb = prompt_tokens.shape
-    if sb > max_len:
-        raise ValueError(f"max_len={max_len} is shorter than the prompt width {sb}")
-    batch_index = jnp.arange(bb)
-    state = constrain_state(state_lib.init_state(cfg, bb, max_len))
-    valid = jnp.arange(sb)[None, :] < prompt_lengths[:, None]
-    out, state = extend(params, cfg, state, prompt_tokens, valid)
-    last = prompt_lengths - 1
-    last_logits = out.logits[batch_index, last]
-    if sampling is None:
-        root = jnp.argmax(last_logits, axis=-1).astype(jnp.int32)
-    else:
-        root = sample_tokens(
-            last_logits, jax.random.fold_in(sampling.key, 0), sampling.temperature, sampling.top_k, sampling.top_p
-        )
-    last_hidden = out.hidden[batch_index, last]
-    # The MTP ring over the prompt: position i consumes (H_i, token i+1), i < P-1.
-    next_tokens = jnp.concatenate([prompt_tokens[:, 1:], jnp.zeros((bb, 1), jnp.int32)], axis=1)
-    mtp_valid = jnp.arange(sb)[None, :] < last[:, None]
-    ctx = causal_context(state.mtp_length, mtp_valid)
-    _, _, rows = mtp_forward(params, cfg, state, out.hidden, next_tokens, ctx)
-    state = state_lib.commit_mtp(cfg, state, rows, ctx.positions, mtp_valid)
-    return state, root, last_hidden
 
 
 def speculative_compile_count() -> int:

@@ -23,7 +23,8 @@ RANKS = [
     ("jaxspec.layers",),
     ("jaxspec.state", "jaxspec.sampling"),
     ("jaxspec.model",),
-    ("jaxspec.placement", "jaxspec.runner", "jaxspec.testing"),
+    ("jaxspec.prefill",),
+    ("jaxspec.placement", "jaxspec.runner", "jaxspec.testing", "jaxspec.prefill_plan"),
     ("jaxspec.tree",),
     ("jaxspec.generate",),
     # What runs the model: loading and measuring below, the loops that drive them above.

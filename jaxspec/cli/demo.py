@@ -49,9 +49,38 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--spec", default="s3_k2_d6", help="tree speculation to compare against (default s3_k2_d6); "
                    "'auto' takes the checkpoint's tune.json choice for this batch; 'none' skips speculation")
+    p.add_argument("--prompt-file", default=None, metavar="PATH",
+                   help="a text file whose text is every row's prompt (token ids separated by spaces without a "
+                   "tokenizer); long prompts go through the chunked prefill")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="prefill chunk, a power of two (default: jaxspec.prefill.prefill_chunk of the config)")
     add_weights_args(p, checkpoint=True)
     add_mesh_arguments(p)
     p.set_defaults(func=run)
+
+
+def _file_prompts(cfg, tokenizer, path: str, batch: int) -> tuple[list[list[int]], list[str] | None]:
+    """Every row's prompt from a text file (encoded by the tokenizer, else whitespace-separated ids)."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--prompt-file {path!r} is not a file")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if tokenizer is None:
+        try:
+            ids = [int(t) for t in text.split()]
+        except ValueError:
+            raise ValueError(f"--prompt-file {path!r}: without a tokenizer it must hold token ids") from None
+    else:
+        ids = list(tokenizer.encode(text).ids)
+        if cfg.bos_id is not None and (not ids or ids[0] != cfg.bos_id):
+            ids = [cfg.bos_id, *ids]
+    if not ids:
+        raise ValueError(f"--prompt-file {path!r} holds no tokens")
+    return [ids] * batch, None if tokenizer is None else [text] * batch
+
+
+def _short(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else f"... ({len(text) - limit} chars) " + text[-limit:]
 
 
 def _demo_prompts(cfg, tokenizer, batch: int, seed: int) -> tuple[list[list[int]], list[str] | None]:
@@ -106,7 +135,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
         f"({', '.join(str(d) for d in jax.devices())})"
     )
 
-    prompts, texts = _demo_prompts(cfg, tokenizer, args.batch, args.seed)
+    if args.prefill_chunk is not None:
+        from jaxspec.prefill import check_chunk
+
+        cfg = cfg.replace(prefill_chunk=check_chunk(args.prefill_chunk))
+    if args.prompt_file is not None:
+        prompts, texts = _file_prompts(cfg, tokenizer, args.prompt_file, args.batch)
+        console.print(f"prompt: {len(prompts[0])} tokens from {args.prompt_file}")
+    else:
+        prompts, texts = _demo_prompts(cfg, tokenizer, args.batch, args.seed)
     kwargs = dict(
         max_new_tokens=args.new_tokens,
         temperature=args.temperature,
@@ -135,9 +172,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
         n = int(out.lengths[i])
         ids = out.tokens[i, :n].tolist()
         if tokenizer is not None:
-            shown_prompt, shown_out = texts[i], tokenizer.decode(ids)
+            shown_prompt, shown_out = _short(texts[i]), tokenizer.decode(ids)
         else:
-            shown_prompt, shown_out = " ".join(map(str, prompt)), " ".join(map(str, ids))
+            shown_prompt, shown_out = _short(" ".join(map(str, prompt))), " ".join(map(str, ids))
         table.add_row(str(i), shown_prompt, shown_out, str(n))
     console.print(table)
 

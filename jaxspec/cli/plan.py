@@ -1,4 +1,5 @@
-"""`jaxspec plan`: per-device bytes of parameters and decode state on a mesh, from abstract shapes."""
+"""`jaxspec plan`: per-device bytes of parameters and decode state on a mesh, from abstract shapes; with
+`--prefill`, XLA's temporaries of the chunked prefill program too."""
 
 from __future__ import annotations
 
@@ -23,8 +24,42 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--mesh", default=None, metavar="D,T,E", help="data,tensor,expert sizes (default: by devices)")
     p.add_argument("--batch", type=int, default=16, help="sequences (default 16)")
     p.add_argument("--context", type=int, default=65536, help="tokens per sequence (default 65536)")
+    p.add_argument("--prefill", action="store_true",
+                   help="also compile the chunked prefill of `--context` tokens (abstract shapes, simulated CPU "
+                   "devices) and report XLA's temporaries per device (minutes for a large model)")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="prefill chunk, a power of two (default: jaxspec.prefill.prefill_chunk of the preset)")
     add_weights_args(p)
     p.set_defaults(func=run)
+
+
+def _simulate_devices(n: int) -> None:
+    """Simulated CPU devices for the prefill's compile (only before jax starts its backends)."""
+    import os
+
+    import jax
+
+    # Only the buffer assignment is read: skip the slow LLVM work (read when jax starts its backends).
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+                               " --xla_llvm_disable_expensive_passes=true").strip()
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:
+        pass
+    devices = jax.devices("cpu") if jax.default_backend() == "cpu" else jax.devices()
+    if len(devices) < n:
+        raise ValueError(f"--devices {n}: this process has {len(devices)} device(s) (jax started before the mesh "
+                         "could be simulated)")
+
+
+def _prefill_memory(args: argparse.Namespace, cfg: Any, shape: tuple[int, int, int], batch: int) -> Any:
+    """XLA's memory analysis of the prefill program on `shape`."""
+    from jaxspec import sharding
+    from jaxspec.prefill_plan import prefill_memory
+
+    mesh = sharding.make_mesh(*shape) if args.devices > 1 else None
+    return prefill_memory(cfg, batch, args.context, args.prefill_chunk, mesh=mesh, weights=args.weights,
+                          experts=args.experts)
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
@@ -35,6 +70,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
     positive("devices", args.devices)
     positive("batch", args.batch)
     positive("context", args.context)
+    if args.prefill_chunk is not None:
+        from jaxspec.prefill import check_chunk
+
+        check_chunk(args.prefill_chunk)
+    if args.prefill and args.devices > 1:
+        _simulate_devices(args.devices)
     cfg = ModelConfig.preset(args.preset)
     if args.mesh is None:
         shape = sharding.default_mesh_shape(args.devices, cfg)
@@ -61,8 +102,18 @@ def run(args: argparse.Namespace, console: Console) -> int:
     for name, n in (("parameters", plan.param_bytes), ("decode state", plan.state_bytes),
                     ("total", plan.bytes_per_device)):
         console.print(f"{name} per device: {n:,} bytes ({n / gib:.2f} GiB)")
+    if args.prefill:
+        with console.status("compiling the prefill program"):
+            pm = _prefill_memory(args, cfg, shape, plan.batch)
+        peak = plan.bytes_per_device + pm.temp_bytes
+        console.print(
+            f"prefill ({pm.chunk}-token chunks, {plan.context} tokens) temporaries per device: {pm.temp_bytes:,} "
+            f"bytes ({pm.temp_bytes / gib:.2f} GiB, XLA memory analysis); peak with parameters and decode state: "
+            f"{peak / gib:.2f} GiB"
+        )
     console.print(
         f"[dim]unsharded: parameters {plan.total_param_bytes / gib:.1f} GiB, decode state "
-        f"{plan.total_state_bytes / gib:.1f} GiB; activations and the speculation scratch are not included[/]"
+        f"{plan.total_state_bytes / gib:.1f} GiB; "
+        f"{'decode activations' if args.prefill else 'activations'} and the speculation scratch are not included[/]"
     )
     return 0

@@ -1,0 +1,150 @@
+"""Chunked prefill measurements behind docs/prefill.md (each mode prints one JSON line per result).
+
+    python bench/prefill.py time [CHUNK]          # tiny-v4 fp32: warm prefill of 1,024 / 7,168 tokens
+    python bench/prefill.py spec                  # tiny-v4 fp32: 7,168-token prompt + 64 tokens, greedy s3_k2_d6
+    python bench/prefill.py long [TOKENS]         # random tiny, 131,072 positions: generate from a 65,536-token prompt
+    python bench/prefill.py flops CHUNK S...      # XLA cost analysis, one-shot vs chunked, tiny fp32
+    python bench/prefill.py memory STATE:PROMPT:CHUNK ...   # XLA memory analysis of the prefill program, tiny
+    python bench/prefill.py equal tiny|v4-ratios CHUNK...   # chunked == one-shot at 1 .. 3000 tokens
+
+Run pinned: XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" taskset -c 1 ...
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxspec as js
+from jaxspec import model, prefill
+from jaxspec.cli.common import as_float32
+from jaxspec.state import abstract_state, init_state
+from jaxspec.testing import randomize
+
+
+def _rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _checkpoint():
+    cfg, params, _ = js.load_checkpoint("checkpoints/tiny-v4")
+    return as_float32(cfg, params)
+
+
+def time_prefill(chunk: int = 0) -> None:
+    cfg, params = _checkpoint()
+    cfg = cfg.replace(prefill_chunk=chunk)
+    rng = np.random.default_rng(0)
+    res = {}
+    for n, max_len in ((1024, 2048), (7168, 8192)):
+        tokens = jnp.asarray(rng.integers(2, cfg.vocab_size, (1, n)), jnp.int32)
+        lengths = jnp.asarray([n], jnp.int32)
+
+        def run(tokens=tokens, lengths=lengths, max_len=max_len):
+            return prefill.prefill_program(params, cfg, init_state(cfg, 1, max_len), tokens, lengths)
+
+        t0 = time.perf_counter()
+        jax.block_until_ready(run())
+        first = time.perf_counter() - t0
+        best = 1e9
+        for _ in range(2):
+            t0 = time.perf_counter()
+            jax.block_until_ready(run())
+            best = min(best, time.perf_counter() - t0)
+        res[n] = {"first_s": first, "warm_s": best, "ms_per_token": 1e3 * best / n}
+    res["ratio_7k_over_1k"] = res[7168]["ms_per_token"] / res[1024]["ms_per_token"]
+    print(json.dumps({**{str(k): v for k, v in res.items()}, "maxrss_gb": _rss_gb()}))
+
+
+def spec() -> None:
+    cfg, params = _checkpoint()
+    prompt = [np.random.default_rng(0).integers(2, cfg.vocab_size, 7168).tolist()]
+    t0 = time.perf_counter()
+    out = js.speculative_generate(params, cfg, prompt, "s3_k2_d6", max_new_tokens=64)
+    res = {"spec_s": time.perf_counter() - t0, "tau": out.stats["mean_accepted_length"],
+           "maxrss_gb_after_spec": _rss_gb()}
+    ref = js.generate(params, cfg, prompt, max_new_tokens=64)
+    res.update(identical_to_generate=bool(np.array_equal(out.tokens, ref.tokens)), maxrss_gb=_rss_gb())
+    print(json.dumps(res))
+
+
+def long(n: int = 65536) -> None:
+    cfg = js.ModelConfig.preset("tiny", max_position_embeddings=131072)
+    params = js.init_params(cfg, jax.random.key(0))
+    prompt = [np.random.default_rng(0).integers(0, cfg.vocab_size, n).tolist()]
+    t0 = time.perf_counter()
+    out = js.generate(params, cfg, prompt, max_new_tokens=16)
+    print(json.dumps({"prompt_tokens": n, "new_tokens": int(out.lengths[0]),
+                      "wall_s_with_compile": time.perf_counter() - t0, "maxrss_gb": _rss_gb()}))
+
+
+def flops(chunk: int, *sizes: int) -> None:
+    from jaxspec.model import abstract_params
+
+    cfg = js.ModelConfig.preset("tiny", dtype="float32", max_position_embeddings=131072)
+    params, c = abstract_params(cfg), cfg.replace(prefill_chunk=chunk)
+    for s in sizes:
+        tok = jax.ShapeDtypeStruct((1, s), jnp.int32)
+        row = {"tokens": s}
+        if s <= 8192:
+            row["one_shot_gflop"] = model.jitted_prefill_logits.lower(params, cfg, tok).cost_analysis()["flops"] / 1e9
+        body = prefill.prefill_program.lower(params, c, abstract_state(c, 1, s), tok,
+                                             jax.ShapeDtypeStruct((1,), jnp.int32)).cost_analysis()["flops"]
+        n = -(-s // prefill.effective_chunk(c, s))  # a while loop's body counts once
+        row.update(chunks=n, per_chunk_gflop=body / 1e9, chunked_gflop=body * n / 1e9)
+        print(json.dumps(row), flush=True)
+
+
+def memory(*specs: str) -> None:
+    from jaxspec.prefill_plan import prefill_memory
+
+    cfg = js.ModelConfig.preset("tiny", max_position_embeddings=131072)
+    for spec_ in specs:
+        state, prompt, chunk = (int(x) for x in spec_.split(":"))
+        m = prefill_memory(cfg, 1, state, chunk, prompt=prompt)
+        print(json.dumps({"state": state, "prompt": prompt, "chunk": m.chunk, "temp_MB": m.temp_bytes / 2**20,
+                          "gflop_chunk": m.flops_per_chunk / 1e9}), flush=True)
+
+
+def equal(name: str, *chunks: int) -> None:
+    cfg = js.ModelConfig.preset("tiny")
+    if name == "v4-ratios":
+        cfg = cfg.replace(num_layers=2, layer_types=("csa", "hca"), sliding_window=128, csa_ratio=4, hca_ratio=128,
+                          index_topk=512, num_hash_layers=1)
+    params = randomize(js.init_params(cfg, jax.random.key(0)), jax.random.key(1))
+    lengths = [1, 31, 32, 33, 127, 128, 129, 1000, 3000]
+    seq = np.random.default_rng(0).integers(0, cfg.vocab_size, 3000).astype(np.int32)
+    ref = np.asarray(model.prefill_logits(params, cfg, jnp.asarray(seq[None])))[0]  # causal: prefixes are rows
+    tokens, lens = jnp.asarray(np.tile(seq, (len(lengths), 1))), jnp.asarray(lengths, jnp.int32)
+    res: dict = {"config": name}
+    for chunk in chunks:
+        c = cfg.replace(prefill_chunk=chunk)
+        run = jax.jit(lambda p, t, n, c=c: prefill.chunked_prefill(p, c, init_state(c, len(lengths), 3000), t, n,
+                                                                   all_logits=True)[0].logits)
+        got = np.asarray(run(params, tokens, lens))
+        res[f"chunk{chunk}"] = {n: float(np.max(np.abs(got[i, :n] - ref[:n])) / np.max(np.abs(ref[:n])))
+                                for i, n in enumerate(lengths)}
+    print(json.dumps(res), flush=True)  # before the one-shot generate, the run's memory peak
+    prompt = [seq.tolist()]
+    want = js.generate(params, cfg.replace(prefill_chunk=4096), prompt, max_new_tokens=16).tokens  # one chunk
+    got = js.generate(params, cfg.replace(prefill_chunk=128), prompt, max_new_tokens=16).tokens
+    res["greedy_3000_identical"] = bool(np.array_equal(want, got))
+    ragged = js.generate(params, cfg.replace(prefill_chunk=128), [seq[:n].tolist() for n in lengths],
+                         max_new_tokens=16).tokens
+    first = ref[np.array(lengths) - 1].argmax(-1)  # one-shot argmax at each row's last position
+    res["ragged_first_tokens_match_one_shot"] = bool(np.array_equal(ragged[:, 0], first))
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    mode, rest = sys.argv[1], sys.argv[2:]
+    if mode in ("memory", "equal"):
+        {"memory": memory, "equal": lambda n, *c: equal(n, *map(int, c))}[mode](*rest)
+    else:
+        {"time": time_prefill, "spec": spec, "long": long, "flops": flops}[mode](*map(int, rest))
