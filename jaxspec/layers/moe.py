@@ -202,21 +202,21 @@ def sparse_experts(
 
     The grouped matmul depends on the platform the program is lowered for (`platform_dependent`,
     not the process's default backend, so a CUDA export from a CPU host holds the GPU path):
-    * CUDA: `kernel_experts`, the Pallas grouped matmul. XLA's GPU backend rewrites `ragged_dot`
-      into every group on every row unless cuDNN's ragged-dot fusion is on.
+    * CUDA: `kernel_experts`, the Pallas grouped matmul, at every size (it reads each selected
+      expert once, where the gathered path moves it three times). XLA's GPU backend rewrites
+      `ragged_dot` into every group on every row unless cuDNN's ragged-dot fusion is on.
     * CPU: `dense_experts`. XLA's CPU backend also runs `ragged_dot` as every group on every row,
       plus the sort and scatter around it (measured on the tiny model's experts, 8 tokens: 1.1 ms
       against 0.8 ms for every expert on every token): the same result at the cost it would pay.
     * elsewhere (TPU, ROCm): `grouped_experts` (`ragged_dot`).
     """
-    if 3 * indices.size <= experts.w1.shape[0]:
-        return gathered_experts(experts, cfg, x, indices, weights)
+    gathered = 3 * indices.size <= experts.w1.shape[0]
     args = (experts, x, indices, weights)
     return jax.lax.platform_dependent(
         *args,
-        cpu=lambda *a: dense_experts(a[0], cfg, *a[1:]),
+        cpu=lambda *a: (gathered_experts if gathered else dense_experts)(a[0], cfg, *a[1:]),
         cuda=lambda *a: kernel_experts(a[0], cfg, *a[1:]),
-        default=lambda *a: grouped_experts(a[0], cfg, *a[1:]),
+        default=lambda *a: (gathered_experts if gathered else grouped_experts)(a[0], cfg, *a[1:]),
     )
 
 
