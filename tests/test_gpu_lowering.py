@@ -16,7 +16,7 @@ from conftest import long_test
 
 import jaxspec as js
 from jaxspec.generate import prefill_for_speculation, speculative_cycle
-from jaxspec.gpu_export import TRITON_CALL, export_for_cuda, expert_stack_dots, kernel_calls
+from jaxspec.gpu_export import TRITON_CALL, expert_stack_dots, export_for_cuda, kernel_calls
 from jaxspec.layers import moe
 from jaxspec.ops.quant import abstract_block_scaled
 from jaxspec.pallas import chain_compress, tree_attention

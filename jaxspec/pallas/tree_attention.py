@@ -27,12 +27,12 @@ from jax.experimental import pallas as pl
 
 from jaxspec.pallas._common import (
     SQUEEZED,
+    by_platform,
     exact_dot_precision,
     multiple_of,
     next_pow2,
     num_sms,
     pad_axis,
-    by_platform,
     round_up,
     triton_params,
 )

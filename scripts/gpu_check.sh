@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The one command to run when a GPU (an H200) is at hand, within ~8 minutes:
+#   scripts/gpu_check.sh OUTDIR [--dry-run]
+# 1. the GPU test subset: Pallas kernels compiled for real vs their jnp paths, greedy speculative
+#    output == generate with attention "pallas", grouped experts == dense experts;
+# 2. bench/kernels.py: tree attention / chain compression time and bandwidth (JSON);
+# 3. bench/gpu_check.py: grouped-experts bandwidth vs 4.8 TB/s, stage split and break-even tau at
+#    batch 1/8/32, Pallas vs XLA attention, for V4-Flash layer shapes sized to one H200.
+# Writes OUTDIR/{tests.txt,kernels.json,gpu_check.json,gpu_check.md,summary.md}. --dry-run: the same
+# steps on any backend with tiny sizes (CI runs it on a CPU). Uses the active python (e.g. after
+# `pip install -e .[gpu]`), or .venv when none is active.
+set -uo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+OUT="${1:?usage: scripts/gpu_check.sh OUTDIR [--dry-run]}"
+DRY=0
+[ "${2:-}" = "--dry-run" ] && DRY=1
+mkdir -p "$OUT"
+PY="${PYTHON:-python}"
+[ -z "${VIRTUAL_ENV:-}" ] && [ -x "$ROOT/.venv/bin/python" ] && PY="$ROOT/.venv/bin/python"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+cd "$ROOT"
+status=0
+if [ "$DRY" = 1 ]; then
+  TESTS=(tests/test_grouped_experts.py::test_grouped_matmul_equals_ragged_dot_with_empty_groups)
+  KERNELS=(--smoke --kernels sliding --reps 1 --budget 20)
+  CHECK=(--dry-run)
+else
+  TESTS=(tests/test_pallas.py tests/test_grouped_experts.py tests/test_speculative.py::test_batch_sizes_and_eos)
+  KERNELS=(--budget 150)
+  CHECK=()
+fi
+echo "gpu_check: 1/3 tests"
+timeout 240 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" >"$OUT/tests.txt" 2>&1 || status=1
+tail -3 "$OUT/tests.txt"
+echo "gpu_check: 2/3 bench/kernels.py"
+timeout 200 "$PY" bench/kernels.py "${KERNELS[@]}" --json "$OUT/kernels.json" >"$OUT/kernels.txt" 2>&1 || status=1
+tail -3 "$OUT/kernels.txt"
+echo "gpu_check: 3/3 bench/gpu_check.py"
+timeout 240 "$PY" bench/gpu_check.py --out "$OUT" "${CHECK[@]}" >"$OUT/gpu_check.txt" 2>&1 || status=1
+{
+  echo "# scripts/gpu_check.sh $* (exit $status)"
+  echo
+  echo '## Tests'; echo; echo '```'; tail -3 "$OUT/tests.txt"; echo '```'; echo
+  echo '## Kernels (bench/kernels.py)'; echo; echo '```'; tail -25 "$OUT/kernels.txt"; echo '```'; echo
+  cat "$OUT/gpu_check.md" 2>/dev/null || { echo '## bench/gpu_check.py failed'; tail -20 "$OUT/gpu_check.txt"; }
+} >"$OUT/summary.md"
+echo "gpu_check: wrote $OUT/summary.md (exit $status)"
+exit $status
