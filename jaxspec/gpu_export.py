@@ -57,8 +57,8 @@ def kernel_calls(text: str) -> Counter:
 
 
 def expert_stack_dots(text: str, num_experts: int, hidden: int, inter: int) -> list[str]:
-    """dot_general / ragged_dot lines whose operands include a whole [E, d, I] or [E, I, d] expert stack."""
-    stacks = (f"tensor<{num_experts}x{hidden}x{inter}x", f"tensor<{num_experts}x{inter}x{hidden}x")
+    """dot_general / ragged_dot lines (not Pallas calls) with a whole [E, d, I] or [E, I, d] expert
+    stack as an operand: the 3-D type exactly, its element type right after the dims."""
+    stack = re.compile(rf"tensor<{num_experts}x({hidden}x{inter}|{inter}x{hidden})x[a-z]")
     return [line.strip()[:200] for line in text.splitlines()
-            if "custom_call" not in line and ("dot_general" in line or "ragged_dot" in line)
-            and any(s in line for s in stacks)]
+            if "custom_call" not in line and ("dot_general" in line or "ragged_dot" in line) and stack.search(line)]

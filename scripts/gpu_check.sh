@@ -7,8 +7,8 @@
 # 3. bench/gpu_check.py: grouped-experts bandwidth vs 4.8 TB/s, stage split and break-even tau at
 #    batch 1/8/32, Pallas vs XLA attention, for V4-Flash layer shapes sized to one H200.
 # Writes OUTDIR/{tests.txt,kernels.json,gpu_check.json,gpu_check.md,summary.md}. --dry-run: the same
-# steps on any backend with tiny sizes (CI runs it on a CPU). Uses the active python (e.g. after
-# `pip install -e .[gpu]`), or .venv when none is active.
+# steps on any backend with tiny sizes (CI runs it on a CPU). Uses $PYTHON, else the active python
+# (e.g. after `pip install -e .[gpu]`), else .venv.
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="${1:?usage: scripts/gpu_check.sh OUTDIR [--dry-run]}"
@@ -16,7 +16,7 @@ DRY=0
 [ "${2:-}" = "--dry-run" ] && DRY=1
 mkdir -p "$OUT"
 PY="${PYTHON:-python}"
-[ -z "${VIRTUAL_ENV:-}" ] && [ -x "$ROOT/.venv/bin/python" ] && PY="$ROOT/.venv/bin/python"
+if [ -z "${PYTHON:-}" ] && [ -z "${VIRTUAL_ENV:-}" ] && [ -x "$ROOT/.venv/bin/python" ]; then PY="$ROOT/.venv/bin/python"; fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 cd "$ROOT"
 status=0

@@ -9,6 +9,11 @@ Marked `gpu_lowering`; `scripts/test_jax012.sh` runs this file again under jax 0
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -144,3 +149,21 @@ def test_cycle_of_a_two_layer_v4_flash_for_cuda_holds_the_kernels(batch, samplin
     cfg = FLASH.replace(num_layers=2, layer_types=("csa", "hca"), num_hash_layers=1, attention_impl="pallas")
     calls = _check_cycle(cfg, batch, sampling=sampling)
     assert {"tree_attention_sparse", "tree_attention_dense"} <= set(calls)
+
+
+@pytest.mark.xdist_group("gpu_lowering_8dev")
+def test_sharded_cycle_on_8_devices_for_cuda_holds_the_kernels(tmp_path):
+    """(1, 8, 1): tensor-parallel attention and expert hidden width; (1, 1, 8): one expert per device
+    (expert parallel, `sharding.active.routed_experts`). In a subprocess with 8 CPU devices."""
+    out = tmp_path / "lowering.json"
+    worker = os.path.join(os.path.dirname(__file__), "gpu_lowering_worker.py")
+    proc = subprocess.run([sys.executable, worker, str(out)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    for mesh in ("1,8,1", "1,1,8"):
+        r = result[mesh]
+        assert "error" not in r, (mesh, r)
+        assert r["devices"] == 8
+        assert r["kernels"].get("grouped_matmul_plain", 0) > 0 and r["kernels"].get("chain_compress", 0) > 0, r
+        assert any(k.startswith("tree_attention_") for k in r["kernels"]), r
+        assert not r["dense_expert_dots"], (mesh, r["dense_expert_dots"])
