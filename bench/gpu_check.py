@@ -12,7 +12,7 @@ against the H200's 4.8 TB/s. The dense reference (`dense_experts`) is timed besi
 Model: V4-Flash layer shapes (hidden 4096, 64 heads x 512, 256 experts of 2048, window 128, CSA 4 /
 HCA 128) with 2 layers (csa, hca) in bf16 (~13 GB of experts per layer) plus the MTP block (4
 layers fit one H200 too, but their 30 stage compiles would not fit the 8 minutes); the dry run
-uses the `test` preset at batch 1. Per attention impl and batch: `stages.time_stages` of a
+uses 2 layers of the `test` preset at batch 1. Per attention impl and batch: `stages.time_stages` of a
 s3_k2_d6 cycle on a prefilled state, and one AR step (`stages.ar_step`); break-even tau = sum of
 stages / AR step (the accepted length a spec needs to match AR).
 """
@@ -143,9 +143,10 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     if args.dry_run:
-        cfg, model, batches, iters, prompt = js.ModelConfig.preset("test"), "test preset", (1,), 1, 8
+        cfg = js.ModelConfig.preset("test").replace(num_layers=2, layer_types=("csa", "hca"))
+        model, batches, iters, prompt = "test preset, 2 layers", (1,), 1, 8
         moe_cfg = cfg.replace(hidden_size=64, moe_intermediate_size=64, n_routed_experts=8)
-        tokens = (1, 8)
+        tokens = (8,)
     else:
         cfg = flash_sized()
         model, batches, iters, prompt = "V4-Flash layers x2, bf16", (1, 8, 32), 10, 64
@@ -153,6 +154,7 @@ def main(argv=None) -> int:
     result = {"backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "dry_run": args.dry_run, "model": model}
     result["grouped_experts"] = grouped_experts_bandwidth(moe_cfg, tokens, iters)
+    print(f"grouped experts done, {time.perf_counter() - start:.0f} s", flush=True)
     result["stages"] = stage_split(cfg, batches, "s3_k2_d6", prompt, iters, args.budget)
     result["seconds"] = time.perf_counter() - start
     (out / "gpu_check.json").write_text(json.dumps(result, indent=1))

@@ -26,8 +26,9 @@ from jaxspec.sharding import runner  # noqa: E402
 from jaxspec.sharding.active import activate  # noqa: E402
 from jaxspec.sharding.rules import MESH_AXES, check_rules  # noqa: E402
 
-# 8 heads, 8 o_groups, 8 experts of 128: every axis of both meshes divides them.
-CFG = js.ModelConfig.preset("test").replace(num_heads=8, o_groups=8, n_routed_experts=8, moe_intermediate_size=128,
+# 8 heads, 8 o_groups, 8 experts of 384: every axis of both meshes divides them, a shard of the
+# hidden width (48) is a multiple of the kernel's 16-wide tiles, and no other weight has its shape.
+CFG = js.ModelConfig.preset("test").replace(num_heads=8, o_groups=8, n_routed_experts=8, moe_intermediate_size=384,
                                             attention_impl="pallas")
 
 

@@ -192,15 +192,15 @@ kernel_experts.defvjp(_kernel_experts_fwd, _kernel_experts_bwd)
 def sparse_experts(
     experts: MLPParams, cfg: ModelConfig, x: jax.Array, indices: jax.Array, weights: jax.Array
 ) -> jax.Array:
-    """The routed experts each token selected, and nothing else -> [N, d] fp32. The path is chosen
-    from the static sizes: the gathered path moves each selected expert's weights three times (read,
-    written as the gathered copy, read again), so while 3*N*k <= the experts held here it moves less
-    than reading every expert once; beyond that, a grouped matmul.
+    """The routed experts each token selected, and nothing else -> [N, d] fp32. Off CUDA the path is
+    chosen from the static sizes: the gathered path moves each selected expert's weights three times
+    (read, written as the gathered copy, read again), so while 3*N*k <= the experts held here it
+    moves less than reading every expert once; beyond that, a grouped matmul.
 
     Takes any slice of the experts (and of their hidden width) with indices relative to the slice,
     which is how `sharding.active.routed_experts` runs it per device before summing the outputs.
 
-    The grouped matmul depends on the platform the program is lowered for (`platform_dependent`,
+    The path depends on the platform the program is lowered for (`platform_dependent`,
     not the process's default backend, so a CUDA export from a CPU host holds the GPU path):
     * CUDA: `kernel_experts`, the Pallas grouped matmul, at every size (it reads each selected
       expert once, where the gathered path moves it three times). XLA's GPU backend rewrites

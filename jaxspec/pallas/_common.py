@@ -34,10 +34,21 @@ def by_platform(run: Callable[[bool], T], interpret: bool | None) -> T:
     The choice is made by `jax.lax.platform_dependent` at lowering time, not from the process's
     default backend at trace time, so a program exported for CUDA from a CPU host holds the
     kernels (and one lowered for both platforms holds both paths). Both branches are traced.
+
+    Inputs are validated before this call, so a ValueError while tracing the CUDA branch is a
+    tile configuration only the interpreter takes (e.g. an explicit block_k < 16, which Triton's
+    matmuls refuse): the CUDA branch then runs the interpreter too, as `interpret=True` would.
     """
     if interpret is not None:
         return run(bool(interpret))
-    return jax.lax.platform_dependent(cuda=lambda: run(False), default=lambda: run(True))
+
+    def cuda():
+        try:
+            return run(False)
+        except ValueError:
+            return run(True)
+
+    return jax.lax.platform_dependent(cuda=cuda, default=lambda: run(True))
 
 
 def num_sms() -> int:
