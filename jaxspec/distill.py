@@ -36,8 +36,10 @@ from jaxspec.config import ModelConfig
 from jaxspec.generate import generate
 from jaxspec.layers.attention import AttentionContext
 from jaxspec.model import ModelParams, MTPParams
+from jaxspec.optim import Schedule, StepClock, adamw, restore_state, save_state, state_manager
+from jaxspec.programs import bounded_jit
 from jaxspec.report import plot_distill_history
-from jaxspec.train import _manager, export_checkpoint, learning_rate, restore_train_state, save_train_state
+from jaxspec.train import export_checkpoint
 
 CHUNK_FILE = "chunk_{:05d}.npz"
 
@@ -134,21 +136,22 @@ def distill_loss(
 
 
 @dataclasses.dataclass(frozen=True)
-class DistillConfig:
-    num_steps: int = 4  # S: depths unrolled, as draft_tree drafts
+class DistillConfig(Schedule):
+    """The schedule (`optim.Schedule`, with a draft's defaults), the depths unrolled and the weight of
+    the cross-entropy on the text."""
+
     lr: float = 1e-3
-    min_lr_ratio: float = 0.1
     warmup_steps: int = 20
-    steps: int = 1000
     weight_decay: float = 0.0
-    clip: float = 1.0
+    num_steps: int = 4  # S: depths unrolled, as draft_tree drafts
     ce_weight: float = 0.0
 
     def __post_init__(self):
+        super().__post_init__()
         if self.num_steps < 1:
             raise ValueError(f"num_steps (S) must be >= 1, got {self.num_steps}")
-        if not self.lr > 0 or self.steps < 1 or self.warmup_steps < 0 or self.clip <= 0 or self.ce_weight < 0:
-            raise ValueError(f"bad optimisation settings: {self}")
+        if self.ce_weight < 0:
+            raise ValueError(f"ce_weight must be >= 0, got {self.ce_weight}")
 
 
 @struct.dataclass
@@ -159,8 +162,7 @@ class DistillState:
 
 
 def _tx(dc: DistillConfig) -> optax.GradientTransformation:
-    return optax.chain(optax.clip_by_global_norm(dc.clip), optax.scale_by_adam(b1=0.9, b2=0.95),
-                       optax.add_decayed_weights(dc.weight_decay))
+    return adamw(dc)
 
 
 def init_distill_state(params: ModelParams, dc: DistillConfig) -> DistillState:
@@ -170,7 +172,7 @@ def init_distill_state(params: ModelParams, dc: DistillConfig) -> DistillState:
     return DistillState(mtp=mtp, opt_state=_tx(dc).init(mtp), step=jnp.zeros((), jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dc"), donate_argnums=(0,))
+@functools.partial(bounded_jit, static_argnums=(5, 6), donate_argnums=(0,))
 def distill_step(ds: DistillState, params: ModelParams, tokens: jax.Array, mask: jax.Array, lr: jax.Array,
                  cfg: ModelConfig, dc: DistillConfig) -> tuple[DistillState, dict[str, jax.Array]]:
     """One optimizer step on the MTP block only (the target's gradients are never taken)."""
@@ -182,7 +184,7 @@ def distill_step(ds: DistillState, params: ModelParams, tokens: jax.Array, mask:
     return DistillState(mtp, opt_state, ds.step + 1), metrics
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num_steps"))
+@functools.partial(bounded_jit, static_argnums=(4, 5))
 def distill_eval(mtp: MTPParams, params: ModelParams, tokens: jax.Array, mask: jax.Array, cfg: ModelConfig,
                  num_steps: int) -> dict[str, jax.Array]:
     return distill_loss(mtp, params, cfg, tokens, mask, num_steps)[1]
@@ -308,6 +310,7 @@ def distill_loop(
     eval_rows: int = 32,
     seed: int = 0,
     log: Callable[[str], None] = print,
+    on_step: Callable[[int, int], None] | None = None,
 ) -> tuple[DistillState, list[dict[str, Any]]]:
     """Train the MTP block until dc.steps or the time budget; train states (orbax) go to run_dir/ckpt
     and resume from there; the shipped checkpoint (target + trained draft) is refreshed in `out` at
@@ -317,22 +320,21 @@ def distill_loop(
     if params.mtp is None:
         raise ValueError("the checkpoint has no MTP block to train")
     os.makedirs(run_dir, exist_ok=True)
-    mgr = _manager(run_dir)
+    mgr = state_manager(run_dir)
     ds = init_distill_state(params, dc)
     history: list[dict[str, Any]] = []
     elapsed0 = 0.0
     if resume:
-        restored = restore_train_state(mgr, ds)
+        restored = restore_state(mgr, ds)
         if restored is not None:
             ds, meta = restored
             history, elapsed0 = list(meta.get("history", [])), float(meta.get("elapsed_s", 0.0))
             log(f"resumed at step {int(ds.step)} ({elapsed0 / 60:.1f} min trained)")
     ds = jax.device_put(ds, jax.devices()[0])
-    t_start = time.time() - elapsed0
+    clock = StepClock(dc, elapsed0, time_budget_s, on_step)
 
     def checkpoint(final: bool) -> None:
-        save_train_state(mgr, ds, {"elapsed_s": time.time() - t_start, "history": history,
-                                   "config": dataclasses.asdict(dc)})
+        save_state(mgr, ds, {"elapsed_s": clock.elapsed(), "history": history, "config": dataclasses.asdict(dc)})
         if out is not None:
             export_checkpoint(out, cfg, params.replace(mtp=ds.mtp), tokenizer, "auto")
             with open(os.path.join(out, "distill.json"), "w") as f:
@@ -343,32 +345,29 @@ def distill_loop(
 
     def do_eval() -> None:
         m = evaluate(ds, params, cfg, eval_seqs, dc, batch, width, eval_rows)
-        history.append({"step": int(ds.step), "elapsed_s": round(time.time() - t_start, 1), "heldout": m})
+        history.append({"step": int(ds.step), "elapsed_s": round(clock.elapsed(), 1), "heldout": m})
         log(f"eval step {int(ds.step)}: " + "  ".join(f"{k} {v:.3f}" for k, v in sorted(m.items())))
 
     if int(ds.step) == 0:
         do_eval()
-    times: list[float] = []
     while int(ds.step) < dc.steps:
         step = int(ds.step)
-        elapsed = time.time() - t_start
-        if time_budget_s is not None and elapsed + (float(np.median(times[-10:])) if times else 0.0) > time_budget_s:
-            log(f"time budget reached at step {step} ({elapsed / 60:.1f} min)")
+        if clock.out_of_time():
+            log(f"time budget reached at step {step} ({clock.elapsed() / 60:.1f} min)")
             break
-        progress = max(step / dc.steps, elapsed / time_budget_s if time_budget_s else 0.0)
-        lr = learning_rate(dc, step, progress)  # DistillConfig has OptConfig's schedule fields
+        lr = clock.lr(step)
         tokens, mask = batch_rows(train_seqs, step, batch, width, seed)
         t0 = time.time()
         ds, m = distill_step(ds, params, jnp.asarray(tokens), jnp.asarray(mask), jnp.float32(lr), cfg, dc)
         m = {k: float(v) for k, v in jax.device_get(m).items()}
-        if step > 0 or elapsed0 > 0:
-            times.append(time.time() - t0)
+        dt = time.time() - t0
+        clock.record(step, dt)
         if not all(np.isfinite(v) for v in m.values()):
             raise FloatingPointError(f"non-finite metrics at step {step}: {m}")
         history.append({"step": step + 1, "lr": lr, **{f"train_{k}": v for k, v in m.items()}})
         log(f"step {step + 1}/{dc.steps} loss {m['loss']:.4f} "
             + " ".join(f"agree{d} {m[f'agree{d}']:.3f}" for d in range(1, dc.num_steps + 1))
-            + f" lr {lr:.2e} ({times[-1] if times else 0:.2f}s)")
+            + f" lr {lr:.2e} ({dt:.2f}s){clock.eta(step)}")
         if int(ds.step) % eval_every == 0 and int(ds.step) < dc.steps:
             do_eval()
             checkpoint(final=False)

@@ -37,6 +37,10 @@ from jaxspec import state as state_lib
 from jaxspec.checkpoint import save_checkpoint
 from jaxspec.config import DTYPES, ModelConfig
 from jaxspec.model import ModelParams
+from jaxspec.optim import Schedule, StepClock, adamw, learning_rate, restore_state, save_state, state_manager
+from jaxspec.programs import bounded_jit
+
+__all__ = ["OptConfig", "learning_rate", "train_loop", "init_train_state", "make_train_step", "make_eval_step"]
 
 SHIP_LIMIT_BYTES = 60 * 10**6
 
@@ -45,38 +49,19 @@ SHIP_LIMIT_BYTES = 60 * 10**6
 
 
 @dataclasses.dataclass(frozen=True)
-class OptConfig:
-    lr: float = 2e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 30
-    steps: int = 1000
-    weight_decay: float = 0.1
+class OptConfig(Schedule):
+    """The schedule (`optim.Schedule`: lr, min_lr_ratio, warmup_steps, steps, weight_decay, clip),
+    AdamW's betas and the loss weights."""
+
     b1: float = 0.9
     b2: float = 0.95
-    clip: float = 1.0
     mtp_weight: float = 0.5
     unlikelihood_weight: float = 0.0
 
     def __post_init__(self):
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.warmup_steps < 0 or self.steps < 1:
-            raise ValueError(f"need warmup_steps >= 0 and steps >= 1, got {self.warmup_steps}, {self.steps}")
-        if self.clip <= 0 or self.weight_decay < 0 or self.mtp_weight < 0 or self.unlikelihood_weight < 0:
-            raise ValueError("clip must be > 0, weight_decay, mtp_weight and unlikelihood_weight >= 0")
-
-
-def learning_rate(opt: OptConfig, step: int, progress: float | None = None) -> float:
-    """Linear warmup, then cosine from lr to lr*min_lr_ratio over `progress` in [0, 1]
-    (default step/steps; a time-budgeted run passes the larger of that and elapsed/budget)."""
-    if step < opt.warmup_steps:
-        return opt.lr * (step + 1) / opt.warmup_steps
-    if progress is None:
-        progress = step / opt.steps
-    p = min(max(progress, 0.0), 1.0)
-    return opt.lr * (opt.min_lr_ratio + (1 - opt.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
+        super().__post_init__()
+        if self.mtp_weight < 0 or self.unlikelihood_weight < 0:
+            raise ValueError("mtp_weight and unlikelihood_weight must be >= 0")
 
 
 def _float_index(params: ModelParams) -> tuple[int, ...]:
@@ -85,12 +70,7 @@ def _float_index(params: ModelParams) -> tuple[int, ...]:
 
 
 def _tx(opt: OptConfig) -> optax.GradientTransformation:
-    # The learning rate is applied outside (an argument of the step) so a time budget can drive it.
-    return optax.chain(
-        optax.clip_by_global_norm(opt.clip),
-        optax.scale_by_adam(b1=opt.b1, b2=opt.b2),
-        optax.add_decayed_weights(opt.weight_decay, mask=lambda ps: [x.ndim >= 2 for x in ps]),
-    )
+    return adamw(opt, opt.b1, opt.b2, mask=lambda ps: [x.ndim >= 2 for x in ps])
 
 
 @struct.dataclass
@@ -184,7 +164,7 @@ def _tx_key(opt: OptConfig) -> tuple[float, ...]:
     return (opt.b1, opt.b2, opt.weight_decay, opt.clip, opt.mtp_weight, opt.unlikelihood_weight)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "key"), donate_argnums=(0,))
+@functools.partial(bounded_jit, static_argnums=(3, 4), donate_argnums=(0,))
 def _train_step(ts: TrainState, tokens: jax.Array, lr: jax.Array, cfg: ModelConfig, key: tuple[float, ...]):
     b1, b2, wd, clip, mtp_weight, unlikelihood_weight = key
     tx = _tx(OptConfig(b1=b1, b2=b2, weight_decay=wd, clip=clip, mtp_weight=mtp_weight))
@@ -211,10 +191,11 @@ def make_train_step(cfg: ModelConfig, opt: OptConfig) -> Callable[..., tuple[Tra
     """-> step(state, tokens [B, T+2], lr []) -> (state, metrics); one jitted program, donates `state`."""
     if not isinstance(cfg, ModelConfig) or not isinstance(opt, OptConfig):
         raise ValueError("make_train_step needs a ModelConfig and an OptConfig")
-    return functools.partial(_train_step, cfg=cfg, key=_tx_key(opt))
+    key = _tx_key(opt)
+    return lambda ts, tokens, lr: _train_step(ts, tokens, lr, cfg, key)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@functools.partial(bounded_jit, static_argnums=(2,))
 def _eval_step(params: ModelParams, tokens: jax.Array, cfg: ModelConfig) -> dict[str, jax.Array]:
     return loss_fn(params, cfg, tokens, 1.0)[1]
 
@@ -223,41 +204,10 @@ def make_eval_step(cfg: ModelConfig) -> Callable[..., dict[str, jax.Array]]:
     """-> eval(params, tokens [B, T+2]) -> {"main", "mtp"} (jitted)."""
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
-    return functools.partial(_eval_step, cfg=cfg)
+    return lambda params, tokens: _eval_step(params, tokens, cfg)
 
 
 # ---- checkpoints -------------------------------------------------------------------------------
-
-
-def _manager(run_dir: str, max_to_keep: int = 2):
-    import orbax.checkpoint as ocp
-
-    return ocp.CheckpointManager(
-        os.path.abspath(os.path.join(run_dir, "ckpt")),
-        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=False),
-        item_names=("state", "meta"),
-    )
-
-
-def save_train_state(mgr: Any, ts: TrainState, meta: dict[str, Any]) -> None:
-    import orbax.checkpoint as ocp
-
-    step = int(ts.step)
-    mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(ts), meta=ocp.args.JsonSave(meta)), force=True)
-    mgr.wait_until_finished()
-
-
-def restore_train_state(mgr: Any, template: TrainState) -> tuple[TrainState, dict[str, Any]] | None:
-    """Latest (state, meta) of the manager, or None when it holds none."""
-    import orbax.checkpoint as ocp
-
-    step = mgr.latest_step()
-    if step is None:
-        return None
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
-    out = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                    meta=ocp.args.JsonRestore()))
-    return out["state"], out["meta"]
 
 
 def ship_params(cfg: ModelConfig, params: ModelParams, dtype: str) -> tuple[ModelConfig, ModelParams]:
@@ -363,6 +313,18 @@ def evaluate(eval_fn: Callable[..., Any], params: ModelParams, eval_rows: dict[s
     return out
 
 
+def _check_loop_arguments(eval_rows: dict[str, np.ndarray], batch: int, eval_every: int, ship_dtype: str) -> None:
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    if eval_every < 1:
+        raise ValueError(f"eval_every must be >= 1, got {eval_every}")
+    if ship_dtype not in (*DTYPES, "auto"):
+        raise ValueError(f"ship_dtype must be one of {(*DTYPES, 'auto')}, got {ship_dtype!r}")
+    for name, rows in eval_rows.items():
+        if rows.ndim != 2 or len(rows) < batch:
+            raise ValueError(f"eval rows of {name!r} must be [n >= batch={batch}, T+2], got shape {rows.shape}")
+
+
 def train_loop(
     cfg: ModelConfig,
     opt: OptConfig,
@@ -382,27 +344,19 @@ def train_loop(
     ship_dtype: str = "auto",
     log: Callable[[str], None] = print,
     extra_meta: dict[str, Any] | None = None,
+    on_step: Callable[[int, int], None] | None = None,
 ) -> tuple[TrainState, list[dict[str, Any]]]:
-    """Run until opt.steps or the time budget; -> (final state, history). Saves and exports on the way."""
-    if batch < 1:
-        raise ValueError(f"batch must be >= 1, got {batch}")
-    if eval_every < 1:
-        raise ValueError(f"eval_every must be >= 1, got {eval_every}")
-    if time_budget_s is not None and time_budget_s <= 0:
-        raise ValueError(f"time budget must be > 0, got {time_budget_s}")
-    if ship_dtype not in (*DTYPES, "auto"):
-        raise ValueError(f"ship_dtype must be one of {(*DTYPES, 'auto')}, got {ship_dtype!r}")
-    for name, rows in eval_rows.items():
-        if rows.ndim != 2 or len(rows) < batch:
-            raise ValueError(f"eval rows of {name!r} must be [n >= batch={batch}, T+2], got shape {rows.shape}")
+    """Run until opt.steps or the time budget; -> (final state, history). Saves and exports on the
+    way; `on_step(done, total)` after every step (a progress bar)."""
+    _check_loop_arguments(eval_rows, batch, eval_every, ship_dtype)
     save_every = save_every or eval_every
     os.makedirs(run_dir, exist_ok=True)
-    mgr = _manager(run_dir)
+    mgr = state_manager(run_dir)
     ts = init_train_state(cfg, opt, jax.random.key(seed))
     history: list[dict[str, Any]] = []
     elapsed0 = 0.0
     if resume:
-        restored = restore_train_state(mgr, ts)
+        restored = restore_state(mgr, ts)
         if restored is None:
             log(f"no checkpoint in {run_dir}/ckpt; starting fresh")
         else:
@@ -414,17 +368,14 @@ def train_loop(
     ts = jax.device_put(ts, jax.devices()[0])
     step_fn = make_train_step(cfg, opt)
     eval_fn = make_eval_step(cfg)
-    t_start = time.time() - elapsed0
-    ev_batch = batch
+    clock = StepClock(opt, elapsed0, time_budget_s, on_step)
     curve_csv = os.path.join(run_dir, "loss.csv")
     curve_png = os.path.join(run_dir, "loss.png")
 
-    def meta() -> dict[str, Any]:
-        return {"elapsed_s": time.time() - t_start, "history": history, "unigram": unigram,
-                "opt": dataclasses.asdict(opt), **(extra_meta or {})}
-
     def checkpoint(final: bool = False) -> None:
-        save_train_state(mgr, ts, meta())
+        meta = {"elapsed_s": clock.elapsed(), "history": history, "unigram": unigram,
+                "opt": dataclasses.asdict(opt), **(extra_meta or {})}
+        save_state(mgr, ts, meta)
         write_curve(history, curve_csv, curve_png)
         if out is not None:
             used = export_checkpoint(out, cfg, ts.params, tokenizer, ship_dtype,
@@ -435,51 +386,34 @@ def train_loop(
                            "last_eval": last, "opt": dataclasses.asdict(opt), **(extra_meta or {})}, f, indent=2)
 
     def do_eval() -> None:
-        m = evaluate(eval_fn, ts.params, eval_rows, ev_batch)
-        row = {"step": int(ts.step), "elapsed_s": round(time.time() - t_start, 1), "heldout_main": m.get("main"),
-               "heldout_mtp": m.get("mtp"), "unigram": unigram, "heldout": m}
-        history.append(row)
+        m = evaluate(eval_fn, ts.params, eval_rows, batch)
+        history.append({"step": int(ts.step), "elapsed_s": round(clock.elapsed(), 1), "heldout_main": m.get("main"),
+                        "heldout_mtp": m.get("mtp"), "unigram": unigram, "heldout": m})
         per = "  ".join(f"{k}={v:.3f}" for k, v in m.items() if "/" in k)
         log(f"eval step {int(ts.step)}: held-out main {m.get('main', float('nan')):.4f} "
             f"mtp {m.get('mtp', float('nan')):.4f} (unigram {unigram})  {per}")
 
     if int(ts.step) == 0:
         do_eval()
-    step_times: list[float] = []
     while int(ts.step) < opt.steps:
         step = int(ts.step)
-        elapsed = time.time() - t_start
-        if time_budget_s is not None:
-            est = float(np.median(step_times[-10:])) if step_times else 0.0
-            if elapsed + est > time_budget_s:
-                log(f"time budget reached at step {step} ({elapsed / 60:.1f} min)")
-                break
-            progress = max(step / opt.steps, elapsed / time_budget_s)
-        else:
-            progress = step / opt.steps
-        lr = learning_rate(opt, step, progress)
-        tokens = jnp.asarray(sampler.batch(step, batch))
+        if clock.out_of_time():
+            log(f"time budget reached at step {step} ({clock.elapsed() / 60:.1f} min)")
+            break
+        lr = clock.lr(step)
         t0 = time.time()
-        ts, m = step_fn(ts, tokens, jnp.float32(lr))
+        ts, m = step_fn(ts, jnp.asarray(sampler.batch(step, batch)), jnp.float32(lr))
         m = {k: float(v) for k, v in jax.device_get(m).items()}
         dt = time.time() - t0
-        if step > 0 or elapsed0 > 0:  # the first step of a process includes compilation
-            step_times.append(dt)
+        clock.record(step, dt)
         if not all(math.isfinite(v) for v in m.values()):
             raise FloatingPointError(f"non-finite metrics at step {step}: {m}")
-        history.append({"step": step + 1, "elapsed_s": round(time.time() - t_start, 1), "lr": lr,
+        history.append({"step": step + 1, "elapsed_s": round(clock.elapsed(), 1), "lr": lr,
                         "train_loss": m["loss"], "train_main": m["main"], "train_mtp": m.get("mtp"),
                         "train_main_ul": m.get("main_ul")})
-        eta = ""
-        if step_times:
-            per = float(np.median(step_times[-10:]))
-            left = (opt.steps - step - 1) * per
-            if time_budget_s is not None:
-                left = min(left, time_budget_s - (time.time() - t_start))
-            eta = f" {per:.2f}s/step eta {max(left, 0) / 60:.1f}min"
         log(f"step {step + 1}/{opt.steps} loss {m['loss']:.4f} main {m['main']:.4f} mtp {m.get('mtp', 0):.4f} "
             + (f"ul {m['main_ul']:.4f} " if "main_ul" in m else "")
-            + f"gnorm {m['grad_norm']:.3f} lr {lr:.2e} ({dt:.2f}s){eta}")
+            + f"gnorm {m['grad_norm']:.3f} lr {lr:.2e} ({dt:.2f}s){clock.eta(step)}")
         done = int(ts.step) >= opt.steps
         if int(ts.step) % eval_every == 0 and not done:
             do_eval()

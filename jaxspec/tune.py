@@ -9,8 +9,8 @@ cycle. A short calibration run measures what that needs on this machine and mode
   program over the draft's per-rank acceptance vector (a one-level tree of width max K,
   `eval.measure_rank_acceptance`, `tree.budget`; `estimator="sequoia"`). Sequoia assumes every depth accepts
   independently; on repetitive text acceptance along a path is correlated and the DP
-  under-estimates chains by 30-50% on the shipped checkpoint, so the measured mean is the default and
-  both are kept in tune.json;
+  under-estimates chains (docs/results.md), so the measured mean is the default and both are kept in
+  tune.json;
 - per batch bucket, the time of one autoregressive step and of the draft and of a whole cycle
   (draft -> prune -> plan -> verify -> accept -> commit) of every candidate, each a jitted call on a
   state prefilled with real prompts, so the verify cost grows with D and the bucket as it really does
@@ -22,6 +22,8 @@ checkpoint (`jaxspec.tuning`) and read back by `auto_spec` / `speculative_genera
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import cost, stages
+from jaxspec import costmodel, stages
 from jaxspec.config import ModelConfig, SpecConfig
 from jaxspec.eval import measure_rank_acceptance
 from jaxspec.generate import batch_bucket, length_bucket, prepare_prompts
@@ -75,12 +77,13 @@ def choose(measurements: Sequence[dict[str, Any]], estimator: str) -> dict[int, 
 
 
 def project_measurements(measurements: Sequence[dict[str, Any]], cfg: ModelConfig, context: int,
-                         accelerator: str) -> None:
-    """Replace each measurement's AR-step / cycle seconds by the cost model's projection for `cfg` on
-    `accelerator` (in place); the measured ones stay as measured_step_seconds / measured_cycle_seconds."""
+                         accelerator: str, mesh: tuple[int, int, int] = (1, 1, 1)) -> None:
+    """Replace each measurement's AR-step / cycle seconds by the analytic cost model's projection for
+    `cfg` on `mesh` of `accelerator` (in place); the measured ones stay as measured_step_seconds /
+    measured_cycle_seconds."""
     for m in measurements:
         spec = None if m["spec"] == NO_SPECULATION else SpecConfig.parse(m["spec"])
-        seconds = cost.projected_seconds(cfg, spec, m["batch"], context, accelerator)
+        seconds = costmodel.projected_seconds(cfg, spec, m["batch"], context, accelerator, tuple(mesh))
         if spec is None:
             m.update(measured_step_seconds=m["step_seconds"], step_seconds=seconds, tokens_per_s=m["batch"] / seconds)
         else:
@@ -109,15 +112,22 @@ def calibrate(
     progress: bool = True,
     projected: str | None = None,
     projected_cfg: ModelConfig | None = None,
+    projected_mesh: tuple[int, int, int] = (1, 1, 1),
+    resume: str | Path | None = None,
 ) -> Tuning:
     """Measure acceptance and step times on `prompts`, then choose a spec (or none) per batch bucket.
 
-    With `projected` (an accelerator of `jaxspec.cost`, e.g. "h200") the choice uses the cost model's
-    projected AR-step and cycle times on that accelerator instead of this machine's (of
-    `projected_cfg`, default the checkpoint's own config) with the acceptance measured here: a
+    With `projected` (an accelerator of `jaxspec.costmodel`, e.g. "h200") the choice uses the analytic
+    cost model's projected AR-step and cycle times on `projected_mesh` of that accelerator instead of
+    this machine's (of `projected_cfg`, default the checkpoint's own config) with the acceptance measured here: a
     choice for a machine that is not at hand. The measured times are kept beside them.
+
+    With `resume` (a JSON-lines file) each finished batch bucket is appended there, and a bucket a
+    file already holds for the same model, prompts, candidates and lengths is not measured again: a
+    stopped calibration continues where it stopped (ratios still compare runs of one process: a
+    bucket is measured whole or not at all).
     """
-    from rich.progress import Progress
+    from rich.progress import Progress, TimeElapsedColumn
 
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
@@ -131,7 +141,7 @@ def calibrate(
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
     if projected is not None:
-        cost.accelerator(projected)  # a ValueError naming the known ones
+        costmodel.hardware(projected)  # a ValueError naming the known ones
     specs = [SpecConfig.parse(c) if isinstance(c, str) else c for c in candidates]
     if not specs:
         raise ValueError("need at least one candidate spec")
@@ -149,40 +159,28 @@ def calibrate(
     width_k = max(s.topk for s in specs)
     acceptance = measure_rank_acceptance(params, cfg, prompts, width=max(width_k, 2), max_new_tokens=64)
     buckets = sorted({batch_bucket(int(b)) for b in batch_sizes})
+    signature = _signature(cfg, prompts, specs, max_new_tokens, iters)
+    finished = _finished_buckets(resume, signature, buckets)
     measurements: list[dict[str, Any]] = []
     accepted: dict[str, dict[int, list[int]]] = {}  # spec -> prompt -> accepted drafts per cycle
-    with Progress(disable=not progress) as bar:
+    with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), disable=not progress) as bar:
         task = bar.add_task("calibrating", total=len(buckets) * (len(specs) + 1))
         for b in buckets:
-            tokens, lengths = _prompt_rows(prompts, b, width)
-            start_state, root0, hidden0 = stages.prefill(params, cfg, tokens, lengths, max_len)
-            bar.update(task, description=f"b={b} ar")
-            _, seconds, _ = stages.median_seconds(lambda c: stages.ar_step(params, cfg, *c), (start_state, root0),
-                                                  cycles)
-            measurements.append(
-                {"batch": b, "spec": NO_SPECULATION, "step_seconds": seconds, "tokens_per_s": b / seconds}
-            )
-            bar.advance(task)
-            for spec in specs:
-                bar.update(task, description=f"b={b} {spec.name}")
-                _, draft_seconds, _ = stages.median_seconds(
-                    lambda c, spec=spec, s=start_state, r=root0, h=hidden0: stages.draft(params, cfg, spec, s, r, h),
-                    None, cycles,
-                )
-                _, cycle_seconds, seen = stages.median_seconds(
-                    lambda c, spec=spec: stages.cycle(params, cfg, spec, c[0], c[1], c[2]),
-                    (start_state, root0, hidden0, jnp.zeros_like(root0)), cycles,
-                )
-                per_row = np.stack([np.asarray(c[3]) for c in seen])  # [cycles, b] accepted drafts
-                for row in range(b):
-                    accepted.setdefault(spec.name, {}).setdefault(row % len(prompts), []).extend(per_row[:, row])
-                measurements.append({
-                    "batch": b, "spec": spec.name, "draft_seconds": draft_seconds,
-                    "verify_commit_seconds": max(cycle_seconds - draft_seconds, 0.0), "cycle_seconds": cycle_seconds,
-                })
-                bar.advance(task)
+            if b in finished:
+                record = finished[b]
+                bar.advance(task, len(specs) + 1)
+            else:
+                record = _measure_bucket(params, cfg, specs, prompts, b, width, max_len, cycles,
+                                         lambda text: bar.update(task, description=text), lambda: bar.advance(task))
+                if resume is not None:
+                    with open(resume, "a") as sink:  # a bucket at a time: a stopped run keeps what it finished
+                        sink.write(json.dumps({"signature": signature, "bucket": b, **record}) + "\n")
+            measurements += record["measurements"]
+            for spec_name, rows in record["accepted"].items():
+                for row, values in rows.items():
+                    accepted.setdefault(spec_name, {}).setdefault(int(row), []).extend(values)
     if projected is not None:
-        project_measurements(measurements, projected_cfg or cfg, max_len, projected)
+        project_measurements(measurements, projected_cfg or cfg, max_len, projected, projected_mesh)
     # A prompt's accepted length does not depend on the batch (greedy rows are independent): pool
     # every bucket's cycles per prompt.
     for m in measurements:
@@ -202,6 +200,59 @@ def calibrate(
         max_new_tokens=int(max_new_tokens),
         projected=None if projected is None else f"{projected}:{(projected_cfg or cfg).num_layers}-layer model",
     )
+
+
+def _measure_bucket(params, cfg, specs, prompts, b, width, max_len, cycles, describe, advance) -> dict[str, Any]:
+    """AR step, draft and whole-cycle times of every candidate at batch bucket b, and the accepted
+    drafts per calibration prompt -> {"measurements": [...], "accepted": {spec: {prompt: [...]}}}."""
+    tokens, lengths = _prompt_rows(prompts, b, width)
+    start_state, root0, hidden0 = stages.prefill(params, cfg, tokens, lengths, max_len)
+    describe(f"b={b} ar")
+    _, seconds, _ = stages.median_seconds(lambda c: stages.ar_step(params, cfg, *c), (start_state, root0), cycles)
+    measurements = [{"batch": b, "spec": NO_SPECULATION, "step_seconds": seconds, "tokens_per_s": b / seconds}]
+    accepted: dict[str, dict[int, list[int]]] = {}
+    advance()
+    for spec in specs:
+        describe(f"b={b} {spec.name}")
+        _, draft_seconds, _ = stages.median_seconds(
+            lambda c, spec=spec, s=start_state, r=root0, h=hidden0: stages.draft(params, cfg, spec, s, r, h),
+            None, cycles,
+        )
+        _, cycle_seconds, seen = stages.median_seconds(
+            lambda c, spec=spec: stages.cycle(params, cfg, spec, c[0], c[1], c[2]),
+            (start_state, root0, hidden0, jnp.zeros_like(root0)), cycles,
+        )
+        per_row = np.stack([np.asarray(c[3]) for c in seen])  # [cycles, b] accepted drafts
+        for row in range(b):
+            accepted.setdefault(spec.name, {}).setdefault(row % len(prompts), []).extend(
+                int(x) for x in per_row[:, row])
+        measurements.append({
+            "batch": b, "spec": spec.name, "draft_seconds": draft_seconds,
+            "verify_commit_seconds": max(cycle_seconds - draft_seconds, 0.0), "cycle_seconds": cycle_seconds,
+        })
+        advance()
+    return {"measurements": measurements, "accepted": accepted}
+
+
+def _signature(cfg: ModelConfig, prompts, specs, max_new_tokens: int, iters: int) -> str:
+    """What a finished bucket's measurements depend on: a resumed run reuses only matching ones."""
+    what = json.dumps([repr(cfg), prompts, [s.name for s in specs], max_new_tokens, iters,
+                       [d.device_kind for d in jax.local_devices()]])
+    return hashlib.sha256(what.encode()).hexdigest()[:16]
+
+
+def _finished_buckets(resume: str | Path | None, signature: str, buckets: Sequence[int]) -> dict[int, dict[str, Any]]:
+    if resume is None or not Path(resume).is_file():
+        return {}
+    finished = {}
+    for line in Path(resume).read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut off by a stopped run
+            continue
+        if isinstance(record, dict) and record.get("signature") == signature and record.get("bucket") in buckets:
+            finished[record["bucket"]] = record
+    return finished
 
 
 # ---- checking a choice against a sweep ------------------------------------------------------

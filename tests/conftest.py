@@ -1,15 +1,57 @@
+import contextlib
+import fcntl
 import os
+import shutil
 
 import jax
 import pytest
 
 import jaxspec as js
-from jaxspec.testing import high_acceptance, randomize  # noqa: F401  (tests import them from here)
+from jaxspec.testing import high_acceptance, randomize
 
-# Checks too long for CI's 20 minutes (each covered there by a cheaper test of the same mechanism):
-# `JAXSPEC_LONG_TESTS=1 ./test.sh` runs them.
-long_test = pytest.mark.skipif(os.environ.get("JAXSPEC_LONG_TESTS") != "1",
-                               reason="long: JAXSPEC_LONG_TESTS=1 ./test.sh runs it")
+
+def pytest_collection_modifyitems(config, items):
+    """`@pytest.mark.long` checks (too long for CI, each covered there by a cheaper test of the same
+    mechanism) run only with JAXSPEC_LONG_TESTS=1."""
+    if os.environ.get("JAXSPEC_LONG_TESTS") == "1":
+        return
+    skip = pytest.mark.skip(reason="long: JAXSPEC_LONG_TESTS=1 ./test.sh runs it")
+    for item in items:
+        if item.get_closest_marker("long") is not None:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def run_once(tmp_path_factory):
+    """run_once(name, produce) -> a folder `produce(folder)` filled once per test run, however many
+    xdist workers ask: the first takes a file lock in the base temp folder all workers share and
+    produces; the others wait for it and read the same folder (an expensive subprocess, such as the
+    8-device worker, then runs once per CI run whatever the scheduling). A failed `produce` leaves no
+    folder behind, so a later caller tries again and fails with its own error."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # xdist: one basetemp per worker, below one folder they share
+
+    def run(name, produce):
+        folder = base / f"once-{name}"
+        with open(base / f"once-{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                if not (folder / ".done").exists():
+                    shutil.rmtree(folder, ignore_errors=True)
+                    folder.mkdir()
+                    try:
+                        produce(folder)
+                    except BaseException:
+                        shutil.rmtree(folder, ignore_errors=True)
+                        raise
+                    (folder / ".done").touch()
+            finally:
+                with contextlib.suppress(OSError):
+                    fcntl.flock(lock, fcntl.LOCK_UN)
+        return folder
+
+    return run
 
 
 @pytest.fixture(scope="session")
@@ -25,22 +67,3 @@ def test_params(test_cfg):
 @pytest.fixture(scope="session")
 def agreeing_params(test_params):
     return high_acceptance(test_params)
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(config, items):
-    """Keep each `xdist_group` on one worker. pytest-xdist's `--dist loadgroup` tags a grouped test's
-    node id with "@group" and schedules by that tag; under pytest 9 its tag no longer reaches the id
-    (pytest keeps ids in `_id`), so the groups were spread over both workers and the 8-device and
-    2-process subprocesses ran once per worker. Tag them here where xdist's tag is missing."""
-    if not getattr(config.option, "loadgroup", False):
-        return
-    try:
-        from _pytest.nodeid import coerce_node_id
-    except ImportError:  # pytest < 9: xdist's own tag works
-        return
-    for item in items:
-        groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
-                         for m in item.iter_markers("xdist_group")})
-        if groups and "@" not in item.nodeid:
-            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(groups)}")

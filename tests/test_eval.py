@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import long_test
 
 from jaxspec.config import SpecConfig
 from jaxspec.eval import SweepConfig, distinct_ngram_ratio
@@ -123,7 +122,7 @@ _SWEEP = textwrap.dedent(
 )
 
 
-@long_test  # ~2.5 minutes; 8-device identity of the loops themselves is in test_sharding_8dev
+@pytest.mark.long  # ~2.5 minutes; 8-device identity of the loops themselves is in test_sharding_8dev
 def test_sweep_identical_on_1_and_8_devices(tmp_path):
     results = {}
     for n in (1, 8):

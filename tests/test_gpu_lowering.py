@@ -17,7 +17,6 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import long_test
 
 import jaxspec as js
 from jaxspec.generate import prefill_for_speculation, speculative_cycle
@@ -136,13 +135,13 @@ def test_cpu_lowering_of_the_same_experts_is_dense_or_gathered():
     assert kernel_calls(cuda) == {"grouped_matmul_plain": 3} and not expert_stack_dots(cuda, e, d, i)
 
 
-@long_test
+@pytest.mark.long
 @pytest.mark.parametrize("batch", [1, 8])
 def test_sampling_cycle_of_tiny_for_cuda_holds_the_kernels(batch):
     _check_cycle(js.ModelConfig.preset("tiny").replace(attention_impl="pallas"), batch, sampling=True)
 
 
-@long_test
+@pytest.mark.long
 @pytest.mark.parametrize("batch", [1, 8])
 @pytest.mark.parametrize("sampling", [False, True])
 def test_cycle_of_a_two_layer_v4_flash_for_cuda_holds_the_kernels(batch, sampling):
@@ -151,7 +150,6 @@ def test_cycle_of_a_two_layer_v4_flash_for_cuda_holds_the_kernels(batch, samplin
     assert {"tree_attention_sparse", "tree_attention_dense"} <= set(calls)
 
 
-@pytest.mark.xdist_group("gpu_lowering_8dev")
 def test_sharded_cycle_on_8_devices_for_cuda_holds_the_kernels(tmp_path):
     """(1, 8, 1): tensor-parallel attention and expert hidden width; (1, 1, 8): one expert per device
     (expert parallel, `sharding.active.routed_experts`). In a subprocess with 8 CPU devices."""

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import long_test
 
 import jaxspec as js
 from jaxspec.layers import moe
@@ -64,7 +63,7 @@ IN_CI = {("fp8", 64), ("fp8_e8m0", 300), ("fp4", 300)}
 
 
 @pytest.mark.parametrize("fmt,n", [c if c[0] == "plain" or c in IN_CI else
-                                   pytest.param(*c, marks=long_test) for c in CASES])
+                                   pytest.param(*c, marks=pytest.mark.long) for c in CASES])
 def test_kernel_experts_equal_dense_experts(fmt, n):
     experts = _experts(fmt)
     x, idx, w = _inputs(n, seed=n)
@@ -95,7 +94,7 @@ def test_grouped_matmul_equals_ragged_dot_with_empty_groups():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@long_test  # on CPU the model differentiates the dense path; this is the GPU path's rule
+@pytest.mark.long  # on CPU the model differentiates the dense path; this is the GPU path's rule
 def test_kernel_experts_gradients_are_the_grouped_paths():
     experts = _experts("plain")
     x, idx, w = _inputs(8)

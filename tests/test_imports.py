@@ -14,7 +14,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "jaxspec"
 RANKS = [
     # The safetensors reader, the FP8 / FP4 formats and the damaged-file errors need numpy only (the
     # checkpoint package's __init__ is higher, so only checkpoint modules may import them).
-    ("jaxspec.config", "jaxspec.tokenizer", "jaxspec.data", "jaxspec.tuning", "jaxspec.programs", "jaxspec.gpu_export",
+    ("jaxspec.config", "jaxspec.tokenizer", "jaxspec.data", "jaxspec.tuning", "jaxspec.programs",
+     "jaxspec.optim", "jaxspec.gpu_export",
      "jaxspec.checkpoint.safetensors_io", "jaxspec.checkpoint.quant", "jaxspec.checkpoint.errors"),
     ("jaxspec.ops", "jaxspec.sharding.rules"),
     ("jaxspec.sharding.active", "jaxspec.sharding"),
@@ -26,7 +27,7 @@ RANKS = [
     ("jaxspec.tree",),
     ("jaxspec.generate",),
     ("jaxspec.checkpoint", "jaxspec.stages", "jaxspec.report", "jaxspec.eval", "jaxspec.tune",
-     "jaxspec.train", "jaxspec.packing", "jaxspec.cost", "jaxspec.distill"),
+     "jaxspec.train", "jaxspec.packing", "jaxspec.cost", "jaxspec.costmodel", "jaxspec.distill"),
     ("jaxspec.cli",),
     ("jaxspec", "jaxspec.__main__"),
 ]

@@ -6,11 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import randomize
 
 import jaxspec as js
 from jaxspec import model
 from jaxspec import state as state_lib
+from jaxspec.testing import randomize
 
 extend = jax.jit(model.extend, static_argnums=(1,))
 

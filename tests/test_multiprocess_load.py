@@ -24,8 +24,6 @@ from jaxspec.checkpoint import save_hf_checkpoint
 from jaxspec.checkpoint.safetensors_io import open_folder
 from jaxspec.testing import high_acceptance, randomize
 
-pytestmark = pytest.mark.xdist_group("multiprocess")
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 # 8 heads / groups / experts: split over tensor 2 x expert 4 (as tests/sharding_worker.py).
 CFG = js.ModelConfig.preset("test", num_heads=8, o_groups=8, n_routed_experts=8, num_layers=2,
@@ -38,16 +36,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-_RUN: dict[str, tuple] = {}
-
-
 @pytest.fixture(scope="session")
-def run(tmp_path_factory):
-    # Kept for the worker process's life: an xdist worker whose queue runs dry tears down session
-    # fixtures too, which ran the three processes twice per CI run.
-    if "run" not in _RUN:
-        _RUN["run"] = _run_processes(tmp_path_factory.mktemp("multiprocess"))
-    return _RUN["run"]
+def run(run_once):
+    # The three processes run once per test run, whichever xdist workers ask for them.
+    root = run_once("multiprocess", _run_processes)
+    ckpt, out = root / "ckpt", root / "out"
+    reports = {name: json.load(open(out / f"{name}.json")) for name in ("process0", "process1", "single")}
+    return reports, np.load(out / "process0.npz"), np.load(out / "single.npz"), open_folder(str(ckpt))
 
 
 def _run_processes(root):
@@ -72,8 +67,6 @@ def _run_processes(root):
     for p, log in zip(procs, logs, strict=True):
         if p.returncode:
             pytest.fail(f"worker {p.args[-2:]} failed ({p.returncode}):\n{log[-6000:]}")
-    reports = {name: json.load(open(out / f"{name}.json")) for name in ("process0", "process1", "single")}
-    return reports, np.load(out / "process0.npz"), np.load(out / "single.npz"), open_folder(str(ckpt))
 
 
 def test_cluster_of_two_processes(run):

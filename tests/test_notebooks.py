@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import long_test
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -70,7 +69,7 @@ def test_notebooks_are_stripped():
 
 @pytest.mark.parametrize(
     "name", ["01_anatomy_of_a_cycle.ipynb", "02_branch_isolation.ipynb",
-             pytest.param("03_tree_vs_linear.ipynb", marks=long_test)]  # ~80 s: a small sweep
+             pytest.param("03_tree_vs_linear.ipynb", marks=pytest.mark.long)]  # ~80 s: a small sweep
 )
 def test_notebook_runs(name):
     if name in NEEDS_CHECKPOINT and not (CHECKPOINT / "config.json").is_file():

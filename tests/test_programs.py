@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import long_test
 
 from jaxspec import programs
 
@@ -126,8 +125,6 @@ def test_default_fits_the_default_map_limit():
     assert programs.DEFAULT_MAX_PROGRAMS * programs.MAPS_PER_PROGRAM + 5_000 < 65_530 - 10_000
 
 
-# One xdist worker runs the long process below, apart from the other modules' tests.
-@pytest.mark.xdist_group("program_cache")
 @pytest.mark.skipif(not LINUX_MAPS, reason="needs /proc/self/maps")
 def test_speculative_loops_past_the_cache_give_back_their_maps(tmp_path):
     """4 distinct speculative loops in one process with the cache bounded to 2 programs: the first
@@ -158,9 +155,8 @@ def test_speculative_loops_past_the_cache_give_back_their_maps(tmp_path):
     assert max(maps[1:]) - maps[0] < per_loop, report  # unbounded: + 3 x per_loop
 
 
-@pytest.mark.xdist_group("program_cache")
 @pytest.mark.skipif(not LINUX_MAPS, reason="needs /proc/self/maps")
-@long_test  # 14 minutes of a core
+@pytest.mark.long  # 14 minutes of a core
 def test_sixty_speculative_loops_in_one_process(tmp_path):
     """60 distinct speculative loops under the default vm.max_map_count and the default 20 programs:
     without the cache this process died at the 59th loop (64,716 maps); with it the maps stay under

@@ -16,24 +16,16 @@ import sys
 
 import pytest
 
-# One xdist worker runs the whole module (./test.sh uses --dist loadgroup), and the report is kept in
-# this module for the life of the worker process: an xdist worker whose queue runs dry tears down
-# every fixture, session-scoped ones too, which ran the ~4-minute subprocess twice per CI run
-# (durations: 245 s + 229 s of setup).
-pytestmark = pytest.mark.xdist_group("eight_devices")
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 MESHES = ["8,1,1", "1,8,1", "2,4,1", "1,2,4"]
 
 
-_REPORT: dict[str, dict] = {}
-
-
 @pytest.fixture(scope="session")
-def report(tmp_path_factory):
-    if "report" not in _REPORT:
-        _REPORT["report"] = _run_worker(tmp_path_factory.mktemp("sharding") / "report.json")
-    return _REPORT["report"]
+def report(run_once):
+    # The ~4-minute subprocess runs once per test run, whichever xdist workers ask for it.
+    folder = run_once("eight_devices", lambda out: _run_worker(out / "report.json"))
+    with open(folder / "report.json") as f:
+        return json.load(f)
 
 
 def _run_worker(out):

@@ -6,10 +6,9 @@ import os
 
 import numpy as np
 import pytest
-from conftest import long_test
 
 import jaxspec as js
-from jaxspec.cost import projected_seconds
+from jaxspec.costmodel import projected_seconds
 from jaxspec.report import comparison_table, tuning_table
 from jaxspec.tree.budget import expected_tokens_per_cycle, sequoia_optimum
 from jaxspec.tune import auto_spec, batch_tokens_per_cycle, calibrate, choose, compare_with_sweep, project_measurements
@@ -100,7 +99,7 @@ def test_compare_with_sweep_reports_ratios():
         compare_with_sweep(Tuning((0.7,), {1: "s2_k1_d3"}, "sequoia", (), 64), records)
 
 
-@long_test  # ~100 s; the CLI test below calibrates on the shipped checkpoint end to end
+@pytest.mark.long  # ~100 s; the CLI test below calibrates on the shipped checkpoint end to end
 def test_calibrate_measures_every_candidate_per_bucket(agreeing_params, test_cfg):
     candidates = ("s2_k1_d3", "s2_k2_d4")
     tuning = calibrate(agreeing_params, test_cfg, PROMPTS, (1, 3), candidates, max_new_tokens=24, iters=2,
@@ -164,3 +163,26 @@ def test_cli_tune_on_the_shipped_checkpoint(tmp_path, capsys):
     assert "chosen: batch 2:" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="does not exist"):
         main(["tune", "--checkpoint", str(tmp_path / "none")])
+
+
+def test_calibrate_resumes_from_the_buckets_it_finished(agreeing_params, test_cfg, tmp_path, monkeypatch):
+    """A stopped calibration keeps each finished bucket in its progress file; the rerun measures only
+    the buckets that file lacks, and a file of other candidates is not reused."""
+    import jaxspec.tune as tune_lib
+
+    measured = []
+    real = tune_lib._measure_bucket
+    monkeypatch.setattr(tune_lib, "_measure_bucket", lambda *a, **k: measured.append(a[4]) or real(*a, **k))
+    progress = tmp_path / "tune.progress.jsonl"
+    args = dict(max_new_tokens=8, iters=1, progress=False, resume=progress)
+    first = calibrate(agreeing_params, test_cfg, PROMPTS[:2], (1,), ("s2_k1_d3",), **args)
+    assert measured == [1] and len(progress.read_text().splitlines()) == 1
+    with open(progress, "a") as f:
+        f.write('{"signature": "cut off by a kill')  # a stopped run's last line
+    second = calibrate(agreeing_params, test_cfg, PROMPTS[:2], (1, 2), ("s2_k1_d3",), **args)
+    assert measured == [1, 2]  # bucket 1 came from the file
+    reused = [m for m in second.measurements if m["batch"] == 1]
+    assert [m["cycle_seconds"] for m in reused if "cycle_seconds" in m] == \
+        [m["cycle_seconds"] for m in first.measurements if "cycle_seconds" in m]
+    calibrate(agreeing_params, test_cfg, PROMPTS[:2], (1,), ("s2_k2_d4",), **args)
+    assert measured == [1, 2, 1]  # other candidates: measured again

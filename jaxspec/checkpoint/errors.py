@@ -4,7 +4,7 @@ A truncated orbax array file makes TensorStore raise a many-line exception; wors
 restore's reads on an event loop it closes as soon as one read fails, so the reads still in flight
 are finalized later, some at interpreter exit, each printing an "Exception ignored in: <coroutine
 _read_array_index_and_device_put ...>" traceback ("Event loop is closed", "sys.meta_path is None").
-`quiet_orphaned_reads` drops exactly those, after a failed restore; everything else is unchanged.
+`quiet_orphaned_reads`, installed before the restore, drops exactly those; everything else is unchanged.
 """
 
 from __future__ import annotations
@@ -98,30 +98,61 @@ def _from_orbax(unraisable: Any) -> bool:
     code = getattr(unraisable.object, "cr_code", None)
     if code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename:
         return True
-    exc = unraisable.exc_value
+    return _closed_loop(unraisable.exc_value)
+
+
+def _closed_loop(exc: BaseException | None) -> bool:
     return isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc)
+
+
+# What an orphaned read leaves behind once orbax closed its loop: the reads' own exceptions (never
+# retrieved: the restore already failed on the first one) and their completion callbacks hitting
+# the closed loop.
+_ORPHAN_LOGS = ("Task was destroyed but it is pending", "exception was never retrieved")
+_ORPHAN_SOURCES = ["orbax", "TensorStore", "Encountered error while reading array"]  # + each folder restored
 
 
 class _OrphanedTaskFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return not ("Task was destroyed but it is pending" in message and "orbax" in message)
+        if record.exc_info and record.exc_info[1] is not None:
+            message += f" {record.exc_info[1]!r}"
+        return not (any(m in message for m in _ORPHAN_LOGS) and any(s in message for s in _ORPHAN_SOURCES))
 
 
 _INSTALLED: list[Any] = []
 
 
-def quiet_orphaned_reads() -> None:
-    """After a failed orbax restore: finalize its orphaned reads now and drop their noise, now and
-    at exit (installed once per process; other unraisable errors still reach the old hook)."""
-    if not _INSTALLED:
-        previous = sys.unraisablehook
+def quiet_orphaned_reads(params_dir: str) -> None:
+    """Before an orbax restore: drop the noise its orphaned reads make should one read fail (the
+    restore stops at the first failure, closes its event loop, and the reads still in flight end
+    later, on TensorStore's threads, at any time up to interpreter exit). Installed once per
+    process, before the first read, so no timing can slip past it; other unraisable errors, thread
+    errors and log records still reach the old hooks. After a failure, call `settle_orphaned_reads`.
 
-        def hook(unraisable):
-            if not _from_orbax(unraisable):
-                previous(unraisable)
+    A read's own error names the file it read (TensorStore: 'local file "<params_dir>/"'), so the
+    asyncio records dropped are those that name `params_dir` or orbax / TensorStore."""
+    folder = os.path.join(os.path.abspath(params_dir), "")
+    if folder not in _ORPHAN_SOURCES:
+        _ORPHAN_SOURCES.append(folder)
+    if _INSTALLED:
+        return
+    previous_unraisable, previous_excepthook = sys.unraisablehook, sys.excepthook
 
-        sys.unraisablehook = hook
-        logging.getLogger("asyncio").addFilter(_OrphanedTaskFilter())
-        _INSTALLED.append(hook)
+    def unraisable_hook(unraisable):
+        if not _from_orbax(unraisable):
+            previous_unraisable(unraisable)
+
+    def excepthook(kind, value, tb):
+        # TensorStore's callback threads print a failed call_soon_threadsafe through sys.excepthook.
+        if not _closed_loop(value):
+            previous_excepthook(kind, value, tb)
+
+    sys.unraisablehook, sys.excepthook = unraisable_hook, excepthook
+    logging.getLogger("asyncio").addFilter(_OrphanedTaskFilter())
+    _INSTALLED.append((unraisable_hook, excepthook))
+
+
+def settle_orphaned_reads() -> None:
+    """After a failed restore: finalize the orphaned reads' frames now rather than at exit."""
     gc.collect()

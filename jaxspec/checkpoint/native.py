@@ -110,6 +110,7 @@ def load_checkpoint(
     placed = abstract if mesh is None else sharded_abstract(abstract, param_shardings(cfg, mesh, rules))
     errors.check_orbax_metadata(params_dir)
     ckptr = ocp.StandardCheckpointer()
+    errors.quiet_orphaned_reads(params_dir)
     failure = None
     try:
         _check_stored_arrays(ckptr, params_dir, abstract, path)
@@ -117,14 +118,13 @@ def load_checkpoint(
     except _MismatchError as e:
         failure = ValueError(str(e))
     except Exception as e:  # TensorStore / orbax: the first failed read ends the restore
-        errors.quiet_orphaned_reads()
         failure = errors.damaged(params_dir, e)
     finally:
         ckptr.close()
     if failure is not None:
         # Raised out here, so it holds no reference to orbax's exception: the frames of the reads
         # still in flight are released now (finalized quietly), not at interpreter exit.
-        errors.quiet_orphaned_reads()
+        errors.settle_orphaned_reads()
         raise failure
     check_structure(cfg, params)
     tokenizer = None

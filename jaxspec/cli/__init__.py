@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(e).split()) or type(e).__name__
         sys.exit(f"{PROG}: error: {message}")
     except KeyboardInterrupt:
-        sys.exit(f"{PROG}: interrupted")
+        hint = getattr(args, "resume_hint", None)
+        sys.exit(f"{PROG}: interrupted" + (f"; {hint}" if hint else ""))
 
 
 if __name__ == "__main__":

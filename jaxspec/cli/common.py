@@ -16,6 +16,16 @@ DEFAULT_PRESET = "tiny"
 MAX_RANDOM_INIT_BYTES = 16 * 2**30
 
 
+def step_progress(console: Console, description: str):
+    """A rich progress bar (with ETA) for a step loop, and the `on_step(done, total)` that drives it;
+    the loop's log lines print above the bar."""
+    from rich.progress import Progress, TimeElapsedColumn
+
+    bar = Progress(*Progress.get_default_columns(), TimeElapsedColumn(), console=console)
+    task = bar.add_task(description, total=None)
+    return bar, lambda done, total: bar.update(task, completed=done, total=total)
+
+
 def positive(name: str, value: int) -> int:
     """ValueError unless value >= 1 (`name` is the flag, without dashes)."""
     if value < 1:

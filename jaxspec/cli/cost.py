@@ -1,5 +1,6 @@
-"""`jaxspec cost`: XLA's cost analysis of each stage of a cycle on abstract shapes (any preset, no
-weights allocated), and its roofline projection onto an accelerator. A model, not a measurement."""
+"""`jaxspec cost`: the analytic cost model of each stage of a cycle (default; `cli/cost_analytic.py`)
+or, with `--model xla`, XLA's cost analysis of each stage on abstract shapes (any preset, no weights
+allocated) and its roofline projection. A model, not a measurement."""
 
 from __future__ import annotations
 
@@ -17,23 +18,43 @@ from jaxspec.cli.common import add_weights_args, csv, positive, weights_label
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "cost",
-        help="FLOPs / bytes per stage from XLA's cost analysis, projected onto an accelerator (a model)",
-        description="Lower one AR step and each stage of a speculative cycle (draft, plan, verify, commit) on "
+        help="FLOPs / bytes / latency per stage from the analytic cost model, projected onto an accelerator",
+        description="Cost one AR step and each stage of a speculative cycle with the analytic model (named terms, "
+        "docs/cost_model.md) and its latency terms calibrated to published H200 points (--calibrate refits them); "
+        "with --model xla, lower one AR step and each stage of a speculative cycle (draft, plan, verify, commit) on "
         "abstract shapes, report XLA's FLOPs, bytes accessed and (on a mesh) collective bytes per device, and "
         "project ms per AR step and per cycle onto an accelerator's roofline, with the speedup at a given tau. "
         "This is a model, not a measurement.",
     )
     p.add_argument("--preset", default="v4-flash", help="model preset (default v4-flash)")
-    p.add_argument("--specs", type=csv(str), default=("s4_k1_d5", "s4_k2_d8"), help="comma-separated sS_kK_dD")
+    p.add_argument("--model", choices=("analytic", "xla"), default="analytic",
+                   help="analytic terms (default) or XLA's cost analysis of the lowered CPU program (the cross-check)")
+    p.add_argument("--specs", type=csv(str), default=None,
+                   help="comma-separated sS_kK_dD (default s4_k1_d5,s4_k2_d8, or every spec of --sweep)")
     p.add_argument("--batch-sizes", type=csv(int), default=(1, 8, 32, 64))
     p.add_argument("--context", type=int, default=4096, help="positions the decode state holds (default 4096)")
     p.add_argument("--devices", type=int, default=1, help="devices of the mesh (simulated on a CPU)")
     p.add_argument("--mesh", default=None, metavar="D,T,E", help="data,tensor,expert (default: from --devices)")
     p.add_argument("--accelerator", default="h200", help="roofline to project onto (default h200)")
     p.add_argument("--overhead-us", type=float, default=None, help="fixed overhead per forward pass (default 20)")
+    p.add_argument("--launch-us", type=float, default=None, help="analytic: per kernel launch (default: the H200 fit)")
+    p.add_argument("--collective-us", type=float, default=None,
+                   help="analytic: latency of one collective (default: the H200 fit)")
+    p.add_argument("--kernels", default=None, metavar="KIND=N,...",
+                   help="analytic: kernels per pass of a unit kind (sliding, hca, csa, head, mtp_kv), e.g. csa=40")
+    p.add_argument("--layout", choices=("even", "rules"), default="even",
+                   help="analytic: weights split evenly over the devices (default; the serving stacks behind the "
+                   "calibration points) or as jaxspec's sharding rules place them (some leaves replicated)")
+    p.add_argument("--overlap", type=float, default=0.0,
+                   help="analytic: routing overlap of learned routers in [0, 1) (0: independent routing)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="fit the latency terms to the published points and print each point's residual")
+    p.add_argument("--calibration", default=None, metavar="JSON",
+                   help="calibration points file (default: the one shipped in jaxspec/costmodel/)")
     p.add_argument("--tau", type=float, default=None, help="mean accepted length for the projected speedup")
     p.add_argument("--sweep", default=None, metavar="RUNS_JSONL",
-                   help="take tau per spec and batch size from a `jaxspec sweep` runs.jsonl (mean over datasets)")
+                   help="take tau per spec and batch size from `jaxspec sweep` runs.jsonl files (comma-separated; "
+                   "mean over datasets; a batch size not swept takes the nearest one)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write every number as JSON")
     add_weights_args(p)
     p.set_defaults(func=run)
@@ -57,20 +78,38 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from jaxspec import cost, sharding
     from jaxspec.config import ModelConfig, SpecConfig
 
+    if args.calibrate:
+        from jaxspec.cli.cost_analytic import run_calibrate
+
+        return run_calibrate(args, console)
     positive("devices", args.devices)
     positive("context", args.context)
     for b in args.batch_sizes:
         positive("batch-sizes", b)
     cfg = ModelConfig.preset(args.preset)
-    acc = cost.accelerator(args.accelerator)
-    specs = [SpecConfig.parse(s) for s in args.specs]
-    for spec in specs:
-        spec.validate_for(cfg)
+    if args.model == "analytic":
+        from jaxspec.costmodel import latency
+
+        latency.hardware(args.accelerator)
+    else:
+        acc = cost.accelerator(args.accelerator)
+    if not 0.0 <= args.overlap < 1.0:
+        raise ValueError(f"--overlap must be in [0, 1), got {args.overlap}")
     if args.tau is not None and args.tau < 1:
         raise ValueError(f"--tau must be >= 1 (the bonus token alone), got {args.tau}")
     if args.tau is not None and args.sweep is not None:
         raise ValueError("give --tau or --sweep, not both")
-    taus = _taus(args.sweep) if args.sweep is not None else {}
+    taus: dict[tuple[str, int], float] = {}
+    for path in (args.sweep.split(",") if args.sweep else []):
+        taus.update(_taus(path))
+    names = args.specs or (sorted({name for name, _ in taus}) if taus else ("s4_k1_d5", "s4_k2_d8"))
+    specs = [SpecConfig.parse(s) for s in names]
+    for spec in specs:
+        spec.validate_for(cfg)
+    if args.model == "analytic":
+        from jaxspec.cli.cost_analytic import run_analytic
+
+        return run_analytic(args, console, specs, taus)
     overhead_us = cost.DEFAULT_OVERHEAD_US if args.overhead_us is None else args.overhead_us
     if overhead_us < 0:
         raise ValueError(f"--overhead-us must be >= 0, got {overhead_us}")

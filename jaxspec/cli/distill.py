@@ -9,7 +9,7 @@ from typing import Any
 
 from rich.console import Console
 
-from jaxspec.cli.common import add_data_arguments, csv, load_model, positive, train_prompts
+from jaxspec.cli.common import add_data_arguments, csv, load_model, positive, step_progress, train_prompts
 
 
 def add_parser(subparsers: Any) -> None:
@@ -49,15 +49,15 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--eval-fraction", type=float, default=0.05, help="share of sequences held out for monitoring")
     p.add_argument("--time-budget-minutes", type=float, default=None)
     p.add_argument("--run-dir", default=None, help="train states (default runs/<out name>)")
-    p.add_argument("--resume", action="store_true")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest state in --run-dir (the default; kept for old command lines)")
+    p.add_argument("--fresh", action="store_true", help="start over, ignoring the states in --run-dir")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="shipped checkpoint folder (target + trained draft)")
     p.set_defaults(func=run_distill)
 
 
 def run_data(args: argparse.Namespace, console: Console) -> int:
-    from rich.progress import Progress
-
     from jaxspec.distill import generate_data
 
     for name in ("num_prompts", "new_tokens", "max_prompt_tokens", "chunk"):
@@ -68,11 +68,12 @@ def run_data(args: argparse.Namespace, console: Console) -> int:
     prompts = train_prompts(args, model.tokenizer)
     console.print(f"{len(prompts)} train-split prompts x temperatures {list(args.temperatures)}, "
                   f"{args.new_tokens} new tokens -> {args.out}")
-    with Progress() as bar:
-        task = bar.add_task("generating", total=None)
+    args.resume_hint = f"finished chunks are kept in {args.out}: rerun the same command to continue"
+    bar, on_chunk = step_progress(console, "generating")
+    with bar:
         chunks = generate_data(model.params, model.cfg, prompts, args.out, max_new_tokens=args.new_tokens,
                                chunk_size=args.chunk, temperatures=args.temperatures, seed=args.seed,
-                               progress=lambda i, n: bar.update(task, completed=i, total=n))
+                               progress=on_chunk)
     console.print(f"{chunks} chunks in {args.out}")
     return 0
 
@@ -98,9 +99,13 @@ def run_distill(args: argparse.Namespace, console: Console) -> int:
     console.print(f"{len(train_seqs)} training and {len(eval_seqs)} monitoring sequences; {dc}")
     run_dir = args.run_dir or os.path.join("runs", os.path.basename(os.path.normpath(args.out)))
     budget = None if args.time_budget_minutes is None else 60 * args.time_budget_minutes
-    distill_loop(model.params, model.cfg, dc, train_seqs, eval_seqs, batch=args.batch,
-                 width=args.seq_len + args.depths, run_dir=run_dir, out=args.out, tokenizer=model.tokenizer,
-                 resume=args.resume, time_budget_s=budget, eval_every=args.eval_every, seed=args.seed,
-                 log=console.print)
+    args.resume_hint = f"train states are saved in {run_dir}/ckpt at every evaluation: rerun the same command " \
+                       "to continue"
+    bar, on_step = step_progress(console, "distill")
+    with bar:
+        distill_loop(model.params, model.cfg, dc, train_seqs, eval_seqs, batch=args.batch,
+                     width=args.seq_len + args.depths, run_dir=run_dir, out=args.out, tokenizer=model.tokenizer,
+                     resume=not args.fresh, time_budget_s=budget, eval_every=args.eval_every, seed=args.seed,
+                     log=bar.console.print, on_step=on_step)
     console.print(f"done: target + trained draft in {args.out}")
     return 0

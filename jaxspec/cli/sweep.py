@@ -29,7 +29,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--out", default="runs/sweep", help="output folder")
     p.add_argument("--resume", action="store_true",
-                   help="keep the (dataset, batch) groups --out/runs.jsonl already finished; run the rest")
+                   help="keep the (dataset, batch) groups --out/runs.jsonl already finished and run the rest "
+                        "(the default; kept for old command lines)")
+    p.add_argument("--fresh", action="store_true", help="run every group again, discarding --out/runs.jsonl")
     p.add_argument("--merge", type=csv(str), default=None, metavar="RUNS,RUNS",
                    help="run nothing: join the complete (dataset, batch) groups of these runs.jsonl files into --out")
     p.add_argument("--before", default=None, metavar="RUNS",
@@ -77,7 +79,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
     )
     model = load_model(args, console, need_tokenizer="the sweep")
     console.print(f"sweep on {len(jax.local_devices())} device(s): {sweep}")
-    records = run_sweep(model.params, model.cfg, model.tokenizer, sweep, args.out, resume=args.resume,
+    if args.fresh and args.resume:
+        raise ValueError("--fresh and --resume contradict each other")
+    args.resume_hint = f"finished (dataset, batch) groups are kept in {args.out}/runs.jsonl: rerun the same command " \
+                       "to continue"
+    records = run_sweep(model.params, model.cfg, model.tokenizer, sweep, args.out, resume=not args.fresh,
                         data_root=args.data_root)
     console.print((Path(args.out) / "table.md").read_text())
     console.print(f"{len(records)} runs written to {args.out}/runs.jsonl")

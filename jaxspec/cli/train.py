@@ -11,7 +11,7 @@ from typing import Any
 
 from rich.console import Console
 
-from jaxspec.cli.common import positive
+from jaxspec.cli.common import positive, step_progress
 
 
 def add_parser(subparsers: Any) -> None:
@@ -35,7 +35,9 @@ def add_parser(subparsers: Any) -> None:
                    help="weight of the token-level unlikelihood term against repeating the context (default 0)")
     p.add_argument("--out", default="checkpoints/tiny-v4", help="shipped checkpoint folder")
     p.add_argument("--run-dir", default=None, help="train states, tokenizer, curve (default runs/<out name>)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest state in --run-dir")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest state in --run-dir (the default; kept for old command lines)")
+    p.add_argument("--fresh", action="store_true", help="start over, ignoring the states in --run-dir")
     p.add_argument("--time-budget-minutes", type=float, default=None, help="stop (and save) after this long")
     p.add_argument("--eval-every", type=int, default=25, help="held-out eval every N steps (default 25)")
     p.add_argument("--save-every", type=int, default=None, help="save every N steps (default --eval-every)")
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     t0 = time.time()
     if args.tokenizer is not None:
         tok = tok_lib.load_tokenizer(args.tokenizer)
-    elif args.resume and os.path.isfile(tok_path):
+    elif not args.fresh and os.path.isfile(tok_path):
         tok = tok_lib.load_tokenizer(tok_path)
     else:
         texts = tokenizer_texts(args.data_root, seed=args.seed)
@@ -90,10 +92,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
     console.print(f"model {args.preset}: {n_params / 1e6:.2f}M params; batch {args.batch} x {args.seq_len} tokens; "
                   f"opt {opt}")
     budget = None if args.time_budget_minutes is None else 60 * args.time_budget_minutes
-    train_loop(cfg, opt, sampler, eval_rows, batch=args.batch, run_dir=run_dir, out=args.out, tokenizer=tok,
-               resume=args.resume, time_budget_s=budget, eval_every=args.eval_every, save_every=args.save_every,
-               seed=args.seed, unigram=uni, ship_dtype=args.ship_dtype, log=console.print,
-               extra_meta={"argv": list(sys.argv[1:]), "preset": args.preset, "batch": args.batch,
-                           "seq_len": args.seq_len})
+    args.resume_hint = f"train states are saved in {run_dir}/ckpt every --save-every steps: rerun the same command " \
+                       "to continue"
+    bar, on_step = step_progress(console, "train")
+    with bar:
+        train_loop(cfg, opt, sampler, eval_rows, batch=args.batch, run_dir=run_dir, out=args.out, tokenizer=tok,
+                   resume=not args.fresh, time_budget_s=budget, eval_every=args.eval_every,
+                   save_every=args.save_every, seed=args.seed, unigram=uni, ship_dtype=args.ship_dtype,
+                   log=bar.console.print, on_step=on_step,
+                   extra_meta={"argv": list(sys.argv[1:]), "preset": args.preset, "batch": args.batch,
+                               "seq_len": args.seq_len})
     console.print(f"done: checkpoint in {args.out}, curve in {args.out}/loss.csv")
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -33,11 +34,16 @@ def add_parser(subparsers: Any) -> None:
                    help="expected tokens per cycle: Sequoia's optimum from the per-rank acceptance, or the "
                    "mean accepted length measured on the calibration prompts")
     p.add_argument("--projected", default=None, metavar="ACCELERATOR",
-                   help="choose with the cost model's projected step times on this accelerator (e.g. h200) and the "
-                   "acceptance measured here, instead of this machine's times")
+                   help="choose with the analytic cost model's projected step times on this accelerator (e.g. "
+                   "h200) and the acceptance measured here, instead of this machine's times")
     p.add_argument("--projected-preset", default=None, metavar="PRESET",
                    help="with --projected: project the times of this preset (default: the checkpoint's model)")
+    p.add_argument("--projected-mesh", default="1,1,1", metavar="D,T,E",
+                   help="with --projected: the mesh (data,tensor,expert) the projection is for (default 1,1,1)")
     p.add_argument("--out", default=None, help="tuning file (default CHECKPOINT/tune.json)")
+    p.add_argument("--fresh", action="store_true",
+                   help="measure every bucket again (by default a rerun reuses the buckets OUT.progress.jsonl holds "
+                        "for the same model, prompts and candidates)")
     p.add_argument("--compare", default=None, metavar="RUNS_JSONL",
                    help="a `jaxspec sweep` runs.jsonl: report the choice's measured tokens/s against the best")
     p.set_defaults(func=run)
@@ -57,21 +63,31 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if args.projected_preset is not None and args.projected is None:
         raise ValueError("--projected-preset needs --projected ACCELERATOR")
     if args.projected is not None:
-        from jaxspec.cost import accelerator
+        from jaxspec.costmodel import hardware
 
-        accelerator(args.projected)  # unknown names fail before the model loads
+        hardware(args.projected)  # unknown names fail before the model loads
     projected_cfg = None
     if args.projected_preset is not None:
         from jaxspec.config import ModelConfig
 
         projected_cfg = ModelConfig.preset(args.projected_preset)
+    from jaxspec.sharding import parse_mesh
+
+    projected_mesh = parse_mesh(args.projected_mesh)
     model = load_model(args, console, need_tokenizer="tuning")
     prompts = train_prompts(args, model.tokenizer)
     console.print(f"calibrating on {len(prompts)} train-split prompts, {len(args.candidates)} candidates, "
                   f"batch sizes {list(args.batch_sizes)}")
+    out = Path(args.out or os.path.expanduser(args.checkpoint))
+    progress = (out.with_suffix("") if out.suffix == ".json" else out / "tune").with_suffix(".progress.jsonl")
+    if args.fresh and progress.exists():
+        progress.unlink()
+    progress.parent.mkdir(parents=True, exist_ok=True)
+    args.resume_hint = f"finished buckets are kept in {progress}: rerun the same command to continue"
     tuning = calibrate(model.params, model.cfg, prompts, args.batch_sizes, args.candidates, args.new_tokens,
-                       args.iters, args.estimator, projected=args.projected, projected_cfg=projected_cfg)
-    out = tuning.save(args.out or os.path.expanduser(args.checkpoint))
+                       args.iters, args.estimator, projected=args.projected, projected_cfg=projected_cfg,
+                       projected_mesh=projected_mesh, resume=progress)
+    out = tuning.save(out)
     console.print(tuning_table(tuning))
     console.print("chosen: " + ", ".join(f"batch {b}: {name}" for b, name in tuning.choices.items()))
     console.print(f"saved to {out}")
