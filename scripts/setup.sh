@@ -2,20 +2,33 @@
 # Create .venv (once) and install what a command needs. Sourced by run.sh and test.sh:
 #   . scripts/setup.sh runtime   the package and its runtime dependencies (the main job)
 #   . scripts/setup.sh test      + the test extras, and torch + transformers for the HF parity tests
+#   . scripts/setup.sh jax012    .venv312: Python 3.12, jax 0.12 and pytest only (the GPU lowering tests)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python3}"
 WHAT="${1:-runtime}"
-case "$WHAT" in runtime|test) ;; *) echo "setup.sh: want 'runtime' or 'test', got '$WHAT'" >&2; exit 2 ;; esac
-if [ ! -x "$ROOT/.venv/bin/python" ]; then
-  "$PY" -m venv "$ROOT/.venv"
+case "$WHAT" in runtime|test|jax012) ;; *) echo "setup.sh: want 'runtime', 'test' or 'jax012', got '$WHAT'" >&2; exit 2 ;; esac
+VENV="$ROOT/.venv"
+if [ "$WHAT" = jax012 ]; then
+  VENV="$ROOT/.venv312"
+  PY="${PYTHON312:-python3.12}"
+  # pyenv's shim refuses a version that is installed but not selected; take the interpreter itself
+  if ! "$PY" -c pass 2>/dev/null; then PY="$(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12 2>/dev/null | tail -1)"; fi
+  if [ -z "$PY" ]; then echo "setup: no python3.12 found (set PYTHON312)" >&2; return 3 2>/dev/null || exit 3; fi
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV" || { echo "setup: '$PY -m venv $VENV' failed" >&2; exit 1; }
 fi
 # shellcheck disable=SC1091
-. "$ROOT/.venv/bin/activate"
-LOG="$ROOT/.venv/setup.log"
-STAMP="$ROOT/.venv/.jaxspec-$WHAT"
+. "$VENV/bin/activate"
+LOG="$VENV/setup.log"
+STAMP="$VENV/.jaxspec-$WHAT"
 if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
-  if [ "$WHAT" = runtime ]; then
+  if [ "$WHAT" = jax012 ]; then
+    echo "setup: installing jaxspec with jax 0.12 into .venv312 (log: $LOG)"
+    TARGET="$ROOT"
+    python -m pip install -q "jax==0.12.*" "jaxlib==0.12.*" "pytest>=8" >>"$LOG" 2>&1 || { tail -30 "$LOG"; exit 1; }
+  elif [ "$WHAT" = runtime ]; then
     echo "setup: installing jaxspec and its runtime dependencies into .venv (log: $LOG)"
     TARGET="$ROOT"
   else

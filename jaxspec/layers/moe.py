@@ -4,6 +4,8 @@ and one shared expert (docs/architecture.md §5)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -11,6 +13,7 @@ from flax import struct
 from jaxspec.config import ModelConfig
 from jaxspec.ops import quant
 from jaxspec.ops.quant import Weight
+from jaxspec.pallas.grouped_matmul import grouped_matmul
 from jaxspec.sharding.active import routed_experts
 from jaxspec.sharding.rules import axes, stacked
 
@@ -131,12 +134,8 @@ def grouped_experts(
     projection (`jax.lax.ragged_dot`, no token dropping) -> [N, d] fp32. Assignments of experts not
     on this device sort last, outside every group, and cost nothing."""
     n, d = x.shape
-    k = indices.shape[1]
     num_experts = experts.w1.shape[0]
-    flat = jnp.minimum(indices.reshape(-1), num_experts)
-    order = jnp.argsort(flat, stable=True)
-    token = order // k
-    group_sizes = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    flat, order, token, group_sizes = _sorted_assignments(indices, num_experts)
     rows = x[token]  # [N*k, d] in expert order
     gate = jax.lax.ragged_dot(rows, quant.dequantize(experts.w1), group_sizes)
     up = jax.lax.ragged_dot(rows, quant.dequantize(experts.w3), group_sizes)
@@ -146,27 +145,79 @@ def grouped_experts(
     return jnp.zeros((n, d), jnp.float32).at[token].add(out * scale[:, None])
 
 
+def _sorted_assignments(indices: jax.Array, num_experts: int):
+    """[N, k] expert ids -> flat ids (E = not here), their expert order, token of each sorted row and
+    the group sizes [E] (assignments not on this device sort last, outside every group)."""
+    k = indices.shape[1]
+    flat = jnp.minimum(indices.reshape(-1), num_experts)
+    order = jnp.argsort(flat, stable=True)
+    group_sizes = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    return flat, order, order // k, group_sizes
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 5))
+def kernel_experts(
+    experts: MLPParams, cfg: ModelConfig, x: jax.Array, indices: jax.Array, weights: jax.Array,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """`grouped_experts` on the Pallas grouped matmul (pallas/grouped_matmul.py): each selected
+    expert's weights read once per tile of its rows, FP8 / FP4 experts dequantized inside the
+    kernel -> [N, d] fp32. The GPU path: XLA's GPU backend would run `ragged_dot` as every expert
+    on every row. Gradients are those of `grouped_experts` (the same function)."""
+    n, d = x.shape
+    num_experts = experts.w1.shape[0]
+    flat, order, token, group_sizes = _sorted_assignments(indices, num_experts)
+    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes).astype(jnp.int32)])
+    rows = x[token]  # [N*k, d] in expert order
+    gmm = functools.partial(grouped_matmul, offsets=offsets, interpret=interpret)
+    gate, up = gmm(rows, experts.w1).astype(x.dtype), gmm(rows, experts.w3).astype(x.dtype)
+    out = gmm(clamped_swiglu(gate, up, cfg.swiglu_limit), experts.w2)  # [N*k, d] fp32
+    here = flat[order] < num_experts  # rows past the last group were never written: select, not scale
+    contrib = jnp.where(here[:, None], out * weights.reshape(-1)[order][:, None], 0.0)
+    return jnp.zeros((n, d), jnp.float32).at[token].add(contrib)
+
+
+def _kernel_experts_fwd(experts, cfg, x, indices, weights, interpret):
+    return kernel_experts(experts, cfg, x, indices, weights, interpret), (experts, x, indices, weights)
+
+
+def _kernel_experts_bwd(cfg, interpret, res, g):
+    _, vjp = jax.vjp(lambda *a: grouped_experts(a[0], cfg, *a[1:]), *res)
+    return vjp(g)
+
+
+kernel_experts.defvjp(_kernel_experts_fwd, _kernel_experts_bwd)
+
+
 def sparse_experts(
     experts: MLPParams, cfg: ModelConfig, x: jax.Array, indices: jax.Array, weights: jax.Array
 ) -> jax.Array:
-    """The routed experts each token selected, and nothing else -> [N, d] fp32. The path is chosen
-    from the static sizes: the gathered path moves each selected expert's weights three times (read,
-    written as the gathered copy, read again), so while 3*N*k <= the experts held here it moves less
-    than reading every expert once; beyond that, a grouped matmul.
+    """The routed experts each token selected, and nothing else -> [N, d] fp32. Off CUDA the path is
+    chosen from the static sizes: the gathered path moves each selected expert's weights three times
+    (read, written as the gathered copy, read again), so while 3*N*k <= the experts held here it
+    moves less than reading every expert once; beyond that, a grouped matmul.
 
     Takes any slice of the experts (and of their hidden width) with indices relative to the slice,
     which is how `sharding.active.routed_experts` runs it per device before summing the outputs.
 
-    One backend exception: XLA's CPU backend has no grouped matmul; it runs `ragged_dot` as every
-    group on every row, plus the sort and scatter around it (measured on the tiny model's experts,
-    8 tokens: 1.1 ms against 0.8 ms for every expert on every token). There the many-assignments
-    path is `dense_experts`, the same result at the cost the grouped path would pay anyway.
+    The path depends on the platform the program is lowered for (`platform_dependent`,
+    not the process's default backend, so a CUDA export from a CPU host holds the GPU path):
+    * CUDA: `kernel_experts`, the Pallas grouped matmul, at every size (it reads each selected
+      expert once, where the gathered path moves it three times). XLA's GPU backend rewrites
+      `ragged_dot` into every group on every row unless cuDNN's ragged-dot fusion is on.
+    * CPU: `dense_experts`. XLA's CPU backend also runs `ragged_dot` as every group on every row,
+      plus the sort and scatter around it (measured on the tiny model's experts, 8 tokens: 1.1 ms
+      against 0.8 ms for every expert on every token): the same result at the cost it would pay.
+    * elsewhere (TPU, ROCm): `grouped_experts` (`ragged_dot`).
     """
-    if 3 * indices.size <= experts.w1.shape[0]:
-        return gathered_experts(experts, cfg, x, indices, weights)
-    if jax.default_backend() == "cpu":
-        return dense_experts(experts, cfg, x, indices, weights)
-    return grouped_experts(experts, cfg, x, indices, weights)
+    gathered = 3 * indices.size <= experts.w1.shape[0]
+    args = (experts, x, indices, weights)
+    return jax.lax.platform_dependent(
+        *args,
+        cpu=lambda *a: (gathered_experts if gathered else dense_experts)(a[0], cfg, *a[1:]),
+        cuda=lambda *a: kernel_experts(a[0], cfg, *a[1:]),
+        default=lambda *a: (gathered_experts if gathered else grouped_experts)(a[0], cfg, *a[1:]),
+    )
 
 
 def moe(p: MoEParams, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array) -> jax.Array:

@@ -1,4 +1,4 @@
-"""Small helpers shared by the kernels: backend choice, version-tolerant Pallas names, padding.
+"""Small helpers shared by the kernels: platform choice, version-tolerant Pallas names, padding.
 
 The Triton lowering requires every loaded tile to have a power-of-two size and every matmul side
 to be at least 16, so the wrappers pad heads, keys and feature dims; they never read past an
@@ -6,6 +6,9 @@ array: ragged lengths are handled by clamped block starts plus masks.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -21,15 +24,31 @@ multiple_of = getattr(pl, "multiple_of", lambda x, _: x)
 DEFAULT_NUM_SMS = 132
 
 
-def on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
+T = TypeVar("T")
 
 
-def resolve_interpret(interpret: bool | None) -> bool:
-    """Interpret mode everywhere but on a GPU (the Triton lowering needs one)."""
-    if interpret is None:
-        return not on_gpu()
-    return bool(interpret)
+def by_platform(run: Callable[[bool], T], interpret: bool | None) -> T:
+    """`run(interpret)` for an explicit choice; for `None` the compiled kernel when the program is
+    lowered for CUDA and the interpreter for any other platform.
+
+    The choice is made by `jax.lax.platform_dependent` at lowering time, not from the process's
+    default backend at trace time, so a program exported for CUDA from a CPU host holds the
+    kernels (and one lowered for both platforms holds both paths). Both branches are traced.
+
+    Inputs are validated before this call, so a ValueError while tracing the CUDA branch is a
+    tile configuration only the interpreter takes (e.g. an explicit block_k < 16, which Triton's
+    matmuls refuse): the CUDA branch then runs the interpreter too, as `interpret=True` would.
+    """
+    if interpret is not None:
+        return run(bool(interpret))
+
+    def cuda():
+        try:
+            return run(False)
+        except ValueError:
+            return run(True)
+
+    return jax.lax.platform_dependent(cuda=cuda, default=lambda: run(True))
 
 
 def num_sms() -> int:

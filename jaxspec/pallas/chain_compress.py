@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 
 from jaxspec.ops.pooling import source_indices
 from jaxspec.ops.rope import rope_angles
-from jaxspec.pallas._common import SQUEEZED, resolve_interpret, triton_params
+from jaxspec.pallas._common import SQUEEZED, by_platform, triton_params
 
 GPU_NUM_WARPS, GPU_NUM_STAGES = 4, 1
 MAX_BLOCK_ROWS = 16
@@ -175,9 +175,17 @@ def chain_compress(
     num_stages: int | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
-    """Pallas version of `ops.pooling.pool_rows` -> [B, T, D] fp32 (zeros where no block closes)."""
+    """Pallas version of `ops.pooling.pool_rows` -> [B, T, D] fp32 (zeros where no block closes).
+
+    `interpret=None`: the Triton lowering where the program is lowered for CUDA, else the interpreter."""
     _check(ring_kv, ring_gate, new_kv, new_gate, positions, committed, ancestor_at_depth, norm, ratio, overlap)
-    interpret = resolve_interpret(interpret)
+    arrays = (ring_kv, ring_gate, new_kv, new_gate, positions, committed, ancestor_at_depth, norm, freqs)
+    kw = dict(ratio=ratio, overlap=overlap, eps=eps, block_rows=block_rows, num_warps=num_warps, num_stages=num_stages)
+    return by_platform(lambda interp: _chain_compress(*arrays, interpret=interp, **kw), interpret)
+
+
+def _chain_compress(ring_kv, ring_gate, new_kv, new_gate, positions, committed, ancestor_at_depth, norm, freqs, *,
+                    ratio, overlap, eps, block_rows, num_warps, num_stages, interpret: bool):
     b, t, width2 = new_kv.shape
     coff = 2 if overlap else 1
     width = norm.shape[0]

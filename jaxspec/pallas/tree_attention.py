@@ -27,12 +27,12 @@ from jax.experimental import pallas as pl
 
 from jaxspec.pallas._common import (
     SQUEEZED,
+    by_platform,
     exact_dot_precision,
     multiple_of,
     next_pow2,
     num_sms,
     pad_axis,
-    resolve_interpret,
     round_up,
     triton_params,
 )
@@ -245,12 +245,25 @@ def tree_attention(
 ) -> jax.Array:
     """Pallas tree attention; the contract of `layers.attention.attend` -> [B, T, H, c] fp32.
 
-    `interpret=None` runs the Triton lowering on a GPU and the interpreter elsewhere. Indices in
-    `comp_index` must be < Lc (larger ones are clamped to Lc - 1 rather than read out of bounds).
+    `interpret=None` runs the Triton lowering where the program is lowered for CUDA and the
+    interpreter elsewhere (`_common.by_platform`). Indices in `comp_index` must be < Lc (larger
+    ones are clamped to Lc - 1 rather than read out of bounds).
     """
     _validate(q, window_kv, window_pos, new_kv, new_mask, positions, sink, comp_kv, comp_len, comp_index,
               tree_entries, tree_entry_mask)
-    interpret = resolve_interpret(interpret)
+    args = dict(window=window, scale=scale, comp_kv=comp_kv, comp_len=comp_len, comp_index=comp_index,
+                tree_entries=tree_entries, tree_entry_mask=tree_entry_mask, block_h=block_h, block_k=block_k,
+                num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+    return by_platform(
+        lambda interp: _tree_attention(q, window_kv, window_pos, new_kv, new_mask, positions, sink,
+                                       interpret=interp, **args),
+        interpret,
+    )
+
+
+def _tree_attention(q, window_kv, window_pos, new_kv, new_mask, positions, sink, *, window, scale, comp_kv,
+                    comp_len, comp_index, tree_entries, tree_entry_mask, block_h, block_k, num_splits, num_warps,
+                    num_stages, interpret: bool):
     gpu = not interpret
     b, t, h, c = q.shape
     dt = q.dtype

@@ -142,6 +142,9 @@ def routed_experts(
         # "data" is manual too (split or replicated): inside, no axis is left for the compiler to
         # infer shardings over (ragged_dot has no inference rule for explicit axes).
         axis_names=set(reduce_axes) | {DATA},
+        # The CUDA branch (traced on every platform) is a pallas_call, whose outputs carry no
+        # varying-axes type; the psum above is the only collective and is written explicitly.
+        check_vma=False,
     )(experts, x, indices, weights)
 
 

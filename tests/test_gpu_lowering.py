@@ -1,0 +1,167 @@
+"""The GPU program, lowered for CUDA on this CPU (`jaxspec.gpu_export`) and inspected: the Pallas kernels
+at V4-Flash shapes, the greedy and sampling speculative cycle with attention "pallas". The text must
+hold the Triton kernels (tree attention, chain compression, the routed experts' grouped matmul)
+and no XLA matmul over a whole routed-expert stack (the dense rewrite). One process lowers for CPU
+too: there the interpreter and the dense / gathered experts remain.
+
+Marked `gpu_lowering`; `scripts/test_jax012.sh` runs this file again under jax 0.12 (.venv312).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxspec as js
+from jaxspec.generate import prefill_for_speculation, speculative_cycle
+from jaxspec.gpu_export import TRITON_CALL, expert_stack_dots, export_for_cuda, kernel_calls
+from jaxspec.layers import moe
+from jaxspec.ops.quant import abstract_block_scaled
+from jaxspec.pallas import chain_compress, tree_attention
+from jaxspec.pallas.grouped_matmul import grouped_matmul
+from jaxspec.sampling import Sampling
+
+pytestmark = pytest.mark.gpu_lowering
+S = jax.ShapeDtypeStruct
+BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
+FLASH = js.ModelConfig.preset("v4-flash")
+
+
+def _attention_args(b=1, t=8, lc=2048, k=512):
+    h, c = FLASH.num_heads, FLASH.head_dim  # 64 heads, 512 channels
+    return dict(q=S((b, t, h, c), BF16), window_kv=S((b, FLASH.sliding_window, c), BF16),
+                window_pos=S((b, FLASH.sliding_window), I32), new_kv=S((b, t, c), BF16),
+                new_mask=S((b, t, t), jnp.bool_), positions=S((b, t), I32), sink=S((h,), F32),
+                comp=S((b, lc, c), BF16), comp_len=S((b,), I32), comp_index=S((b, t, k), I32),
+                entries=S((b, t, c), BF16), entry_mask=S((b, t, t), jnp.bool_))
+
+
+@pytest.mark.parametrize("mode", ["none", "dense", "sparse"])
+def test_tree_attention_at_v4_flash_shapes_lowers_to_triton(mode):
+    a = _attention_args()
+    base = (a["q"], a["window_kv"], a["window_pos"], a["new_kv"], a["new_mask"], a["positions"], a["sink"])
+    kw = dict(window=FLASH.sliding_window, scale=FLASH.head_dim ** -0.5)
+
+    def fn(*args):
+        extra = {}
+        if mode == "dense":  # HCA: every committed entry
+            extra = dict(comp_kv=args[7], comp_len=args[8])
+        elif mode == "sparse":  # CSA: the node's top-512 entries, plus the branch-local ones
+            extra = dict(comp_kv=args[7], comp_index=args[8], tree_entries=args[9], tree_entry_mask=args[10])
+        return tree_attention(*args[:7], **kw, **extra)
+
+    more = {"none": (), "dense": (a["comp"], a["comp_len"]),
+            "sparse": (a["comp"], a["comp_index"], a["entries"], a["entry_mask"])}[mode]
+    text = export_for_cuda(fn, *base, *more)
+    assert kernel_calls(text) == {f"tree_attention_{mode}": 1}
+    # The same function lowered for this CPU runs the interpreter: no Triton call.
+    assert TRITON_CALL not in jax.jit(fn).lower(*base, *more).as_text()
+
+
+@pytest.mark.parametrize("ratio,overlap,width", [(4, True, 512), (4, True, 128), (128, False, 512)])
+def test_chain_compress_at_v4_flash_shapes_lowers_to_triton(ratio, overlap, width):
+    b, t, coff = 1, 8, 2 if overlap else 1
+    ring = S((b, coff * ratio, coff * width), F32)
+    new = S((b, t, coff * width), F32)
+    args = (ring, ring, new, new, S((b, t), I32), S((b,), I32), S((b, t, t), I32), S((width,), F32),
+            S((FLASH.rope_head_dim // 2,), F32))
+    text = export_for_cuda(lambda *a: chain_compress(*a, ratio=ratio, overlap=overlap, eps=1e-6), *args)
+    assert kernel_calls(text) == {"chain_compress": 1}
+
+
+@pytest.mark.parametrize("fmt", ["plain", "fp8", "fp4"])
+def test_grouped_matmul_at_v4_flash_expert_shapes_lowers_to_triton(fmt):
+    e, d, i = FLASH.n_routed_experts, FLASH.hidden_size, FLASH.moe_intermediate_size
+    rows = 8 * 6 * FLASH.num_experts_per_tok  # batch 8, 6 tree nodes
+    if fmt == "plain":
+        w = S((e, d, i), BF16)
+    else:
+        block, scale = ((1, 128, 128), jnp.float32) if fmt == "fp8" else ((1, 32, 1), jnp.float8_e8m0fnu)
+        w = abstract_block_scaled((e, d, i), BF16, block, fmt, scale)
+    text = export_for_cuda(lambda x, w, off: grouped_matmul(x, w, off), S((rows, d), BF16), w, S((e + 1,), I32))
+    assert kernel_calls(text) == {f"grouped_matmul_{fmt}": 1}
+    assert not expert_stack_dots(text, e, d, i)
+
+
+def _cycle_args(cfg, batch, spec, sampling):
+    params = jax.eval_shape(lambda: js.init_params(cfg, jax.random.key(0)))
+    tokens, lengths = S((batch, 16), I32), S((batch,), I32)
+    state, root, hidden = jax.eval_shape(lambda p, t, n: prefill_for_speculation(p, cfg, t, n, 256),
+                                         params, tokens, lengths)
+    extra = ()
+    if sampling:
+        extra = (jax.eval_shape(lambda: Sampling.create(0.7, top_k=20)), S((batch,), I32))
+    return (params, cfg, js.SpecConfig.parse(spec), state, root, hidden, S((batch,), jnp.bool_), False, *extra)
+
+
+def _check_cycle(cfg, batch, spec="s3_k2_d6", sampling=False):
+    args = _cycle_args(cfg, batch, spec, sampling)
+    text = export_for_cuda(speculative_cycle, *args, static_argnums=(1, 2, 7))
+    calls = kernel_calls(text)
+    assert any(n.startswith("tree_attention_") for n in calls), calls
+    assert calls["chain_compress"] > 0, calls
+    assert calls["grouped_matmul_plain"] > 0, calls  # on CUDA the routed experts always take the kernel
+    e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    assert not expert_stack_dots(text, e, d, i)
+    assert "ragged_dot" not in text
+    return calls
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_cycle_of_tiny_for_cuda_holds_the_kernels(batch):
+    _check_cycle(js.ModelConfig.preset("tiny").replace(attention_impl="pallas"), batch)
+
+
+def test_cpu_lowering_of_the_same_experts_is_dense_or_gathered():
+    """In one process: lowered for CPU the model keeps its CPU paths (no Triton call, the dense
+    rewrite over the expert stack at 8 tokens x 2 experts of 8), for CUDA the kernel."""
+    cfg = js.ModelConfig.preset("tiny")
+    e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    experts = moe.MLPParams(w1=S((e, d, i), F32), w3=S((e, d, i), F32), w2=S((e, i, d), F32))
+    args = (experts, S((8, d), F32), S((8, 2), I32), S((8, 2), F32))
+
+    def fn(ex, x, idx, w):
+        return moe.sparse_experts(ex, cfg, x, idx, w)
+
+    cpu = jax.jit(fn).lower(*args).as_text()
+    assert TRITON_CALL not in cpu and expert_stack_dots(cpu, e, d, i)
+    cuda = export_for_cuda(fn, *args)
+    assert kernel_calls(cuda) == {"grouped_matmul_plain": 3} and not expert_stack_dots(cuda, e, d, i)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("batch", [1, 8])
+def test_sampling_cycle_of_tiny_for_cuda_holds_the_kernels(batch):
+    _check_cycle(js.ModelConfig.preset("tiny").replace(attention_impl="pallas"), batch, sampling=True)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("sampling", [False, True])
+def test_cycle_of_a_two_layer_v4_flash_for_cuda_holds_the_kernels(batch, sampling):
+    cfg = FLASH.replace(num_layers=2, layer_types=("csa", "hca"), num_hash_layers=1, attention_impl="pallas")
+    calls = _check_cycle(cfg, batch, sampling=sampling)
+    assert {"tree_attention_sparse", "tree_attention_dense"} <= set(calls)
+
+
+def test_sharded_cycle_on_8_devices_for_cuda_holds_the_kernels(tmp_path):
+    """(1, 8, 1): tensor-parallel attention and expert hidden width; (1, 1, 8): one expert per device
+    (expert parallel, `sharding.active.routed_experts`). In a subprocess with 8 CPU devices."""
+    out = tmp_path / "lowering.json"
+    worker = os.path.join(os.path.dirname(__file__), "gpu_lowering_worker.py")
+    proc = subprocess.run([sys.executable, worker, str(out)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    for mesh in ("1,8,1", "1,1,8"):
+        r = result[mesh]
+        assert "error" not in r, (mesh, r)
+        assert r["devices"] == 8
+        assert r["kernels"].get("grouped_matmul_plain", 0) > 0 and r["kernels"].get("chain_compress", 0) > 0, r
+        assert any(k.startswith("tree_attention_") for k in r["kernels"]), r
+        assert not r["dense_expert_dots"], (mesh, r["dense_expert_dots"])
