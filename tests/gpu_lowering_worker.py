@@ -20,9 +20,9 @@ import jax.numpy as jnp  # noqa: E402
 from jax import export  # noqa: E402
 
 import jaxspec as js  # noqa: E402
+from jaxspec import runner  # noqa: E402
 from jaxspec.generate import prefill_for_speculation, speculative_cycle  # noqa: E402
 from jaxspec.gpu_export import TRITON_CALL, cuda_target, expert_stack_dots, kernel_calls  # noqa: E402
-from jaxspec.sharding import runner  # noqa: E402
 from jaxspec.sharding.active import activate  # noqa: E402
 from jaxspec.sharding.rules import MESH_AXES, check_rules  # noqa: E402
 
