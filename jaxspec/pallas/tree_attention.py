@@ -84,19 +84,7 @@ def _tree_attention_kernel(
     split = pl.program_id(3)
     last = split == splits - 1
 
-    def attend(carry, keys, valid):  # keys [bk, c], valid [bk] bool
-        m, l, acc = carry
-        s = lax.dot_general(q, keys, (((1,), (1,)), ((), ())), precision=precision,
-                            preferred_element_type=jnp.float32) * scale  # [bh, bk]
-        s = jnp.where(valid[None, :], s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        # A row that has seen no key yet keeps m = -inf; shift by 0 so exp gives 0, not NaN.
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp(m - m_safe)
-        p = jnp.exp(s - m_safe[:, None])
-        pv = lax.dot_general(p.astype(keys.dtype), keys, (((1,), (0,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32)  # [bh, c]
-        return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
+    attend = functools.partial(_attend_block, q=q, scale=scale, precision=precision)
 
     carry = (
         jnp.full((bh,), -jnp.inf, jnp.float32),
@@ -151,15 +139,37 @@ def _tree_attention_kernel(
     if has_entries:
         carry = tree_part(carry, ent_ref, ent_mask_ref, meta_ref[4], meta_ref[5])
 
+    _write_output(carry, sink_ref, refs, splits)
+
+
+def _attend_block(carry, keys, valid, *, q, scale, precision):  # keys [bk, c], valid [bk] bool
+    """One block of keys into the online softmax (running max m, sum l, weighted values acc)."""
+    m, l, acc = carry
+    s = lax.dot_general(q, keys, (((1,), (1,)), ((), ())), precision=precision,
+                        preferred_element_type=jnp.float32) * scale  # [bh, bk]
+    s = jnp.where(valid[None, :], s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    # A row that has seen no key yet keeps m = -inf; shift by 0 so exp gives 0, not NaN.
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp(m - m_safe)
+    p = jnp.exp(s - m_safe[:, None])
+    pv = lax.dot_general(p.astype(keys.dtype), keys, (((1,), (0,)), ((), ())), precision=precision,
+                         preferred_element_type=jnp.float32)  # [bh, c]
+    return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
+
+
+def _write_output(carry, sink_ref, out_refs, splits: int) -> None:
+    """One split: the normalised output (the sink joins the softmax); several: the partial m, l, acc
+    the wrapper combines."""
     m, l, acc = carry
     if splits == 1:
-        o_ref = refs[0]
+        o_ref = out_refs[0]
         sink = sink_ref[...]
         top = jnp.maximum(m, sink)
         keep = jnp.exp(m - top)
         o_ref[...] = acc * (keep / (l * keep + jnp.exp(sink - top)))[:, None]
     else:
-        o_ref, m_ref, l_ref = refs
+        o_ref, m_ref, l_ref = out_refs
         o_ref[...] = acc
         m_ref[...] = m
         l_ref[...] = l
@@ -267,17 +277,7 @@ def _tree_attention(q, window_kv, window_pos, new_kv, new_mask, positions, sink,
     gpu = not interpret
     b, t, h, c = q.shape
     dt = q.dtype
-    bk = int(block_k or (GPU_BLOCK_K if gpu else CPU_BLOCK_K))
-    if bk < 1 or bk & (bk - 1):
-        raise ValueError(f"block_k must be a power of two, got {bk}")
-    min_tile = 16 if gpu else 1  # Triton matmuls need every side >= 16
-    if gpu and bk < 16:
-        raise ValueError(f"block_k must be >= 16 on GPU, got {bk}")
-    hp = max(next_pow2(h), min_tile)
-    bh = min(int(block_h or (GPU_BLOCK_H if gpu else hp)), hp)
-    if bh < min_tile or bh & (bh - 1):
-        raise ValueError(f"block_h must be a power of two >= {min_tile}, got {bh}")
-    cp = max(next_pow2(c), min_tile)
+    bk, bh, hp, cp = _tiles(h, c, block_h, block_k, gpu)
 
     def keys(x, axis_len=None):  # [B, N, c] -> dtype, channels padded, N padded to axis_len
         x = pad_axis(x.astype(dt), 2, cp)
@@ -296,31 +296,9 @@ def _tree_attention(q, window_kv, window_pos, new_kv, new_mask, positions, sink,
 
     mode = "none" if comp_kv is None else ("dense" if comp_len is not None else "sparse")
     has_entries = tree_entries is not None
-    count = jnp.zeros((b, t), jnp.int32)
-    extra_in, extra_specs = [], []
-    committed_blocks = wp // bk
+    count, extra_in, extra_specs, committed_blocks = _compressed_operands(
+        mode, comp_kv, comp_len, comp_index, keys, b, t, bk, cp, wp // bk)
     sq = SQUEEZED
-    if mode != "none":
-        lc = comp_kv.shape[1]
-        comp = keys(comp_kv, max(lc, bk))  # only a cache shorter than one block is copied
-        extra_in.append(comp)
-        extra_specs.append(pl.BlockSpec((sq, comp.shape[1], cp), lambda i, j, k, s: (i, 0, 0)))
-        if mode == "dense":
-            count = jnp.broadcast_to(jnp.minimum(comp_len.astype(jnp.int32), lc)[:, None], (b, t))
-            committed_blocks += comp.shape[1] // bk
-        else:
-            ids = comp_index.astype(jnp.int32)
-            ok = ids >= 0
-            # Valid ids first (ascending: neighbouring rows, friendlier gathers), so a node reads
-            # only ceil(count / block_k) blocks.
-            ids = jnp.sort(jnp.where(ok, jnp.minimum(ids, lc - 1), lc), axis=-1)
-            ids = jnp.where(ids < lc, ids, -1)
-            kp = round_up(ids.shape[-1], bk)
-            ids = pad_axis(ids, 2, kp, value=-1)
-            count = jnp.sum(ok, axis=-1).astype(jnp.int32)
-            extra_in.append(ids)
-            extra_specs.append(pl.BlockSpec((sq, sq, kp), lambda i, j, k, s: (i, j, 0)))
-            committed_blocks += kp // bk
     ent_lo = ent_hi = jnp.zeros((b, t), jnp.int32)
     if has_entries:
         ent_mask = pad_axis(tree_entry_mask, 2, tp, value=False)
@@ -385,12 +363,56 @@ def _tree_attention(q, window_kv, window_pos, new_kv, new_mask, positions, sink,
         name=f"tree_attention_{mode}",
         **extra,
     )(meta, qp, sinkp, win, win_pos, new, new_mask_p.astype(jnp.int8), *extra_in)
-    if splits == 1:
-        out = result
-    else:
-        acc, m, l = result  # [B, T, S, Hp, cp], [B, T, S, Hp] x2
-        top = jnp.maximum(jnp.max(m, axis=2), sinkp[None, None, :])  # [B, T, Hp]
-        keep = jnp.exp(m - top[:, :, None])
-        denom = jnp.sum(l * keep, axis=2) + jnp.exp(sinkp[None, None, :] - top)
-        out = jnp.sum(acc * keep[..., None], axis=2) / denom[..., None]
+    out = result if splits == 1 else _combine_splits(*result, sinkp)
     return out[:, :, :h, :c]
+
+
+def _combine_splits(acc, m, l, sinkp):  # [B, T, S, Hp, cp], [B, T, S, Hp] x2, [Hp]
+    """The key splits' partial softmaxes into one output, the sink joining once."""
+    top = jnp.maximum(jnp.max(m, axis=2), sinkp[None, None, :])  # [B, T, Hp]
+    keep = jnp.exp(m - top[:, :, None])
+    denom = jnp.sum(l * keep, axis=2) + jnp.exp(sinkp[None, None, :] - top)
+    return jnp.sum(acc * keep[..., None], axis=2) / denom[..., None]
+
+
+def _tiles(h: int, c: int, block_h, block_k, gpu: bool) -> tuple[int, int, int, int]:
+    """-> (block_k, block_h, padded heads, padded channels); Triton matmuls need every side >= 16."""
+    bk = int(block_k or (GPU_BLOCK_K if gpu else CPU_BLOCK_K))
+    if bk < 1 or bk & (bk - 1):
+        raise ValueError(f"block_k must be a power of two, got {bk}")
+    min_tile = 16 if gpu else 1
+    if gpu and bk < 16:
+        raise ValueError(f"block_k must be >= 16 on GPU, got {bk}")
+    hp = max(next_pow2(h), min_tile)
+    bh = min(int(block_h or (GPU_BLOCK_H if gpu else hp)), hp)
+    if bh < min_tile or bh & (bh - 1):
+        raise ValueError(f"block_h must be a power of two >= {min_tile}, got {bh}")
+    return bk, bh, hp, max(next_pow2(c), min_tile)
+
+
+def _compressed_operands(mode, comp_kv, comp_len, comp_index, keys, b, t, bk, cp, committed_blocks):
+    """The compressed keys (and, sparse, the sorted top-k ids) as kernel operands -> (entries per
+    node [B, T], operands, their BlockSpecs, committed key blocks in all)."""
+    sq = SQUEEZED
+    count = jnp.zeros((b, t), jnp.int32)
+    extra_in, extra_specs = [], []
+    if mode == "none":
+        return count, extra_in, extra_specs, committed_blocks
+    lc = comp_kv.shape[1]
+    comp = keys(comp_kv, max(lc, bk))  # only a cache shorter than one block is copied
+    extra_in.append(comp)
+    extra_specs.append(pl.BlockSpec((sq, comp.shape[1], cp), lambda i, j, k, s: (i, 0, 0)))
+    if mode == "dense":
+        count = jnp.broadcast_to(jnp.minimum(comp_len.astype(jnp.int32), lc)[:, None], (b, t))
+        return count, extra_in, extra_specs, committed_blocks + comp.shape[1] // bk
+    ids = comp_index.astype(jnp.int32)
+    ok = ids >= 0
+    # Valid ids first (ascending: neighbouring rows, friendlier gathers), so a node reads only
+    # ceil(count / block_k) blocks.
+    ids = jnp.sort(jnp.where(ok, jnp.minimum(ids, lc - 1), lc), axis=-1)
+    ids = jnp.where(ids < lc, ids, -1)
+    kp = round_up(ids.shape[-1], bk)
+    ids = pad_axis(ids, 2, kp, value=-1)
+    extra_in.append(ids)
+    extra_specs.append(pl.BlockSpec((sq, sq, kp), lambda i, j, k, s: (i, j, 0)))
+    return jnp.sum(ok, axis=-1).astype(jnp.int32), extra_in, extra_specs, committed_blocks + kp // bk
