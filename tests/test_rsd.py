@@ -211,6 +211,6 @@ def test_residual_loop_compiles_once_and_greedy_is_generate(confident_params, te
                                     top_p=0.9, rng=jax.random.key(1), **kw)
     greedy = js.speculative_generate(confident_params, test_cfg, prompts, "s2_k2_d4", **kw)
     assert speculative_compile_count() == before  # settings, keys and prompts are traced
-    assert first.stats["mean_accepted_length"] > 1.5 and again.stats["cycles"] > 0
+    assert first.stats["mean_accepted_length"] > 1.2 and again.stats["cycles"] > 0
     ref = js.generate(confident_params, test_cfg, prompts, max_new_tokens=8)
     np.testing.assert_array_equal(greedy.tokens, ref.tokens)
