@@ -25,9 +25,8 @@ from jaxspec.sampling import Sampling, sample_tokens, validate_sampling
 from jaxspec.sharding.active import constrain_state
 from jaxspec.sharding.rules import check_mesh
 from jaxspec.tree.commit import commit_accepted_path
-from jaxspec.tree.draft import draft_tree, prune_to_budget
 from jaxspec.tree.plan import build_plan, verify_context
-from jaxspec.tree.verify import tree_accept
+from jaxspec.tree.rules import accept_tree, choose_rule, draft_and_prune
 from jaxspec.tuning import NO_SPECULATION, as_tuning
 
 MAX_BATCH_BUCKET = 64
@@ -253,8 +252,7 @@ def _generate_loop(
 
 
 def _check_spec(cfg: ModelConfig, spec: Any) -> SpecConfig:
-    if isinstance(spec, str):
-        spec = SpecConfig.parse(spec)
+    spec = SpecConfig.parse(spec) if isinstance(spec, str) else spec
     if not isinstance(spec, SpecConfig):
         raise ValueError(f"spec must be a SpecConfig or a name like 's3_k2_d6', got {spec!r}")
     spec.validate_for(cfg)
@@ -275,10 +273,12 @@ def speculative_generate(
     mesh: Any = None,
     prompt_lengths: Any = None,
     tuning: Any = None,
+    accept: str | None = None,
 ) -> GenerateOutput:
     """Tree speculative decoding; greedy output is token-identical to `generate`, and with
     temperature > 0 every token is an exact draw from the distribution `generate` samples from
-    (same temperature / top-k / top-p processing; lossless tree acceptance).
+    (same temperature / top-k / top-p processing; lossless tree acceptance). accept: "residual" (sampled
+    drafts, the default at temperature > 0) or "target" (top-K drafts), `jaxspec.tree.rules`.
 
     spec="auto" takes the spec `jaxspec tune` chose for this batch size from `tuning` (a `Tuning`,
     its JSON file or the checkpoint folder holding it); where it chose no speculation this is
@@ -286,6 +286,7 @@ def speculative_generate(
     """
     opts = DecodeOptions.create(cfg, max_new_tokens, temperature, top_k, top_p, eos_id, rng, mesh)
     check_params(params, cfg)
+    rule = choose_rule(accept, float(opts.sampling.temperature))
     if isinstance(spec, str) and spec == "auto":
         if tuning is None:
             raise ValueError('spec="auto" needs tuning= (a Tuning, or the folder `jaxspec tune` wrote tune.json to)')
@@ -307,7 +308,7 @@ def speculative_generate(
                             minimum=64)
     tokens, lengths, stats = on_mesh(_speculative_loop, opts.mesh, len(batch.lengths))(
         params, cfg, spec, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), opts.max_new_tokens, max_len,
-        jnp.int32(opts.eos_id), opts.sampling,
+        jnp.int32(opts.eos_id), opts.sampling, rule,
     )
     n = batch.batch
     tokens, lengths = np.asarray(tokens)[:n], np.asarray(lengths)[:n]
@@ -350,17 +351,17 @@ def speculative_cycle(
     poison_rejected: bool = False,
     sampling: Sampling | None = None,
     cycle: jax.Array | None = None,  # [B] int32 per-sequence cycle counter (folds sampling.key)
+    accept: str = "target",  # "target" | "residual" (jaxspec.tree.rules)
 ):
     """draft -> prune -> plan -> verify -> accept -> commit; -> (state, last_hidden, tree, acceptance).
 
     `poison_rejected` (tests only) fills the verify scratch of every node off the accepted path
     with NaN before the commit: outputs must not change.
     """
-    pool = draft_tree(params, cfg, spec, state, root, last_hidden)
-    tree = prune_to_budget(pool, root, spec.num_draft_tokens)
+    tree = draft_and_prune(params, cfg, spec, state, root, last_hidden, accept, sampling, cycle)
     plan = build_plan(tree.parent, state.length, spec.num_steps)
     verify_out = forward(params, cfg, state, tree.tokens, verify_context(plan, state.length))
-    acc = tree_accept(tree.tokens, tree.parent, verify_out.logits, spec.num_steps, sampling, cycle)
+    acc = accept_tree(spec, tree, verify_out.logits, sampling, cycle)
     if poison_rejected:
         off_path = ~acc.path_mask
 
@@ -385,7 +386,7 @@ def speculative_compile_count() -> int:
     return _speculative_loop.compile_count()
 
 
-@functools.partial(bounded_jit, static_argnums=(1, 2, 5, 6))
+@functools.partial(bounded_jit, static_argnums=(1, 2, 5, 6, 9))
 def _speculative_loop(
     params: ModelParams,
     cfg: ModelConfig,
@@ -396,6 +397,7 @@ def _speculative_loop(
     max_len: int,
     eos_id: jax.Array,  # -1 = none
     sampling: Sampling,
+    accept: str = "target",
 ):
     s_steps, k = spec.num_steps, spec.topk
     bb = prompt_tokens.shape[0]
@@ -421,7 +423,7 @@ def _speculative_loop(
         state, root, last_hidden, tokens, num_generated, done, stats = carry
         active = ~done
         state, last_hidden, tree, acc = speculative_cycle(
-            params, cfg, spec, state, root, last_hidden, active, sampling=sampling, cycle=stats["cycles"]
+            params, cfg, spec, state, root, last_hidden, active, sampling=sampling, cycle=stats["cycles"], accept=accept
         )
         # Emitted this cycle: the accepted drafts, then the bonus token.
         path_tokens = jnp.take_along_axis(tree.tokens, acc.path_nodes, axis=1)  # [B, S+1]

@@ -218,7 +218,9 @@ def main() -> None:
     result: dict = {"devices": len(jax.devices()), "meshes": {}}
     t0 = time.perf_counter()
     ref = js.generate(params, CFG, PROMPTS, max_new_tokens=NEW_TOKENS)
-    ref_spec = js.speculative_generate(params, CFG, PROMPTS, SPEC, max_new_tokens=NEW_TOKENS)
+    # accept="residual" (sampled drafts, recursive rejection) for greedy too: its greedy branch is the argmax walk,
+    # and the sampled runs below reuse the program.
+    ref_spec = js.speculative_generate(params, CFG, PROMPTS, SPEC, max_new_tokens=NEW_TOKENS, accept="residual")
     # Sampling settings are traced: these reuse the greedy programs.
     sampled = dict(max_new_tokens=NEW_TOKENS, temperature=1.0, rng=jax.random.key(7))
     ref_sampled = js.generate(params, CFG, PROMPTS, **sampled)
@@ -234,7 +236,8 @@ def main() -> None:
         mesh = js.make_mesh(*shape)
         placed = js.shard_params(params, CFG, mesh)
         gen = js.generate(placed, CFG, PROMPTS, max_new_tokens=NEW_TOKENS, mesh=mesh)
-        spec = js.speculative_generate(placed, CFG, PROMPTS, SPEC, max_new_tokens=NEW_TOKENS, mesh=mesh)
+        spec = js.speculative_generate(placed, CFG, PROMPTS, SPEC, max_new_tokens=NEW_TOKENS, mesh=mesh,
+                                       accept="residual")
         gen_sampled = js.generate(placed, CFG, PROMPTS, **sampled, mesh=mesh)
         spec_sampled = js.speculative_generate(placed, CFG, PROMPTS, SPEC, **sampled, mesh=mesh)
         # The compiled speculative loop (already compiled by the call above: a cache hit).
@@ -243,7 +246,8 @@ def main() -> None:
             int(batch.lengths.max()) + NEW_TOKENS + SPEC.num_steps + 1, CFG.max_position_embeddings, minimum=64
         )
         args = (placed, CFG, SPEC, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), NEW_TOKENS, max_len,
-                jnp.int32(-1), Sampling(jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0), jax.random.key(0)))
+                jnp.int32(-1), Sampling(jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0), jax.random.key(0)),
+                "residual")
         compiled = runner.lower_sharded(_speculative_loop, mesh, args, batch=len(batch.lengths), cfg=CFG).compile()
         want = placement.param_shardings(CFG, mesh)
         kept = all(

@@ -247,14 +247,14 @@ FULL_E2E = [(w, s, t) for w in ("random", "confident") for s in SPECS for t in S
 E2E = FULL_E2E if os.environ.get("JAXSPEC_FULL_SAMPLING") else CI_E2E
 
 
-def check_end_to_end(params, cfg, spec, setting_name, seed=0, n=E2E_BATCH):
+def check_end_to_end(params, cfg, spec, setting_name, seed=0, n=E2E_BATCH, accept=None):
     """-> p-values of token 1, token 2 (marginal), token 2 | t1, token 3 | t1 (mixture over token 2)
     with t1 the most frequent token 1, and token 3 | (t1, t2) when that pair is frequent; and tau."""
     setting = SETTINGS[setting_name]
     temperature, top_k, top_p = setting
     out = js.speculative_generate(
         params, cfg, [PROMPT] * n, spec, max_new_tokens=3, temperature=temperature, top_k=top_k, top_p=top_p,
-        rng=jax.random.key(seed),
+        rng=jax.random.key(seed), accept=accept,
     )
     t = out.tokens
     assert (out.lengths == 3).all()
@@ -278,6 +278,7 @@ def check_end_to_end(params, cfg, spec, setting_name, seed=0, n=E2E_BATCH):
 
 @pytest.mark.parametrize("which,spec,setting", E2E)
 def test_speculative_generate_samples_the_target(test_params, confident_params, test_cfg, which, spec, setting):
+    # the default rule at T > 0 ("residual"); tests/test_rsd.py runs the target-only rule's grid (long)
     result = check_end_to_end(_params(which, test_params, confident_params), test_cfg, spec, setting)
     assert min(v for k, v in result.items() if k != "tau") > ALPHA, result
     if which == "confident":

@@ -17,6 +17,7 @@ from jaxspec.layers.attention import AttentionContext
 from jaxspec.model import ModelParams, mtp_forward
 from jaxspec.state import DecodeState
 from jaxspec.tree.plan import build_plan
+from jaxspec.tree.sampled import SampledDraft, sampled_children
 
 
 @struct.dataclass
@@ -25,6 +26,9 @@ class DraftPool:
     parent: jax.Array  # [B, N] pool index of the parent, -1 = the root
     score: jax.Array  # [B, N] cumulative draft log-prob
     rank: jax.Array  # [B, N] rank of the token among its parent's K children
+    # Sampled drafts only (`tree/sampled.py`): log q of every slot, and the slot each candidate was drawn from.
+    q: jax.Array | None = None  # [B, slots, V]
+    q_slot: jax.Array | None = None  # [B, N]
 
 
 @struct.dataclass
@@ -33,6 +37,7 @@ class Tree:
     parent: jax.Array  # [B, D] parent node, parent[:, 0] = 0; parents precede children
     rank: jax.Array  # [B, D] child rank under its parent (0 for the root)
     score: jax.Array  # [B, D] cumulative draft log-prob (0 for the root)
+    q: jax.Array | None = None  # [B, D, V] sampled drafts: log q each node was drawn from (root: zeros)
 
 
 def _children(
@@ -59,13 +64,15 @@ def draft_tree(
     state: DecodeState,  # committed; state.mtp_length == state.length - 1
     root: jax.Array,  # [B] int32 root token (position P)
     root_hidden: jax.Array,  # [B, hc, d] target streams at position P-1
+    sampler: SampledDraft | None = None,
 ) -> DraftPool:
     """Top-K beam of S MTP steps, each running the MTP block and the head over its new slots only
     (1 at step one, K after): O(S*K) token-forwards.
 
     A slot drafted at step s sits at MTP position mtp_length + s - 1 and reads the committed MTP
     ring plus the window kv its ancestors left in the draft scratch (`AttentionContext.prior_*`),
-    never a sibling's: the pool equals `draft_tree_exhaustive`'s.
+    never a sibling's: the pool equals `draft_tree_exhaustive`'s. With `sampler` (temperature > 0)
+    the children are sampled and ranked by value instead (`tree/sampled.py`); the beam is the same.
     """
     s_steps, k = spec.num_steps, spec.topk
     b = root.shape[0]
@@ -80,6 +87,7 @@ def draft_tree(
     new_pool_index = jnp.full((b, 1), -1, jnp.int32)
     new_score = jnp.zeros((b, 1), jnp.float32)
     pool = pool_token, pool_parent, pool_score, pool_rank = [], [], [], []
+    slot_q, q_slot = [], []
     pool_offset = 0
     for step in range(1, s_steps + 1):
         n = new_slots.shape[0]
@@ -97,7 +105,12 @@ def draft_tree(
         logits, z, rows = mtp_forward(params, cfg, state, new_hidden, new_token, ctx)
         scratch_kv = scratch_kv.at[:, new_slots].set(rows.kv.astype(scratch_kv.dtype))
         scratch_pos = scratch_pos.at[:, new_slots].set(positions)
-        for column, values in zip(pool, _children(logits, new_score, new_pool_index, k), strict=True):
+        children = _children(logits, new_score, new_pool_index, k)
+        if sampler is not None:
+            children, logq = sampled_children(logits, new_score, new_slots, step, sampler, children)
+            slot_q.append(logq)
+            q_slot.append(jnp.broadcast_to(jnp.repeat(new_slots, k), (b, n * k)))
+        for column, values in zip(pool, children, strict=True):
             column.append(values)
         if step == s_steps:
             break
@@ -119,6 +132,8 @@ def draft_tree(
         parent=jnp.concatenate(pool_parent, axis=1),
         score=jnp.concatenate(pool_score, axis=1),
         rank=jnp.concatenate(pool_rank, axis=1),
+        q=jnp.concatenate(slot_q, axis=1) if sampler is not None else None,
+        q_slot=jnp.concatenate(q_slot, axis=1) if sampler is not None else None,
     )
 
 
@@ -204,9 +219,15 @@ def prune_to_budget(pool: DraftPool, root: jax.Array, num_draft_tokens: int) -> 
     pool_parent = jnp.take_along_axis(pool.parent, keep, axis=1)
     parent = jnp.where(pool_parent < 0, 0, jnp.take_along_axis(node_of, jnp.maximum(pool_parent, 0), axis=1))
     zeros = jnp.zeros((b, 1), jnp.int32)
+    q = None
+    if pool.q is not None:
+        drawn_from = jnp.take_along_axis(pool.q_slot, keep, axis=1)  # [B, D-1]
+        q = jnp.take_along_axis(pool.q, drawn_from[:, :, None], axis=1)  # [B, D-1, V]
+        q = jnp.concatenate([jnp.zeros_like(q[:, :1]), q], axis=1)
     return Tree(
         tokens=jnp.concatenate([root[:, None], jnp.take_along_axis(pool.token, keep, axis=1)], axis=1),
         parent=jnp.concatenate([zeros, parent], axis=1),
         rank=jnp.concatenate([zeros, jnp.take_along_axis(pool.rank, keep, axis=1)], axis=1),
         score=jnp.concatenate([jnp.zeros((b, 1)), jnp.take_along_axis(pool.score, keep, axis=1)], axis=1),
+        q=q,
     )

@@ -12,8 +12,10 @@ at the node it follows: the tree is fixed before the draws, the draws are indepe
 node's draw was never looked at before. No thresholds, no relaxed matching.
 
 `chain_residual_accept` is the rule for sampled (not top-K) chain drafts (Leviathan et al. 2023): accept with
-probability min(1, p/q), emit from the residual on rejection. The loop drafts top-K, so it uses
-`tree_accept`; the residual rule is for a drafter that samples and reports its q.
+probability min(1, p/q), emit from the residual on rejection. `residual_tree_accept` is the loop's rule for
+sampled drafts (`tree/sampled.py`): the chain rule for K = 1, recursive rejection sampling without
+replacement (RSD-S, Jeon et al. 2024) for trees (docs/sampling.md). `tree_accept` stays the rule for
+top-K drafts and the reference.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec.sampling import Sampling, gumbel_choice
+from jaxspec.sampling import Sampling, gumbel_choice, processed_logprobs
 from jaxspec.sharding.active import global_rows
 
 
@@ -161,3 +163,124 @@ def chain_residual_accept(
         bonus=bonus,
         path_nodes=jnp.minimum(nodes, num_accepted[:, None]),
     )
+
+
+def _coins_and_noise(keys: jax.Array, vocab: int) -> tuple[jax.Array, jax.Array]:
+    """keys [B, D] -> (uniform coins [B, D], Gumbel noise [B, D, V]): a node's coin decides whether it is
+    accepted, its noise draws the token emitted where the walk stops at it."""
+    split = jax.vmap(jax.vmap(jax.random.split))(keys)  # [B, D, 2]
+    coins = jax.vmap(jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32)))(split[..., 0])
+    noise = jax.vmap(jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32)))(split[..., 1])
+    return coins, noise
+
+
+def _residual_step(p, q, x, coin, try_it):
+    """One sibling of recursive rejection: p, q [B, V] the current target / draft distributions, x [B]
+    the child (drawn from q), coin [B]. -> (accepted [B], p, q after it): on rejection
+    p <- norm(max(p - q, 0)) and q <- q without x, renormalised; otherwise unchanged."""
+    px = jnp.take_along_axis(p, x[:, None], axis=1)[:, 0]
+    qx = jnp.take_along_axis(q, x[:, None], axis=1)[:, 0]
+    try_it = try_it & (qx > 0)  # beyond q's support: not a draw, skipped (and so are the later siblings)
+    ok = try_it & (coin * qx < px)  # u < p/q without dividing
+    rejected = (try_it & ~ok)[:, None]
+    residual = jnp.maximum(p - q, 0.0)
+    mass = jnp.sum(residual, -1, keepdims=True)
+    # p == q leaves no residual, but then rejection has probability 0: keep p to stay finite.
+    p = jnp.where(rejected, jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p), p)
+    q_rest = jnp.where(jnp.arange(q.shape[1])[None, :] == x[:, None], 0.0, q)
+    rest = jnp.sum(q_rest, -1, keepdims=True)
+    q = jnp.where(rejected, q_rest / jnp.where(rest > 0, rest, 1.0), q)
+    return ok, p, q
+
+
+def recursive_rejection_accept(
+    tokens: jax.Array,  # [B, D] node tokens; siblings drawn from their parent's q without replacement
+    parent: jax.Array,  # [B, D]
+    rank: jax.Array,  # [B, D] sampling order among siblings; the kept siblings are ranks 0..m-1
+    draft_probs: jax.Array,  # [B, D, V] q each node was drawn from (siblings share it; root unused)
+    target_probs: jax.Array,  # [B, D, V] processed target after each node
+    keys: jax.Array,  # [B, D] typed keys, independent per (sequence, cycle, node)
+    max_depth: int,
+    topk: int,
+    update_residual: bool | jax.Array = True,  # False (tests only): the deliberately wrong rule, no residual
+) -> Acceptance:
+    """RSD-S: at the reached node try its children in sampling order, accepting x_i with probability
+    min(1, p_i(x_i) / q_i(x_i)), where p_1, q_1 are the target and draft distributions there and each
+    rejection moves to p_{i+1} = norm(max(p_i - q_i, 0)), q_{i+1} = q_i without x_i (renormalised).
+    The walk enters an accepted child; where all children are rejected it emits a draw from the last
+    p (the target itself at a node without children). S * K gathers of [B, V], no host loop."""
+    b, d = tokens.shape
+    nodes = jnp.arange(d)
+    coins, noise = _coins_and_noise(keys, target_probs.shape[-1])
+    batch = jnp.arange(b)
+    current = jnp.zeros((b,), jnp.int32)
+    alive = jnp.ones((b,), bool)
+    path_mask = nodes[None, :] == 0
+    path_nodes = [current]
+    num_accepted = jnp.zeros((b,), jnp.int32)
+    bonus = jnp.zeros((b,), jnp.int32)
+
+    def emit(p, at):  # Gumbel-max draw from p [B, V] with the noise of node `at` [B]
+        return jnp.argmax(jnp.log(p) + noise[batch, at], axis=-1).astype(jnp.int32)
+
+    for depth in range(max_depth + 1):
+        p = target_probs[batch, current]
+        is_child = (parent == current[:, None]) & (nodes[None, :] != 0)  # [B, D]
+        found = jnp.zeros((b,), bool)
+        nxt = current
+        if depth < max_depth:
+            q = draft_probs[batch, jnp.argmax(is_child & (rank == 0), axis=1)]
+            for j in range(topk):
+                sibling = is_child & (rank == j)
+                child = jnp.argmax(sibling, axis=1).astype(jnp.int32)
+                ok, p_next, q_next = _residual_step(p, q, tokens[batch, child], coins[batch, child],
+                                                    alive & ~found & jnp.any(sibling, axis=1))
+                p, q = jnp.where(update_residual, p_next, p), jnp.where(update_residual, q_next, q)
+                nxt = jnp.where(ok, child, nxt)
+                found = found | ok
+        bonus = jnp.where(alive & ~found, emit(p, current), bonus)
+        if depth == max_depth:
+            break
+        current = nxt
+        path_mask = path_mask | ((nodes[None, :] == nxt[:, None]) & found[:, None])
+        num_accepted = num_accepted + found.astype(jnp.int32)
+        alive = found
+        path_nodes.append(current)
+    return Acceptance(
+        path_mask=path_mask,
+        num_accepted=num_accepted,
+        last_node=current,
+        bonus=bonus,
+        path_nodes=jnp.stack(path_nodes, axis=1),
+    )
+
+
+def residual_tree_accept(
+    tokens: jax.Array,  # [B, D] node tokens of a sampled draft (`tree/sampled.py`)
+    parent: jax.Array,  # [B, D]
+    rank: jax.Array,  # [B, D] sampling order among siblings
+    draft_logprobs: jax.Array,  # [B, D, V] log q each node was drawn from (root row unused)
+    logits: jax.Array,  # [B, D, V] target logits at every node
+    max_depth: int,
+    topk: int,
+    sampling: Sampling | None,
+    cycle: jax.Array | None,  # [B] int32, needed with sampling
+) -> Acceptance:
+    """Greedy (sampling None or temperature 0: the argmax walk, as `tree_accept`) or exact sampling of a
+    sampled draft: the chain residual rule for K = 1, recursive rejection (RSD-S) for trees."""
+    greedy = target_choice(logits, None, None)
+    if sampling is None:
+        return greedy_accept(tokens, parent, greedy, max_depth)
+    if cycle is None:
+        raise ValueError("sampling acceptance needs the per-sequence cycle counter `cycle` ([B] int32), got None")
+
+    def sampled():
+        keys = node_keys(sampling.key, cycle, tokens.shape[1])
+        logp = processed_logprobs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+        if topk == 1:  # a chain: nodes 0..S in order
+            return chain_residual_accept(tokens, draft_logprobs[:, 1:], logp, keys)
+        return recursive_rejection_accept(
+            tokens, parent, rank, jnp.exp(draft_logprobs), jnp.exp(logp), keys, max_depth, topk
+        )
+
+    return jax.lax.cond(sampling.temperature > 0, sampled, lambda: greedy_accept(tokens, parent, greedy, max_depth))

@@ -1,0 +1,189 @@
+"""Accepted length (tau) of speculative sampling: the residual / recursive-rejection rule on sampled
+drafts beside the target-only rule on top-K drafts, held-out prompts (docs/sampling.md).
+
+    python bench/rsd_tau.py --checkpoint checkpoints/tiny-v4 --specs s7_k1_d8,s4_k2_d8 \\
+        --temperatures 0.6,1.0 --top-ps 1.0,0.9 --rules residual,target [--prompts 32] [--new-tokens 96]
+        [--batch 64] [--out results/rsd/tau.jsonl]
+    python bench/rsd_tau.py --checkpoint ... --speed s7_k1_d8 --temperatures 0.6 --batch 1 --prompts 8
+    python bench/rsd_tau.py --plot results/rsd/tau.jsonl        # tau vs D figure beside the file
+
+tau = (accepted drafts + cycles) / cycles over every real row (batch padding rows cut). Every
+(spec, rule) compiles once; sampling settings are traced. Records are appended to --out as JSON
+lines; a (spec, rule, T, top-p) already there is skipped, so a stopped run resumes. --speed times
+batch-1 generation (one warm-up call, then every prompt) against `generate` at the same settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+DATASETS = ("gsm8k", "mbpp", "sharegpt")
+
+
+def load(checkpoint: str, num_prompts: int):
+    import jax
+
+    from jaxspec.checkpoint import load_checkpoint
+    from jaxspec.cli.common import as_float32
+    from jaxspec.data import HELDOUT_SPLITS, load_dataset
+    from jaxspec.eval import encode_prompts
+
+    cfg, params, tokenizer = load_checkpoint(checkpoint)
+    if jax.default_backend() == "cpu":
+        cfg, params = as_float32(cfg, params)
+    prompts = []
+    for name in DATASETS:
+        examples = load_dataset(name, HELDOUT_SPLITS[name])[:num_prompts]
+        prompts += encode_prompts(tokenizer, examples, 192)
+    return cfg, params, prompts
+
+
+def as_array(prompts: list[list[int]], rows: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Prompts padded to [rows, width] (missing rows repeat the first prompt; they are cut later)."""
+    tokens = np.zeros((rows, width), np.int32)
+    lengths = np.full((rows,), len(prompts[0]), np.int32)
+    tokens[:, : len(prompts[0])] = prompts[0]
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+        lengths[i] = len(p)
+    return tokens, lengths
+
+
+def measure_tau(params, cfg, prompts, spec, rule, temperature, top_p, new_tokens, batch, seed=0) -> dict:
+    import jax
+
+    import jaxspec as js
+
+    width = max(len(p) for p in prompts)
+    accepted = cycles = 0
+    hits, ranks, start = None, None, time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i : i + batch]
+        tokens, lengths = as_array(chunk, batch, width)
+        out = js.speculative_generate(
+            params, cfg, tokens, spec, max_new_tokens=new_tokens, temperature=temperature,
+            top_p=None if top_p >= 1.0 else top_p, rng=jax.random.key(seed + i), prompt_lengths=lengths, accept=rule,
+        )
+        per = {k: np.asarray(v)[: len(chunk)] for k, v in out.stats["per_sequence"].items()}
+        accepted += int(per["accepted"].sum())
+        cycles += int(per["cycles"].sum())
+        h, r = per["depth_hits"].sum(0), per["rank_hist"].sum(0)
+        hits = h if hits is None else hits + h
+        ranks = r if ranks is None else ranks + r
+    return {
+        "spec": spec, "rule": rule, "temperature": temperature, "top_p": top_p, "prompts": len(prompts),
+        "new_tokens": new_tokens, "batch": batch, "tau": (accepted + cycles) / max(cycles, 1),
+        "per_depth_acceptance": (hits / max(cycles, 1)).tolist(), "rank_histogram": ranks.tolist(),
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def measure_speed(params, cfg, prompts, spec, rule, temperature, top_p, new_tokens, seed=0) -> dict:
+    """Batch 1, one prompt at a time, one width: tokens/s of speculative sampling and of `generate`."""
+    import jax
+
+    import jaxspec as js
+
+    width = max(len(p) for p in prompts)
+    top = None if top_p >= 1.0 else top_p
+    result = {"spec": spec, "rule": rule, "temperature": temperature, "top_p": top_p, "batch": 1,
+              "prompts": len(prompts), "new_tokens": new_tokens}
+    for name, run in (("ar", lambda t, n, k: js.generate(params, cfg, t, new_tokens, temperature, None, top, None, k,
+                                                           prompt_lengths=n)),
+                      ("spec", lambda t, n, k: js.speculative_generate(
+                          params, cfg, t, spec, new_tokens, temperature, None, top, None, k, prompt_lengths=n,
+                          accept=rule))):
+        tokens, lengths = as_array(prompts[:1], 1, width)
+        run(tokens, lengths, jax.random.key(seed))  # compile
+        generated, seconds = 0, 0.0
+        for i, p in enumerate(prompts):
+            tokens, lengths = as_array([p], 1, width)
+            t0 = time.perf_counter()
+            out = run(tokens, lengths, jax.random.key(seed + i))
+            seconds += time.perf_counter() - t0
+            generated += int(out.lengths.sum())
+        result[f"{name}_tokens_per_s"] = generated / seconds
+    result["speedup_vs_ar"] = result["spec_tokens_per_s"] / result["ar_tokens_per_s"]
+    return result
+
+
+def plot(path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = [r for r in records if "tau" in r]
+    settings = sorted({(r["temperature"], r["top_p"]) for r in records})
+    fig, axes = plt.subplots(1, len(settings), figsize=(4.2 * len(settings), 3.6), squeeze=False, sharey=True)
+    for ax, (t, p) in zip(axes[0], settings, strict=True):
+        for rule, style in (("residual", "-"), ("target", "--")):
+            for kind, marker in (("chain", "o"), ("tree", "s")):
+                pts = {}
+                for r in records:
+                    k = int(r["spec"].split("_k")[1].split("_")[0])
+                    if (r["temperature"], r["top_p"], r["rule"]) == (t, p, rule) and (k == 1) == (kind == "chain"):
+                        d = int(r["spec"].split("_d")[1])
+                        pts[d] = max(pts.get(d, 0.0), r["tau"])
+                if pts:
+                    ds = sorted(pts)
+                    ax.plot(ds, [pts[d] for d in ds], style, marker=marker, label=f"{rule} {kind} (best)")
+        ax.set_title(f"T={t}, top-p={p}")
+        ax.set_xlabel("D (nodes verified)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("tau (tokens per cycle)")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    out = path.with_suffix(".png")
+    fig.savefig(out, dpi=120)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", default="checkpoints/tiny-v4")
+    p.add_argument("--specs", default="s7_k1_d8,s4_k2_d8,s3_k4_d8")
+    p.add_argument("--rules", default="residual,target")
+    p.add_argument("--temperatures", default="0.6,1.0")
+    p.add_argument("--top-ps", default="1.0,0.9")
+    p.add_argument("--prompts", type=int, default=32, help="per dataset")
+    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--out", default="results/rsd/tau.jsonl")
+    p.add_argument("--speed", action="store_true", help="batch-1 tokens/s vs generate instead of tau")
+    p.add_argument("--plot", default=None, metavar="JSONL", help="only draw the figure of a finished file")
+    args = p.parse_args()
+    if args.plot:
+        print(plot(Path(args.plot)))
+        return
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = set()
+    if out.exists():
+        for line in out.read_text().splitlines():
+            r = json.loads(line)
+            done.add((r["spec"], r["rule"], r["temperature"], r["top_p"], "tau" in r))
+    cfg, params, prompts = load(args.checkpoint, args.prompts)
+    for spec in args.specs.split(","):
+        for rule in args.rules.split(","):
+            for t in map(float, args.temperatures.split(",")):
+                for top_p in map(float, args.top_ps.split(",")):
+                    if (spec, rule, t, top_p, not args.speed) in done:
+                        continue
+                    if args.speed:
+                        r = measure_speed(params, cfg, prompts, spec, rule, t, top_p, args.new_tokens)
+                    else:
+                        r = measure_tau(params, cfg, prompts, spec, rule, t, top_p, args.new_tokens, args.batch)
+                    print(json.dumps({k: v for k, v in r.items() if k not in ("rank_histogram",)}), flush=True)
+                    with open(out, "a") as f:
+                        f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()

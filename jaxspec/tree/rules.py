@@ -1,0 +1,67 @@
+"""The acceptance rule of a speculative cycle and the drafting it needs (docs/sampling.md).
+
+- "target": top-K drafts accepted by the target-only rule (`verify.tree_accept`): a child is accepted
+  when an independent target draw equals it. Exact for any draft fixed before the draws; the
+  reference, and what greedy decoding runs (the argmax walk).
+- "residual": at temperature > 0 children are *sampled* from the draft (`tree/sampled.py`) and
+  verified by the residual rule (chains) or recursive rejection without replacement (trees),
+  `verify.residual_tree_accept`; at temperature 0 the same program takes the greedy branch.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxspec.config import ModelConfig, SpecConfig
+from jaxspec.model import ModelParams
+from jaxspec.sampling import Sampling
+from jaxspec.state import DecodeState
+from jaxspec.tree.draft import Tree, draft_tree, prune_to_budget
+from jaxspec.tree.sampled import make_sampled_draft
+from jaxspec.tree.verify import Acceptance, residual_tree_accept, tree_accept
+
+ACCEPT_RULES = ("residual", "target")
+
+
+def choose_rule(accept: str | None, temperature: float) -> str:
+    """The static rule of a run: `accept` checked, None = "residual" when sampling, else "target"
+    (greedy: both rules walk the argmax; "target" is the smaller program)."""
+    if accept is None:
+        return "residual" if temperature > 0 else "target"
+    if accept not in ACCEPT_RULES:
+        raise ValueError(f"accept must be None or one of {ACCEPT_RULES}, got {accept!r}")
+    return accept
+
+
+def draft_and_prune(
+    params: ModelParams,
+    cfg: ModelConfig,
+    spec: SpecConfig,
+    state: DecodeState,
+    root: jax.Array,  # [B] int32
+    last_hidden: jax.Array,  # [B, hc, d]
+    accept: str,
+    sampling: Sampling | None,
+    cycle: jax.Array | None,  # [B] int32
+    log_value: jax.Array | None = None,  # [S, K] value hook for sampled drafts (tree/sampled.py)
+) -> Tree:
+    sampler = None
+    if accept == "residual" and sampling is not None:
+        sampler = make_sampled_draft(spec, sampling, cycle, log_value)
+    pool = draft_tree(params, cfg, spec, state, root, last_hidden, sampler)
+    return prune_to_budget(pool, root, spec.num_draft_tokens)
+
+
+def accept_tree(
+    spec: SpecConfig,
+    tree: Tree,
+    logits: jax.Array,  # [B, D, V] target verify logits
+    sampling: Sampling | None,
+    cycle: jax.Array | None,  # [B] int32
+) -> Acceptance:
+    """The rule the tree was drafted for: sampled drafts carry their q."""
+    if tree.q is not None:
+        return residual_tree_accept(
+            tree.tokens, tree.parent, tree.rank, tree.q, logits, spec.num_steps, spec.topk, sampling, cycle
+        )
+    return tree_accept(tree.tokens, tree.parent, logits, spec.num_steps, sampling, cycle)
