@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import long_test
 from test_sampling import ALPHA, check_end_to_end, chi_square_p
 
 import jaxspec as js
@@ -135,7 +134,7 @@ def test_residual_rules_are_exact(tree, setting):
     assert accepted > 0.8, accepted  # deep paths are exercised, not only the bonus
 
 
-@long_test
+@pytest.mark.long
 @pytest.mark.parametrize("tree,setting", GRID)
 def test_residual_rules_are_exact_second_model(tree, setting):
     p, accepted = check_rule(tree, setting, seed=5)
@@ -192,7 +191,7 @@ FULL_E2E = [(s, t) for s in ("s3_k1_d4", "s3_k2_d6", "s2_k4_d9") for t in ("t0.5
 
 
 # CI runs the default rule ("residual") end to end in test_sampling.py (s3_k2_d6, T = 1, top-p 0.9).
-@long_test
+@pytest.mark.long
 @pytest.mark.parametrize("rule", ["residual", "target"])
 @pytest.mark.parametrize("spec,setting", FULL_E2E)
 def test_speculative_generate_samples_the_target_by_rule(confident_params, test_cfg, spec, setting, rule):
