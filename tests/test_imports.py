@@ -25,7 +25,7 @@ RANKS = [
     ("jaxspec.sharding.placement", "jaxspec.sharding.runner", "jaxspec.testing"),
     ("jaxspec.tree",),
     ("jaxspec.generate",),
-    ("jaxspec.checkpoint", "jaxspec.stages", "jaxspec.report", "jaxspec.eval", "jaxspec.tune",
+    ("jaxspec.checkpoint", "jaxspec.stages", "jaxspec.report", "jaxspec.eval", "jaxspec.tune", "jaxspec.calibration",
      "jaxspec.train", "jaxspec.packing", "jaxspec.cost", "jaxspec.distill"),
     ("jaxspec.cli",),
     ("jaxspec", "jaxspec.__main__"),
