@@ -383,22 +383,30 @@ _TINY = ModelConfig(
 _PRESETS = {"test": _TEST, "tiny": _TINY, "v4-flash": _flash(), "v4-pro": _pro()}
 
 
+SCORES = ("auto", "calibrated", "draft")
+
+
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
     """Tree speculation shape, named `sS_kK_dD` as in the DeepSeek-V4 report.
 
     num_steps S: MTP draft steps (tree depth); topk K: children per expanded node (K = 1 is the
     linear chain); num_draft_tokens D: tokens the target verifies per cycle, root included.
+    scores: what drafting and pruning rank candidates by (tree/values.py): "calibrated" node values,
+    "draft" (raw draft log-probs), or "auto" (calibrated where the params have a calibration).
     """
 
     num_steps: int
     topk: int
     num_draft_tokens: int
+    scores: str = "auto"
 
     def __post_init__(self):
         for name in ("num_steps", "topk", "num_draft_tokens"):
             _positive_int(name, getattr(self, name))
         s, k, d = self.num_steps, self.topk, self.num_draft_tokens
+        if self.scores not in SCORES:
+            raise ValueError(f"scores must be one of {', '.join(SCORES)}, got {self.scores!r}")
         if d < 2:
             raise ValueError(f"num_draft_tokens must be >= 2 (the root plus at least one draft), got {d}")
         if k == 1 and d != s + 1:

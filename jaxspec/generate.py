@@ -27,6 +27,7 @@ from jaxspec.sharding.rules import check_mesh
 from jaxspec.tree.commit import commit_accepted_path
 from jaxspec.tree.plan import build_plan, verify_context
 from jaxspec.tree.rules import accept_tree, choose_rule, draft_and_prune
+from jaxspec.tree.values import Calibration, resolve_scores
 from jaxspec.tuning import NO_SPECULATION, as_tuning
 
 MAX_BATCH_BUCKET = 64
@@ -274,6 +275,7 @@ def speculative_generate(
     prompt_lengths: Any = None,
     tuning: Any = None,
     accept: str | None = None,
+    calibration: Any = None,
 ) -> GenerateOutput:
     """Tree speculative decoding; greedy output is token-identical to `generate`, and with
     temperature > 0 every token is an exact draw from the distribution `generate` samples from
@@ -282,7 +284,7 @@ def speculative_generate(
 
     spec="auto" takes the spec `jaxspec tune` chose for this batch size from `tuning` (a `Tuning`,
     its JSON file or the checkpoint folder holding it); where it chose no speculation this is
-    `generate`, and stats["spec"] says which ran.
+    `generate`, and stats["spec"] says which ran. `spec.scores` and `calibration`: `resolve_scores`.
     """
     opts = DecodeOptions.create(cfg, max_new_tokens, temperature, top_k, top_p, eos_id, rng, mesh)
     check_params(params, cfg)
@@ -300,20 +302,19 @@ def speculative_generate(
     elif tuning is not None:
         raise ValueError('tuning= is only used with spec="auto"')
     spec = _check_spec(cfg, spec)
-    if params.mtp is None:
-        raise ValueError("speculation needs an MTP draft block; these params have none")
+    spec, values = resolve_scores(params, cfg, spec, calibration)  # also: no MTP block is an error
     extra = spec.num_steps + 1  # a cycle may overshoot max_new_tokens by up to S + 1 slots
     batch = pad_batch(prepare_prompts(cfg, prompts, opts.max_new_tokens + extra, prompt_lengths), opts.mesh)
     max_len = length_bucket(batch.tokens.shape[1] + opts.max_new_tokens + extra, cfg.max_position_embeddings,
                             minimum=64)
     tokens, lengths, stats = on_mesh(_speculative_loop, opts.mesh, len(batch.lengths))(
         params, cfg, spec, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), opts.max_new_tokens, max_len,
-        jnp.int32(opts.eos_id), opts.sampling, rule,
+        jnp.int32(opts.eos_id), opts.sampling, rule, values,
     )
     n = batch.batch
     tokens, lengths = np.asarray(tokens)[:n], np.asarray(lengths)[:n]
     stats = {k: np.asarray(v)[:n] for k, v in stats.items()}
-    return GenerateOutput(tokens=tokens, lengths=lengths, stats=summarize_stats(stats, spec))
+    return GenerateOutput(tokens=tokens, lengths=lengths, stats={**summarize_stats(stats, spec), "scores": spec.scores})
 
 
 def summarize_stats(per_sequence: dict[str, np.ndarray], spec: SpecConfig) -> dict[str, Any]:
@@ -352,13 +353,14 @@ def speculative_cycle(
     sampling: Sampling | None = None,
     cycle: jax.Array | None = None,  # [B] int32 per-sequence cycle counter (folds sampling.key)
     accept: str = "target",  # "target" | "residual" (jaxspec.tree.rules)
+    values: Calibration | None = None,  # node values to rank by; None = raw draft log-probs
 ):
     """draft -> prune -> plan -> verify -> accept -> commit; -> (state, last_hidden, tree, acceptance).
 
     `poison_rejected` (tests only) fills the verify scratch of every node off the accepted path
     with NaN before the commit: outputs must not change.
     """
-    tree = draft_and_prune(params, cfg, spec, state, root, last_hidden, accept, sampling, cycle)
+    tree = draft_and_prune(params, cfg, spec, state, root, last_hidden, accept, sampling, cycle, values=values)
     plan = build_plan(tree.parent, state.length, spec.num_steps)
     verify_out = forward(params, cfg, state, tree.tokens, verify_context(plan, state.length))
     acc = accept_tree(spec, tree, verify_out.logits, sampling, cycle)
@@ -386,7 +388,7 @@ def speculative_compile_count() -> int:
     return _speculative_loop.compile_count()
 
 
-@functools.partial(bounded_jit, static_argnums=(1, 2, 5, 6, 9))
+@functools.partial(bounded_jit, static_argnums=(1, 2, 5, 6, 9, 10))
 def _speculative_loop(
     params: ModelParams,
     cfg: ModelConfig,
@@ -398,6 +400,7 @@ def _speculative_loop(
     eos_id: jax.Array,  # -1 = none
     sampling: Sampling,
     accept: str = "target",
+    values: Calibration | None = None,
 ):
     s_steps, k = spec.num_steps, spec.topk
     bb = prompt_tokens.shape[0]
@@ -423,7 +426,8 @@ def _speculative_loop(
         state, root, last_hidden, tokens, num_generated, done, stats = carry
         active = ~done
         state, last_hidden, tree, acc = speculative_cycle(
-            params, cfg, spec, state, root, last_hidden, active, sampling=sampling, cycle=stats["cycles"], accept=accept
+            params, cfg, spec, state, root, last_hidden, active, sampling=sampling, cycle=stats["cycles"],
+            accept=accept, values=values,
         )
         # Emitted this cycle: the accepted drafts, then the bonus token.
         path_tokens = jnp.take_along_axis(tree.tokens, acc.path_nodes, axis=1)  # [B, S+1]

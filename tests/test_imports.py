@@ -30,7 +30,7 @@ RANKS = [
     # What runs the model: loading and measuring below, the loops that drive them above.
     ("jaxspec.checkpoint", "jaxspec.stages", "jaxspec.report", "jaxspec.packing", "jaxspec.costmodel"),
     ("jaxspec.cost", "jaxspec.eval", "jaxspec.train"),
-    ("jaxspec.tune", "jaxspec.distill"),
+    ("jaxspec.tune", "jaxspec.distill", "jaxspec.calibration"),
     ("jaxspec.cli",),
     ("jaxspec", "jaxspec.__main__"),
 ]

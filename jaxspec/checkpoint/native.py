@@ -16,6 +16,7 @@ from jaxspec.config import ModelConfig
 from jaxspec.model import ModelParams, abstract_params
 from jaxspec.ops.quant import BlockScaled
 from jaxspec.placement import param_shardings, sharded_abstract
+from jaxspec.tree.values import CALIBRATION_FILE, load_calibration
 
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
@@ -88,7 +89,8 @@ def save_checkpoint(path: str | os.PathLike, cfg: ModelConfig, params: ModelPara
 def load_checkpoint(
     path: str | os.PathLike, mesh: Any = None, rules: dict[str, Any] | None = None
 ) -> tuple[ModelConfig, ModelParams, Any]:
-    """-> (cfg, params, tokenizer or None) from a folder written by `save_checkpoint`.
+    """-> (cfg, params, tokenizer or None) from a folder written by `save_checkpoint`; its
+    calibration.json (`jaxspec calibrate`), if any, must be the draft's and becomes its default.
 
     With `mesh` (see `jaxspec.make_mesh`) every leaf is restored straight into its parameter
     sharding (`placement.param_shardings(cfg, mesh, rules)`): each device reads only its slice.
@@ -136,6 +138,9 @@ def load_checkpoint(
             tokenizer = Tokenizer.from_file(tok_path)
         except Exception as e:  # tokenizers raises a bare Exception on a malformed file
             raise ValueError(f"{tok_path} is damaged or not a tokenizer: {errors.one_line(e)}") from None
+    if os.path.isfile(os.path.join(path, CALIBRATION_FILE)) and params.mtp is not None:
+        # checked against these params and registered: speculative_generate ranks by it by default
+        load_calibration(os.path.join(path, CALIBRATION_FILE), params, cfg)
     return cfg, params, tokenizer
 
 

@@ -6,6 +6,7 @@
     jaxspec distill --checkpoint PATH --data runs/distill-data --out PATH [--depths 4] [--steps 1000] [--resume]
     jaxspec sweep --checkpoint PATH [--datasets gsm8k,mbpp,sharegpt] [--specs ...] [--batch-sizes 1,4,16,64]
     jaxspec tune  --checkpoint PATH [--candidates ...] [--batch-sizes 1,4,16,64] [--compare RUNS_JSONL]
+    jaxspec calibrate --checkpoint PATH [--datasets gsm8k,mbpp,sharegpt] [--num-prompts 64] [--temperatures 0.6,1.0]
     jaxspec plan  [--preset v4-flash] [--devices 8] [--mesh D,T,E] [--batch 16] [--context 65536]
     jaxspec cost  [--preset v4-flash] [--devices 8] [--specs s4_k1_d5,s4_k2_d8] [--batch-sizes 1,8,32,64] [--tau 2.5]
 
@@ -22,10 +23,10 @@ import sys
 
 from rich.console import Console
 
-from jaxspec.cli import cost, demo, distill, plan, sweep, train, tune
+from jaxspec.cli import calibrate, cost, demo, distill, plan, sweep, train, tune
 
 PROG = "jaxspec"
-COMMANDS = (demo, train, distill, sweep, tune, plan, cost)
+COMMANDS = (demo, train, distill, sweep, tune, calibrate, plan, cost)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -15,16 +15,18 @@ from flax import struct
 from jaxspec.config import ModelConfig, SpecConfig
 from jaxspec.layers.attention import AttentionContext
 from jaxspec.model import ModelParams, mtp_forward
+from jaxspec.sampling import Sampling
 from jaxspec.state import DecodeState
 from jaxspec.tree.plan import build_plan
 from jaxspec.tree.sampled import SampledDraft, sampled_children
+from jaxspec.tree.values import Calibration, node_log_values
 
 
 @struct.dataclass
 class DraftPool:
     token: jax.Array  # [B, N] drafted tokens, N = K + (S-1)K^2, in drafting order
     parent: jax.Array  # [B, N] pool index of the parent, -1 = the root
-    score: jax.Array  # [B, N] cumulative draft log-prob
+    score: jax.Array  # [B, N] cumulative log node value (raw draft log-prob without a calibration)
     rank: jax.Array  # [B, N] rank of the token among its parent's K children
     # Sampled drafts only (`tree/sampled.py`): log q of every slot, and the slot each candidate was drawn from.
     q: jax.Array | None = None  # [B, slots, V]
@@ -36,7 +38,7 @@ class Tree:
     tokens: jax.Array  # [B, D] node tokens, node 0 = root
     parent: jax.Array  # [B, D] parent node, parent[:, 0] = 0; parents precede children
     rank: jax.Array  # [B, D] child rank under its parent (0 for the root)
-    score: jax.Array  # [B, D] cumulative draft log-prob (0 for the root)
+    score: jax.Array  # [B, D] cumulative log node value (0 for the root)
     q: jax.Array | None = None  # [B, D, V] sampled drafts: log q each node was drawn from (root: zeros)
 
 
@@ -45,14 +47,19 @@ def _children(
     score: jax.Array,  # [B, n] cumulative log-prob of those slots
     pool_index: jax.Array,  # [B, n] their pool index (-1: the root)
     k: int,
+    depth: int = 1,  # of the children
+    values: Calibration | None = None,
+    temperature: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """The top-K children of each slot, as pool columns -> token, parent, score, rank [B, n*K]."""
+    """The top-K children of each slot, as pool columns -> token, parent, score, rank [B, n*K];
+    score = the slot's + the child's log node value (tree/values.py)."""
     b, n = score.shape
     top_logp, top_token = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)  # [B, n, K]
+    log_value = node_log_values(values, depth, top_logp, temperature)
     return (
         top_token.reshape(b, n * k).astype(jnp.int32),
         jnp.repeat(pool_index, k, axis=1),
-        (score[:, :, None] + top_logp).reshape(b, n * k),
+        (score[:, :, None] + log_value).reshape(b, n * k),
         jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, n, k)).reshape(b, n * k),
     )
 
@@ -64,6 +71,8 @@ def draft_tree(
     state: DecodeState,  # committed; state.mtp_length == state.length - 1
     root: jax.Array,  # [B] int32 root token (position P)
     root_hidden: jax.Array,  # [B, hc, d] target streams at position P-1
+    values: Calibration | None = None,  # node values to rank by; None = raw draft log-probs
+    temperature: jax.Array | None = None,  # [] traced, picks the sampling map when > 0
     sampler: SampledDraft | None = None,
 ) -> DraftPool:
     """Top-K beam of S MTP steps, each running the MTP block and the head over its new slots only
@@ -105,13 +114,13 @@ def draft_tree(
         logits, z, rows = mtp_forward(params, cfg, state, new_hidden, new_token, ctx)
         scratch_kv = scratch_kv.at[:, new_slots].set(rows.kv.astype(scratch_kv.dtype))
         scratch_pos = scratch_pos.at[:, new_slots].set(positions)
-        children = _children(logits, new_score, new_pool_index, k)
+        children = _children(logits, new_score, new_pool_index, k, step, values, temperature)
         if sampler is not None:
             children, logq = sampled_children(logits, new_score, new_slots, step, sampler, children)
             slot_q.append(logq)
             q_slot.append(jnp.broadcast_to(jnp.repeat(new_slots, k), (b, n * k)))
-        for column, values in zip(pool, children, strict=True):
-            column.append(values)
+        for column, c in zip(pool, children, strict=True):
+            column.append(c)
         if step == s_steps:
             break
         # Expand the K best candidates of this step in the next one.
@@ -203,11 +212,29 @@ def draft_tree_exhaustive(
     )
 
 
+def draft(
+    params: ModelParams,
+    cfg: ModelConfig,
+    spec: SpecConfig,
+    state: DecodeState,  # committed; state.mtp_length == state.length - 1
+    root: jax.Array,  # [B] int32 root token (position P)
+    root_hidden: jax.Array,  # [B, hc, d] target streams at position P-1
+    values: Calibration | None = None,  # node values to rank by; None = raw draft log-probs
+    sampling: Sampling | None = None,  # its temperature picks the sampling map (> 0) or the greedy one
+    sampler: SampledDraft | None = None,  # children sampled from the draft (tree/sampled.py), else top-K
+) -> Tree:
+    """The one drafting entry point of a cycle: the spec's tree of D nodes (a new tree family
+    changes this function only)."""
+    temperature = None if sampling is None else sampling.temperature
+    pool = draft_tree(params, cfg, spec, state, root, root_hidden, values, temperature, sampler)
+    return prune_to_budget(pool, root, spec.num_draft_tokens)
+
+
 def prune_to_budget(pool: DraftPool, root: jax.Array, num_draft_tokens: int) -> Tree:
     """Keep the D-1 best-scoring candidates plus the root.
 
-    Scores only fall along a path and top_k breaks ties towards the lower (earlier-drafted) index,
-    so a kept node's ancestors are kept too.
+    Scores (sums of log-values < 0) only fall along a path and top_k breaks ties towards the lower
+    (earlier-drafted) index, so a kept node's ancestors are kept too.
     """
     b, n = pool.token.shape
     _, keep = jax.lax.top_k(pool.score, num_draft_tokens - 1)

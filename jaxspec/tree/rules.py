@@ -16,8 +16,9 @@ from jaxspec.config import ModelConfig, SpecConfig
 from jaxspec.model import ModelParams
 from jaxspec.sampling import Sampling
 from jaxspec.state import DecodeState
-from jaxspec.tree.draft import Tree, draft_tree, prune_to_budget
+from jaxspec.tree.draft import Tree, draft
 from jaxspec.tree.sampled import make_sampled_draft
+from jaxspec.tree.values import Calibration
 from jaxspec.tree.verify import Acceptance, residual_tree_accept, tree_accept
 
 ACCEPT_RULES = ("residual", "target")
@@ -44,12 +45,13 @@ def draft_and_prune(
     sampling: Sampling | None,
     cycle: jax.Array | None,  # [B] int32
     log_value: jax.Array | None = None,  # [S, K] value hook for sampled drafts (tree/sampled.py)
+    values: Calibration | None = None,  # calibrated node values of top-K drafts (tree/values.py)
 ) -> Tree:
+    """`draft.draft` with the children the rule needs: sampled at temperature > 0 under "residual"."""
     sampler = None
     if accept == "residual" and sampling is not None:
         sampler = make_sampled_draft(spec, sampling, cycle, log_value)
-    pool = draft_tree(params, cfg, spec, state, root, last_hidden, sampler)
-    return prune_to_budget(pool, root, spec.num_draft_tokens)
+    return draft(params, cfg, spec, state, root, last_hidden, values=values, sampling=sampling, sampler=sampler)
 
 
 def accept_tree(

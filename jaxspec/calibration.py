@@ -1,0 +1,243 @@
+"""`jaxspec calibrate`: fit the node values (tree/values.py) of a checkpoint's draft.
+
+Runs chain speculative cycles on prompts and records, for the top-K children of every chain node
+on or just after the accepted path (= every tree node whose parent is accepted), its features
+(depth, rank, own draft probability, the parent's top-1 draft probability) and its outcome:
+greedy runs record whether the token is the target's argmax after the parent (the greedy event),
+sampled runs the target's processed probability of the token after the parent (the acceptance
+probability of the target-only rule, a lower-variance label than the 0/1 draw). Fitting is on
+train-split prompts; the same collection on held-out prompts measures the calibration error.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.config import ModelConfig, SpecConfig
+from jaxspec.generate import length_bucket, prefill_for_speculation
+from jaxspec.layers.attention import AttentionContext
+from jaxspec.model import ModelParams, forward, mtp_forward
+from jaxspec.programs import bounded_jit
+from jaxspec.sampling import Sampling, processed_logprobs
+from jaxspec.state import DecodeState
+from jaxspec.tree.commit import commit_accepted_path
+from jaxspec.tree.plan import build_plan, verify_context
+from jaxspec.tree.values import Calibration, ValueMap, draft_fingerprint, expected_calibration_error, fit_map, predict
+from jaxspec.tree.verify import tree_accept
+
+COLLECT_STEPS = 10  # chain depth drafted per cycle (deeper nodes share the last depth bin)
+COLLECT_TOPK = 4  # ranks recorded at every chain node (3+ share the last rank bin)
+FIELDS = ("depth", "rank", "own_prob", "parent_top1", "label")
+
+
+def draft_chain_topk(
+    params: ModelParams,
+    cfg: ModelConfig,
+    state: DecodeState,  # committed; state.mtp_length == state.length - 1
+    root: jax.Array,  # [B] int32
+    root_hidden: jax.Array,  # [B, hc, d]
+    num_steps: int,
+    k: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The top-1 chain `draft_tree` drafts for s{num_steps}_k1, plus the top-k of the draft's
+    distribution at every chain node -> chain [B, S], top_logp [B, S, k], top_token [B, S, k].
+
+    A tree node whose parent is on the accepted path sees exactly the draft state of this chain
+    (its ancestors are the accepted path), so every sibling's features and outcome can be read off
+    the chain without verifying the siblings."""
+    b = root.shape[0]
+    scratch_kv = jnp.zeros((b, num_steps, cfg.head_dim), jnp.dtype(cfg.dtype))
+    scratch_pos = jnp.zeros((b, num_steps), jnp.int32)
+    token, hidden = root[:, None], root_hidden[:, None]
+    chain, top_logps, top_tokens = [], [], []
+    for step in range(num_steps):
+        positions = state.mtp_length[:, None] + step  # [B, 1]
+        ctx = AttentionContext(
+            positions=positions,
+            committed=state.mtp_length,
+            visible=jnp.ones((b, 1, 1), bool),
+            ancestor_at_depth=jnp.zeros((b, 1, 1), jnp.int32),
+            valid=jnp.ones((b, 1), bool),
+            prior_kv=scratch_kv,
+            prior_positions=scratch_pos,
+            prior_visible=jnp.broadcast_to(jnp.arange(num_steps) < step, (b, 1, num_steps)),
+        )
+        logits, z, rows = mtp_forward(params, cfg, state, hidden, token, ctx)
+        scratch_kv = scratch_kv.at[:, step].set(rows.kv[:, 0].astype(scratch_kv.dtype))
+        scratch_pos = scratch_pos.at[:, step].set(positions[:, 0])
+        top_logp, top_token = jax.lax.top_k(jax.nn.log_softmax(logits[:, 0], axis=-1), k)  # [B, k]
+        top_logps.append(top_logp)
+        top_tokens.append(top_token.astype(jnp.int32))
+        token, hidden = top_tokens[-1][:, :1], z
+        chain.append(token[:, 0])
+    return jnp.stack(chain, 1), jnp.stack(top_logps, 1), jnp.stack(top_tokens, 1)
+
+
+@functools.partial(bounded_jit, static_argnums=(1, 4, 5, 6, 7))
+def _collect_loop(
+    params: ModelParams,
+    cfg: ModelConfig,
+    prompt_tokens: jax.Array,  # [B, Sb] int32
+    prompt_lengths: jax.Array,  # [B] int32
+    num_steps: int,
+    k: int,
+    cycles: int,
+    max_len: int,
+    sampling: Sampling,
+):
+    """-> per cycle [C, B, S, k]: top_logp, label, mask (parent accepted); depth = S index + 1, rank = k index."""
+    bb = prompt_tokens.shape[0]
+    greedy = sampling.temperature <= 0
+    state, root, last_hidden = prefill_for_speculation(params, cfg, prompt_tokens, prompt_lengths, max_len, sampling)
+    parent = jnp.broadcast_to(jnp.maximum(jnp.arange(num_steps + 1, dtype=jnp.int32) - 1, 0), (bb, num_steps + 1))
+
+    def body(carry, _):
+        state, root, last_hidden, cycle = carry
+        chain, top_logp, top_token = draft_chain_topk(params, cfg, state, root, last_hidden, num_steps, k)
+        tokens = jnp.concatenate([root[:, None], chain], axis=1)  # [B, S+1]
+        plan = build_plan(parent, state.length, num_steps)
+        out = forward(params, cfg, state, tokens, verify_context(plan, state.length))
+        acc = tree_accept(tokens, parent, out.logits, num_steps, sampling, cycle)
+        active = jnp.ones((bb,), bool)
+        state, last_hidden = commit_accepted_path(params, cfg, state, tokens, out, acc, last_hidden, active)
+        parent_logits = out.logits[:, :-1]  # [B, S, V] the target after chain node d-1
+
+        def argmax_label():  # greedy: the child is the target's argmax after its parent
+            return (top_token == jnp.argmax(parent_logits, -1)[..., None]).astype(jnp.float32)
+
+        def soft_label():  # the target-only rule's acceptance probability of the child
+            logp = processed_logprobs(parent_logits, sampling.temperature, sampling.top_k, sampling.top_p)
+            return jnp.exp(jnp.take_along_axis(logp, top_token, axis=-1))
+
+        label = jax.lax.cond(greedy, argmax_label, soft_label)
+        depth = jnp.arange(1, num_steps + 1)[None, :, None]
+        mask = jnp.broadcast_to(depth <= acc.num_accepted[:, None, None] + 1, label.shape)  # parent on the path
+        return (state, acc.bonus, last_hidden, cycle + 1), (top_logp, label, mask)
+
+    carry = (state, root, last_hidden, jnp.zeros((bb,), jnp.int32))
+    _, records = jax.lax.scan(body, carry, None, length=cycles)
+    return records
+
+
+def collect(
+    params: ModelParams,
+    cfg: ModelConfig,
+    prompts: Sequence[Sequence[int]],
+    temperature: float = 0.0,
+    cycles: int = 24,
+    batch_size: int = 64,
+    num_steps: int = COLLECT_STEPS,
+    topk: int = COLLECT_TOPK,
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
+    """Node samples (FIELDS) of `cycles` chain cycles per prompt, greedy or sampled at `temperature`."""
+    if params.mtp is None:
+        raise ValueError("calibration needs an MTP draft block; these params have none")
+    if not prompts:
+        raise ValueError("no prompts to calibrate on")
+    SpecConfig(num_steps, 1, num_steps + 1).validate_for(cfg)
+    width = max(len(p) for p in prompts)
+    sb = length_bucket(width, cfg.max_position_embeddings)
+    max_len = length_bucket(sb + cycles * (num_steps + 1) + 1, cfg.max_position_embeddings, minimum=64)
+    sampling = Sampling.create(temperature, key=jax.random.key(seed))
+    parts: dict[str, list[np.ndarray]] = {f: [] for f in FIELDS}
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        tokens = np.zeros((batch_size, sb), np.int32)
+        lengths = np.ones((batch_size,), np.int32)
+        for i, p in enumerate(chunk):
+            tokens[i, : len(p)] = p
+            lengths[i] = len(p)
+        top_logp, label, mask = (
+            np.asarray(x)[:, : len(chunk)]
+            for x in _collect_loop(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths), num_steps, topk, cycles,
+                                   max_len, sampling)
+        )  # [C, b, S, k]
+        keep = mask.astype(bool)
+        depth = np.broadcast_to(np.arange(1, num_steps + 1)[:, None], mask.shape)
+        rank = np.broadcast_to(np.arange(topk), mask.shape)
+        parts["depth"].append(depth[keep])
+        parts["rank"].append(rank[keep])
+        parts["own_prob"].append(np.exp(top_logp[keep]))
+        parts["parent_top1"].append(np.exp(np.broadcast_to(top_logp[..., :1], mask.shape)[keep]))
+        parts["label"].append(label[keep])
+    return {f: np.concatenate(v) for f, v in parts.items()}
+
+
+def map_feature(value_map: ValueMap, samples: dict[str, np.ndarray]) -> np.ndarray:
+    return samples["own_prob"] if value_map.mode == "greedy" else samples["parent_top1"]
+
+
+def fit(samples_by_temperature: dict[float, dict[str, np.ndarray]], fingerprint: str,
+        meta: dict[str, Any] | None = None) -> Calibration:
+    """The greedy map from the samples at temperature 0, a sampling map per other temperature."""
+    if 0.0 not in samples_by_temperature:
+        raise ValueError("a calibration needs greedy samples (temperature 0)")
+    maps = {}
+    for t, s in sorted(samples_by_temperature.items()):
+        mode = "greedy" if t == 0 else "sampling"
+        feature = s["own_prob"] if mode == "greedy" else s["parent_top1"]
+        maps[t] = fit_map(mode, t, s["depth"], s["rank"], feature, s["label"])
+    meta_items = tuple(sorted((str(k), str(v)) for k, v in (meta or {}).items()))
+    return Calibration(fingerprint, maps[0.0], tuple(m for t, m in sorted(maps.items()) if t > 0), meta_items)
+
+
+def calibration_errors(calibration: Calibration, samples_by_temperature: dict[float, dict[str, np.ndarray]]
+                       ) -> dict[str, dict[str, float]]:
+    """Per temperature: ECE of the raw draft probability and of the fitted values, and the sample count."""
+    out = {}
+    maps = {0.0: calibration.greedy, **{m.temperature: m for m in calibration.sampling}}
+    for t, s in sorted(samples_by_temperature.items()):
+        value_map = maps.get(t) or min(maps.values(), key=lambda m: abs(m.temperature - t))
+        fitted = predict(value_map, s["depth"], s["rank"], map_feature(value_map, s))
+        out[f"T={t:g}"] = {
+            "ece_raw": expected_calibration_error(s["own_prob"], s["label"]),
+            "ece_calibrated": expected_calibration_error(fitted, s["label"]),
+            "mean_label": float(np.mean(s["label"])),
+            "samples": int(s["label"].size),
+        }
+    return out
+
+
+def reliability_points(predicted: np.ndarray, label: np.ndarray, num_bins: int = 10) -> tuple[np.ndarray, ...]:
+    """-> (mean predicted, mean observed, count) per equal-width bin of the prediction."""
+    which = np.minimum((np.asarray(predicted) * num_bins).astype(int), num_bins - 1)
+    rows = [(predicted[which == b].mean(), label[which == b].mean(), int((which == b).sum()))
+            for b in range(num_bins) if np.any(which == b)]
+    return tuple(np.asarray(c) for c in zip(*rows, strict=True))
+
+
+def plot_reliability(calibration: Calibration, heldout: dict[float, dict[str, np.ndarray]], path: str) -> None:
+    """One panel per temperature: raw draft probability vs fitted value against the observed rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    maps = {0.0: calibration.greedy, **{m.temperature: m for m in calibration.sampling}}
+    temps = [t for t in sorted(heldout) if t in maps]
+    fig, axes = plt.subplots(1, len(temps), figsize=(4.2 * len(temps), 4), squeeze=False)
+    for ax, t in zip(axes[0], temps, strict=True):
+        s, value_map = heldout[t], maps[t]
+        fitted = predict(value_map, s["depth"], s["rank"], map_feature(value_map, s))
+        for name, pred, style in (("raw draft prob", s["own_prob"], "o--"), ("calibrated", fitted, "s-")):
+            x, y, n = reliability_points(pred, s["label"])
+            ece = expected_calibration_error(pred, s["label"])
+            ax.plot(x, y, style, label=f"{name} (ECE {ece:.3f})")
+        ax.plot([0, 1], [0, 1], color="gray", lw=0.8)
+        event = "argmax agreement" if t == 0 else f"p_target(token), T={t:g}"
+        ax.set(title=f"{'greedy' if t == 0 else 'sampling'}: {event}", xlabel="predicted P(accept | parent accepted)",
+               ylabel="observed (held-out)", xlim=(0, 1), ylim=(0, 1))
+        ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+__all__ = ["collect", "fit", "calibration_errors", "plot_reliability", "draft_fingerprint", "draft_chain_topk"]

@@ -1,0 +1,241 @@
+"""Calibrated node values (tree/values.py, calibration.py): the fit is monotone and round-trips,
+calibrated and deep trees stay exact (greedy token-identical to `generate`, sampling passes the
+chi-square harness), the loop compiles once, and bad input is one line."""
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_sampling import ALPHA, check_end_to_end
+
+import jaxspec as js
+from jaxspec.calibration import calibration_errors, collect, draft_chain_topk, fit
+from jaxspec.checkpoint import load_checkpoint, save_checkpoint
+from jaxspec.cli import main
+from jaxspec.generate import prefill_for_speculation, speculative_compile_count
+from jaxspec.tree import values as values_lib
+from jaxspec.tree.draft import draft, draft_tree
+from jaxspec.tree.plan import build_plan
+from jaxspec.tree.values import (
+    NUM_RANKS,
+    PROB_EDGES,
+    Calibration,
+    draft_fingerprint,
+    expected_calibration_error,
+    fit_map,
+    load_calibration,
+    node_log_values,
+    resolve_scores,
+)
+
+TOKENIZER = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-v4" / "tokenizer.json"
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
+prefill = jax.jit(prefill_for_speculation, static_argnums=(1, 4))
+draft_jit = jax.jit(draft, static_argnums=(1, 2, 6))
+
+
+def synthetic_samples(n=6000, seed=0, depth_gain=0.0):
+    """Samples whose true acceptance is known: rank 0 accepted with 0.5 + 0.5 * own_prob (far above
+    the raw prob, as on the shipped draft), later ranks rarely."""
+    rng = np.random.default_rng(seed)
+    depth = rng.integers(1, 12, n)
+    rank = rng.integers(0, 3, n)
+    own = rng.uniform(0, 1, n) / (1 + rank)
+    top1 = np.where(rank == 0, own, rng.uniform(own, 1))
+    p = np.where(rank == 0, np.clip(0.5 + 0.5 * own + depth_gain * depth, 0, 1), 0.3 * (1 - top1))
+    label = (rng.uniform(0, 1, n) < p).astype(np.float32)
+    return {"depth": depth, "rank": rank, "own_prob": own, "parent_top1": top1, "label": label}, p
+
+
+@pytest.fixture(scope="module")
+def confident_params(agreeing_params):
+    """test_sampling's: a sharper target (same argmax), so sampled trees get accepted."""
+    return agreeing_params.replace(norm=agreeing_params.norm * 8.0)
+
+
+@pytest.fixture(scope="module")
+def calibration(agreeing_params, test_cfg):
+    samples, _ = synthetic_samples()
+    return fit({0.0: samples, 1.0: samples}, draft_fingerprint(agreeing_params, test_cfg))
+
+
+def test_fit_is_monotone_and_calibrated():
+    samples, truth = synthetic_samples()
+    greedy = fit_map("greedy", 0.0, samples["depth"], samples["rank"], samples["own_prob"], samples["label"])
+    sampled = fit_map("sampling", 1.0, samples["depth"], samples["rank"], samples["parent_top1"], samples["label"])
+    g, s = greedy.array(), sampled.array()
+    assert g.shape[1:] == (NUM_RANKS, len(PROB_EDGES) + 1)
+    assert np.all(np.diff(g, axis=-1) >= 0)  # nondecreasing in the node's own probability
+    assert np.all(np.diff(s[:, 0], axis=-1) >= 0) and np.all(np.diff(s[:, 1:], axis=-1) <= 0)
+    assert np.all((g > 0) & (g < 1))
+    fitted = values_lib.predict(greedy, samples["depth"], samples["rank"], samples["own_prob"])
+    # the raw probability underrates rank 0 badly; the fit is close to the truth
+    raw_err = expected_calibration_error(samples["own_prob"], samples["label"])
+    fit_err = expected_calibration_error(fitted, samples["label"])
+    assert raw_err > 0.08 and fit_err < 0.03, (raw_err, fit_err)
+    assert np.mean(np.abs(fitted - truth)) < 0.06
+    with pytest.raises(ValueError, match="mode must be"):
+        fit_map("beam", 0.0, [1], [0], [0.5], [1.0])
+
+
+def test_calibration_round_trips_and_checks_its_checkpoint(tmp_path, calibration, agreeing_params, test_params,
+                                                            test_cfg):
+    path = calibration.save(tmp_path)
+    assert path.name == "calibration.json"
+    assert load_calibration(path) == calibration
+    assert hash(load_calibration(tmp_path)) == hash(calibration)  # static in jit: hashable, equal after a trip
+    # float32 cast of the same draft: same fingerprint; another draft: one-line error
+    cast = jax.tree.map(lambda x: x.astype(jnp.float32), agreeing_params)
+    assert draft_fingerprint(cast, test_cfg) == calibration.fingerprint
+    with pytest.raises(ValueError, match="fitted for another checkpoint") as e:
+        load_calibration(path, test_params, test_cfg)
+    assert "\n" not in str(e.value)
+    data = json.loads(path.read_text())
+    data["maps"][0]["table"][0] = 1.5
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="values in"):
+        load_calibration(path)
+    path.write_text("{}")
+    with pytest.raises(ValueError, match="not a jaxspec calibration"):
+        load_calibration(path)
+
+
+def test_load_checkpoint_registers_its_calibration_and_rejects_another(tmp_path, calibration, agreeing_params,
+                                                                        test_params, test_cfg):
+    save_checkpoint(tmp_path / "ok", test_cfg, agreeing_params)
+    calibration.save(tmp_path / "ok")
+    values_lib._LOADED.clear()
+    _, params, _ = load_checkpoint(tmp_path / "ok")
+    assert resolve_scores(params, test_cfg, js.SpecConfig(2, 2, 4))[1] == calibration
+    assert resolve_scores(test_params, test_cfg, js.SpecConfig(2, 2, 4))[1] is None  # another draft: raw
+    assert resolve_scores(params, test_cfg, js.SpecConfig(2, 2, 4, "draft"))[1] is None
+    values_lib._LOADED.clear()
+    save_checkpoint(tmp_path / "other", test_cfg, test_params)
+    calibration.save(tmp_path / "other")
+    with pytest.raises(ValueError, match="another checkpoint"):
+        load_checkpoint(tmp_path / "other")
+    with pytest.raises(ValueError, match='scores="calibrated" needs a calibration'):
+        resolve_scores(test_params, test_cfg, js.SpecConfig(2, 2, 4, "calibrated"))
+    with pytest.raises(ValueError, match="scores must be one of"):
+        js.SpecConfig(2, 2, 4, "beam")
+    with pytest.raises(ValueError, match="needs an MTP draft block"):
+        resolve_scores(test_params.replace(mtp=None), test_cfg, js.SpecConfig(2, 2, 4))
+
+
+def test_calibrated_values_change_the_tree(calibration, test_params, test_cfg):
+    """Raw log-probs of an unsure draft put the budget on siblings; the calibrated values (rank 0
+    accepted 0.5-1) on depth."""
+    cfg, params = test_cfg, test_params
+    spec = js.SpecConfig(5, 2, 6)
+    state, root, hidden = prefill(params, cfg, jnp.asarray([PROMPTS[0]]), jnp.asarray([7]), 64)
+    raw = draft_jit(params, cfg, spec, state, root, hidden)
+    cal = draft_jit(params, cfg, spec, state, root, hidden, calibration)
+    assert not np.array_equal(np.asarray(raw.parent), np.asarray(cal.parent))
+    def depth(tree):
+        return int(np.asarray(build_plan(tree.parent, state.length, 5).depth).max())
+
+    assert depth(cal) >= depth(raw)
+    # scores fall along every path, so pruning keeps ancestors
+    score, parent = np.asarray(cal.score)[0], np.asarray(cal.parent)[0]
+    assert np.all(score[1:] < score[parent[1:]])
+    # the sampling map never reads the child's own probability: siblings differ only by rank
+    logp = jnp.log(jnp.asarray([[[0.5, 0.3], [0.5, 0.1]]]))
+    by_own = node_log_values(calibration, 2, logp, jnp.float32(1.0))
+    assert np.allclose(by_own[0, 0], by_own[0, 1])
+    greedy = node_log_values(calibration, 2, jnp.log(jnp.asarray([[[0.9, 0.05], [0.2, 0.1]]])), jnp.float32(0.0))
+    assert greedy[0, 0, 0] > greedy[0, 1, 0]  # greedy: a surer top-1 child is worth more
+
+
+@pytest.mark.parametrize("spec", ["s3_k2_d4", "s5_k2_d6"])  # deep: S = D - 1 with K = 2
+def test_calibrated_and_deep_trees_are_greedy_exact(calibration, agreeing_params, test_cfg, spec):
+    cfg, params = test_cfg, agreeing_params
+    ref = js.generate(params, cfg, PROMPTS, max_new_tokens=24)
+    for scores, cal in (("calibrated", calibration), ("draft", None)):
+        s = js.SpecConfig.parse(spec)
+        out = js.speculative_generate(params, cfg, PROMPTS, js.SpecConfig(s.num_steps, s.topk, s.num_draft_tokens,
+                                      scores), max_new_tokens=24, calibration=cal)
+        assert out.stats["scores"] == scores
+        np.testing.assert_array_equal(out.tokens, ref.tokens)
+        assert out.stats["mean_accepted_length"] > 1.5
+
+
+def test_calibrated_loop_compiles_once(calibration, agreeing_params, test_cfg):
+    cfg, params = test_cfg, agreeing_params
+    spec = js.SpecConfig(3, 2, 5, "calibrated")
+    js.speculative_generate(params, cfg, PROMPTS, spec, max_new_tokens=16, calibration=calibration)
+    before = speculative_compile_count()
+    other = [[p + 1 for p in prompt] for prompt in PROMPTS]  # same buckets, more cycles
+    out = js.speculative_generate(params, cfg, other, spec, max_new_tokens=16, calibration=calibration)
+    assert out.stats["cycles"] > 3 and speculative_compile_count() == before
+
+
+def test_chain_collection_matches_draft_tree(agreeing_params, test_cfg, calibration):
+    cfg, params = test_cfg, agreeing_params
+    state, root, hidden = prefill(params, cfg, jnp.asarray(PROMPTS[2:] * 2), jnp.asarray([9, 9]), 64)
+    chain, top_logp, top_token = jax.jit(draft_chain_topk, static_argnums=(1, 5, 6))(
+        params, cfg, state, root, hidden, 4, 3)
+    pool = jax.jit(draft_tree, static_argnums=(1, 2))(params, cfg, js.SpecConfig(4, 1, 5), state, root, hidden)
+    np.testing.assert_array_equal(np.asarray(chain), np.asarray(pool.token))
+    np.testing.assert_array_equal(np.asarray(top_token[..., 0]), np.asarray(pool.token))
+    np.testing.assert_allclose(np.cumsum(np.asarray(top_logp[..., 0]), 1), np.asarray(pool.score), atol=1e-5)
+    samples = collect(params, cfg, PROMPTS, 0.0, cycles=3, batch_size=4, num_steps=4, topk=3)
+    assert set(np.unique(samples["rank"])) == {0, 1, 2} and samples["depth"].max() <= 4
+    assert set(np.unique(samples["label"])) <= {0.0, 1.0}
+    # per parent accepted, at most one of its children is the target's argmax
+    assert samples["label"].sum() <= samples["rank"].size / 3 + 1e-6
+    errors = calibration_errors(calibration, {0.0: samples})
+    assert set(errors["T=0"]) == {"ece_raw", "ece_calibrated", "mean_label", "samples"}
+    with pytest.raises(ValueError, match="needs an MTP draft block"):
+        collect(params.replace(mtp=None), cfg, PROMPTS)
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["calibrate", "--checkpoint", "nowhere", "--datasets", "gsm8k,wiki"], "unknown dataset 'wiki'"),
+    (["calibrate", "--checkpoint", "nowhere", "--temperatures", "0"], "--temperatures must be > 0"),
+    (["calibrate", "--checkpoint", "nowhere"], "does not exist"),
+])
+def test_calibrate_bad_input_is_one_line(argv, expected, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    message = str(e.value.code)
+    assert expected in message and "\n" not in message
+
+
+def test_calibrate_needs_an_mtp_block(tmp_path):
+    cfg = js.ModelConfig.preset("test").replace(num_mtp_layers=0)
+    save_checkpoint(tmp_path, cfg, js.init_params(cfg, jax.random.key(0)))
+    shutil.copy(TOKENIZER, tmp_path / "tokenizer.json")  # any tokenizer: the MTP check comes first
+    with pytest.raises(SystemExit) as e:
+        main(["calibrate", "--checkpoint", str(tmp_path)])
+    assert "no MTP draft block" in str(e.value.code) and "\n" not in str(e.value.code)
+
+
+CI_SAMPLING = [("s3_k2_d6", "t1", 4096)]
+LONG_SAMPLING = [(spec, t, 20_032) for spec in ("s3_k2_d6", "s5_k2_d6") for t in ("t0.5", "t1")]
+
+
+def _sampling_case(calibration, params, cfg, spec, setting, n):
+    values_lib.register(calibration)  # scores="auto" picks it up for these params
+    try:
+        result = check_end_to_end(params, cfg, spec, setting, n=n)
+    finally:
+        values_lib._LOADED.clear()
+    assert min(v for k, v in result.items() if k != "tau") > ALPHA, result
+    assert result["tau"] > 1.3, result
+
+
+@pytest.mark.parametrize("spec,setting,n", CI_SAMPLING)
+def test_calibrated_tree_samples_the_target(calibration, confident_params, test_cfg, spec, setting, n):
+    cal = Calibration(draft_fingerprint(confident_params, test_cfg), calibration.greedy, calibration.sampling)
+    _sampling_case(cal, confident_params, test_cfg, spec, setting, n)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("spec,setting,n", LONG_SAMPLING)
+def test_calibrated_deep_trees_sample_the_target_long(calibration, confident_params, test_cfg, spec, setting, n):
+    cal = Calibration(draft_fingerprint(confident_params, test_cfg), calibration.greedy, calibration.sampling)
+    _sampling_case(cal, confident_params, test_cfg, spec, setting, n)
