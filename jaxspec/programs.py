@@ -1,24 +1,19 @@
 """A bounded set of live compiled programs, so a long notebook or sweep process never runs out of
 memory maps.
 
-Every XLA:CPU executable keeps its machine code in memory maps of the process (measured with jax
-0.10.2: a speculative loop holds 1,580-1,790 of the `test` preset, ~1,000 of a 1-layer variant,
-1,830-1,910 of `tiny`; `tiny`'s generate loop 1,505, its stage programs 420-1,050), and Linux
-refuses new maps past `vm.max_map_count` (default 65,530): a process compiling the 1-layer
-variant's loops one after another died at the 59th ("LLVM compilation error: Cannot allocate
-memory", 64,716 maps), and the `test` preset's fail after ~35. So the jitted loops, the sharded
-programs, prefill_logits and tune's stage programs live in one process-wide LRU holding at most
-`cache_size()` executables (default 20): when a call compiles one more, the least recently used
-programs are freed (`clear_cache()`). The same 60 loops then end at 23,189 maps
-(tests/test_programs.py).
+Every XLA:CPU executable keeps its machine code in memory maps of the process (a speculative loop
+of a small model holds one to two thousand), and Linux refuses new maps past `vm.max_map_count`
+(default 65,530): a process compiling loops one after another dies ("LLVM compilation error:
+Cannot allocate memory"; the counts measured are in docs/results.md, "Compiled programs"). So the
+jitted loops, the sharded programs, prefill_logits and tune's stage programs live in one
+process-wide LRU holding at most `cache_size()` executables (default 20): when a call compiles one
+more, the least recently used programs are freed (`clear_cache()`; tests/test_programs.py).
 
 Each entry is its own `jax.jit` of a fresh wrapper of the function, keyed by the static arguments
 (one executable per argument shape it was called with). Why not one `jax.jit` per function: its
 `clear_cache()` also evicts jax's trace cache of the wrapped function object, so every entry
-sharing that object would be recompiled after one eviction (measured: evicting one of four loops
-jitted from one function freed all four, 3,903 maps, and each of the other three took 13 s to
-compile again; with a fresh wrapper per entry one eviction freed 955 maps and the other three ran
-at once, still compiled). `jax.clear_caches()` frees everything, every other jit of the process too.
+sharing that object would be recompiled after one eviction (measured: docs/results.md).
+`jax.clear_caches()` frees everything, every other jit of the process too.
 
 `compile_count(owner)` counts executables compiled so far, freed ones included, so it only grows:
 tests and the CLI compare counts before and after a call.

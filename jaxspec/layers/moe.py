@@ -206,8 +206,8 @@ def sparse_experts(
       expert once, where the gathered path moves it three times). XLA's GPU backend rewrites
       `ragged_dot` into every group on every row unless cuDNN's ragged-dot fusion is on.
     * CPU: `dense_experts`. XLA's CPU backend also runs `ragged_dot` as every group on every row,
-      plus the sort and scatter around it (measured on the tiny model's experts, 8 tokens: 1.1 ms
-      against 0.8 ms for every expert on every token): the same result at the cost it would pay.
+      plus the sort and scatter around it (slower than every expert on every token; measured in
+      docs/results.md, "The engine"): the same result at the cost it would pay.
     * elsewhere (TPU, ROCm): `grouped_experts` (`ragged_dot`).
     """
     gathered = 3 * indices.size <= experts.w1.shape[0]
