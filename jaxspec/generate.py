@@ -28,7 +28,7 @@ from jaxspec.tree.commit import commit_accepted_path
 from jaxspec.tree.plan import build_plan, verify_context
 from jaxspec.tree.rules import accept_tree, choose_rule, draft_and_prune
 from jaxspec.tree.values import Calibration, resolve_scores
-from jaxspec.tuning import NO_SPECULATION, as_tuning
+from jaxspec.tuning import NO_SPECULATION, auto_spec
 
 MAX_BATCH_BUCKET = 64
 
@@ -293,11 +293,10 @@ def speculative_generate(
         if tuning is None:
             raise ValueError('spec="auto" needs tuning= (a Tuning, or the folder `jaxspec tune` wrote tune.json to)')
         num_prompts = len(prompts) if isinstance(prompts, (list, tuple)) else int(np.shape(prompts)[0])
-        spec = as_tuning(tuning).spec_for(max(num_prompts, 1))
+        spec = auto_spec(tuning, max(num_prompts, 1))
         if spec is None:
-            out = generate(
-                params, cfg, prompts, max_new_tokens, temperature, top_k, top_p, eos_id, rng, mesh, prompt_lengths
-            )
+            out = generate(params, cfg, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                           top_p=top_p, eos_id=eos_id, rng=rng, mesh=mesh, prompt_lengths=prompt_lengths)
             return dataclasses.replace(out, stats={**out.stats, "spec": NO_SPECULATION})
     elif tuning is not None:
         raise ValueError('tuning= is only used with spec="auto"')

@@ -17,7 +17,7 @@ cycle. A short calibration run measures what that needs on this machine and mode
   (`jaxspec.stages`).
 
 The winner per bucket (or "ar" where no speculation is fastest) is saved as JSON beside the
-checkpoint (`jaxspec.tuning`) and read back by `auto_spec` / `speculative_generate(spec="auto")`.
+checkpoint (`jaxspec.tuning`) and read back by `tuning.auto_spec` / `speculative_generate(spec="auto")`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from jaxspec.eval import measure_rank_acceptance
 from jaxspec.generate import batch_bucket, length_bucket, prepare_prompts
 from jaxspec.model import ModelParams, check_params
 from jaxspec.tree.budget import expected_tokens_per_cycle
-from jaxspec.tuning import NO_SPECULATION, Tuning, as_tuning
+from jaxspec.tuning import NO_SPECULATION, Tuning
 
 ESTIMATORS = ("sequoia", "measured")
 # The DeepSeek-V4 report's linear chains and K = 2 trees at D = 5..8, plus shorter chains and small trees,
@@ -291,11 +291,3 @@ def _compare_row(dataset: str, batch: int, chosen: str, rates: dict[str, float])
         "best": best, "best_tokens_per_s": rates[best], "ar_tokens_per_s": rates[NO_SPECULATION],
         "chosen_over_best": rates[chosen] / rates[best], "chosen_over_ar": rates[chosen] / rates[NO_SPECULATION],
     }
-
-
-def auto_spec(tuning: Tuning | str | Path, batch_size: int) -> SpecConfig | None:
-    """The spec `jaxspec tune` chose for this batch size; None where no speculation is fastest.
-
-    `tuning` is a `Tuning`, a tuning JSON file, or the checkpoint folder holding one.
-    """
-    return as_tuning(tuning).spec_for(batch_size)

@@ -89,3 +89,10 @@ def as_tuning(tuning: Tuning | str | Path) -> Tuning:
     if isinstance(tuning, (str, Path)):
         return load_tuning(tuning)
     raise ValueError(f"tuning must be a Tuning or the path of a tuning file / checkpoint folder, got {tuning!r}")
+
+
+def auto_spec(tuning: Tuning | str | Path, batch_size: int) -> SpecConfig | None:
+    """What spec="auto" means, in one place: the spec `jaxspec tune` chose for this batch size
+    (None where no speculation is fastest). `tuning` is a `Tuning`, a tuning JSON file, or the
+    checkpoint folder holding one."""
+    return as_tuning(tuning).spec_for(batch_size)

@@ -11,8 +11,8 @@ import jaxspec as js
 from jaxspec.costmodel import projected_seconds
 from jaxspec.report import comparison_table, tuning_table
 from jaxspec.tree.budget import expected_tokens_per_cycle, sequoia_optimum
-from jaxspec.tune import auto_spec, batch_tokens_per_cycle, calibrate, choose, compare_with_sweep, project_measurements
-from jaxspec.tuning import NO_SPECULATION, Tuning, load_tuning
+from jaxspec.tune import batch_tokens_per_cycle, calibrate, choose, compare_with_sweep, project_measurements
+from jaxspec.tuning import NO_SPECULATION, Tuning, auto_spec, load_tuning
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
 

@@ -204,7 +204,7 @@ def _demo_speculative(args, console, cfg, params, prompts, kwargs, reference, ar
 
     from jaxspec.config import SpecConfig
     from jaxspec.generate import speculative_generate
-    from jaxspec.tune import auto_spec
+    from jaxspec.tuning import auto_spec
 
     if args.spec.lower() == "auto":
         if args.checkpoint is None:
