@@ -93,7 +93,7 @@ def flops(chunk: int, *sizes: int) -> None:
         tok = jax.ShapeDtypeStruct((1, s), jnp.int32)
         row = {"tokens": s}
         if s <= 8192:
-            row["one_shot_gflop"] = model.jitted_prefill_logits.lower(params, cfg, tok).cost_analysis()["flops"] / 1e9
+            row["one_shot_gflop"] = model.jitted_one_shot_logits.lower(params, cfg, tok).cost_analysis()["flops"] / 1e9
         body = prefill.prefill_program.lower(params, c, abstract_state(c, 1, s), tok,
                                              jax.ShapeDtypeStruct((1,), jnp.int32)).cost_analysis()["flops"]
         n = -(-s // prefill.effective_chunk(c, s))  # a while loop's body counts once
@@ -120,7 +120,7 @@ def equal(name: str, *chunks: int) -> None:
     params = randomize(js.init_params(cfg, jax.random.key(0)), jax.random.key(1))
     lengths = [1, 31, 32, 33, 127, 128, 129, 1000, 3000]
     seq = np.random.default_rng(0).integers(0, cfg.vocab_size, 3000).astype(np.int32)
-    ref = np.asarray(model.prefill_logits(params, cfg, jnp.asarray(seq[None])))[0]  # causal: prefixes are rows
+    ref = np.asarray(model.one_shot_logits(params, cfg, jnp.asarray(seq[None])))[0]  # causal: prefixes are rows
     tokens, lens = jnp.asarray(np.tile(seq, (len(lengths), 1))), jnp.asarray(lengths, jnp.int32)
     res: dict = {"config": name}
     for chunk in chunks:

@@ -233,9 +233,9 @@ def mtp_forward(
     return head_logits(params, cfg, z, mtp=True), z, rows
 
 
-def prefill_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """One full causal forward of `tokens` [B, S] from an empty state -> logits [B, S, V] (on a mesh:
-    `jaxspec.prefill_logits(..., mesh=)`)."""
+def one_shot_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """One full causal forward of `tokens` [B, S] from an empty state, the whole prompt in one
+    extend -> logits [B, S, V]: the reference the chunked `jaxspec.prefill_logits` equals."""
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
     check_params(params, cfg)
@@ -244,13 +244,12 @@ def prefill_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array) -> 
         raise ValueError(f"tokens must be a [B, S] int array with S >= 1, got shape {tokens.shape}")
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
-    return jitted_prefill_logits(params, cfg, tokens.astype(jnp.int32))
+    return jitted_one_shot_logits(params, cfg, tokens.astype(jnp.int32))
 
 
 @functools.partial(bounded_jit, static_argnums=(1,))
-def jitted_prefill_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """`prefill_logits` without the input checks (tokens [B, S] int32): the program the sharded runner
-    places on a mesh."""
+def jitted_one_shot_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """`one_shot_logits` without the input checks (tokens [B, S] int32), for cost analyses that lower it."""
     b, s = tokens.shape
     state = state_lib.init_state(cfg, b, s)
     out, _ = extend(params, cfg, state, tokens, jnp.ones((b, s), bool))

@@ -162,9 +162,9 @@ def prefill_for_speculation(
     return state, root, out.last_hidden
 
 
-def prefill_logits(params: ModelParams, cfg: ModelConfig, tokens: Any, chunk: int | None = None) -> jax.Array:
+def chunked_logits(params: ModelParams, cfg: ModelConfig, tokens: Any, chunk: int | None = None) -> jax.Array:
     """Causal logits of every position of `tokens` [B, S] from an empty state, chunked -> [B, S, V]
-    (`model.prefill_logits` is the one-shot reference it equals)."""
+    (`model.one_shot_logits` is the one-shot reference it equals)."""
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
     check_params(params, cfg)
@@ -178,12 +178,12 @@ def prefill_logits(params: ModelParams, cfg: ModelConfig, tokens: Any, chunk: in
             f"tokens has {tokens.shape[1]} positions, longer than max_position_embeddings={cfg.max_position_embeddings}"
         )
     chunk = prefill_chunk(cfg) if chunk is None else check_chunk(chunk)
-    return jitted_prefill_logits(params, cfg.replace(prefill_chunk=chunk), tokens.astype(jnp.int32))
+    return jitted_chunked_logits(params, cfg.replace(prefill_chunk=chunk), tokens.astype(jnp.int32))
 
 
 @functools.partial(bounded_jit, static_argnums=(1,))
-def jitted_prefill_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """`prefill_logits` without the input checks (tokens [B, S] int32; the chunk is cfg's): the
+def jitted_chunked_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """`chunked_logits` without the input checks (tokens [B, S] int32; the chunk is cfg's): the
     program the sharded runner places on a mesh."""
     b, s = tokens.shape
     state = constrain_state(state_lib.init_state(cfg, b, s))

@@ -23,8 +23,7 @@ from jaxspec import programs
 from jaxspec.config import ModelConfig
 from jaxspec.model import ModelParams, check_params
 from jaxspec.placement import param_shardings, shard_params
-from jaxspec.prefill import jitted_prefill_logits, prefill_chunk
-from jaxspec.prefill import prefill_logits as chunked_prefill_logits
+from jaxspec.prefill import chunked_logits, jitted_chunked_logits, prefill_chunk
 from jaxspec.sharding.active import activate, is_dynamic
 from jaxspec.sharding.rules import DATA, check_mesh, check_rules
 
@@ -218,11 +217,11 @@ def on_mesh(jitted: Any, mesh: jax.sharding.Mesh | None, batch: int, rules: Mapp
 
 
 def prefill_logits(params: Any, cfg: ModelConfig, tokens: Any, mesh: jax.sharding.Mesh | None = None) -> jax.Array:
-    """`prefill.prefill_logits` (chunked; equal to the one-shot `model.prefill_logits`), on `mesh`
+    """`prefill.chunked_logits` (equal to the one-shot `model.one_shot_logits`), on `mesh`
     when given: tokens [B, S] -> logits [B, S, V] (rows padded to a multiple of "data" inside, cut
     back after)."""
     if mesh is None:
-        return chunked_prefill_logits(params, cfg, tokens)
+        return chunked_logits(params, cfg, tokens)
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
     check_params(params, cfg)
@@ -234,6 +233,6 @@ def prefill_logits(params: Any, cfg: ModelConfig, tokens: Any, mesh: jax.shardin
     padded = np.zeros((-(-b // data) * data, tokens.shape[1]), np.int32)
     padded[:b] = tokens
     cfg = cfg.replace(prefill_chunk=prefill_chunk(cfg))
-    logits = run_sharded(jitted_prefill_logits, mesh, (params, cfg, jax.numpy.asarray(padded)), batch=len(padded),
+    logits = run_sharded(jitted_chunked_logits, mesh, (params, cfg, jax.numpy.asarray(padded)), batch=len(padded),
                          cfg=cfg)
     return logits[:b]

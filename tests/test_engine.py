@@ -15,7 +15,7 @@ import jaxspec as js
 from jaxspec import stages
 from jaxspec.generate import prefill_for_speculation
 from jaxspec.layers.moe import dense_experts, gathered_experts, grouped_experts, moe, route, sparse_experts
-from jaxspec.model import abstract_params, jitted_prefill_logits
+from jaxspec.model import abstract_params, jitted_one_shot_logits
 from jaxspec.state import abstract_state
 from jaxspec.tree.draft import draft_tree, draft_tree_exhaustive
 
@@ -90,7 +90,7 @@ def test_v4_flash_forward_does_only_the_active_work():
     assert 13.0e9 < active < 13.6e9  # the 13.3B active parameters of V4-Flash
     params = abstract_params(cfg)
     for tokens in (1, 8):
-        lowered = jitted_prefill_logits.lower(params, cfg, jax.ShapeDtypeStruct((1, tokens), jnp.int32))
+        lowered = jitted_one_shot_logits.lower(params, cfg, jax.ShapeDtypeStruct((1, tokens), jnp.int32))
         ratio = lowered.cost_analysis()["flops"] / (2 * active * tokens)
         assert 1.0 <= ratio <= 1.5, (tokens, ratio)  # the dense-expert forward measured ~25
 

@@ -36,8 +36,8 @@ def _max_rel(a, b):
 @pytest.mark.parametrize("chunk", [16, 32])  # 16 divides the 48 tokens, 32 does not (a half-full last chunk)
 def test_prefill_logits_chunked_equal_one_shot(test_params, test_cfg, chunk):
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, test_cfg.vocab_size, (2, 48)), jnp.int32)
-    ref = model.prefill_logits(test_params, test_cfg, tokens)
-    got = prefill.prefill_logits(test_params, test_cfg, tokens, chunk=chunk)
+    ref = model.one_shot_logits(test_params, test_cfg, tokens)
+    got = prefill.chunked_logits(test_params, test_cfg, tokens, chunk=chunk)
     assert got.shape == ref.shape
     assert _max_rel(got, ref) <= 1e-5
     # The public entry point takes the chunk from the config (the same program: a cache hit).
@@ -97,7 +97,7 @@ def test_chunk_choice():
 @pytest.mark.parametrize("bad", [0, -4, 3, 12, 2.0, True])
 def test_bad_chunk_is_one_line_error(test_params, test_cfg, bad):
     with pytest.raises(ValueError, match="power of two") as err:
-        prefill.prefill_logits(test_params, test_cfg, [[1, 2, 3]], chunk=bad)
+        prefill.chunked_logits(test_params, test_cfg, [[1, 2, 3]], chunk=bad)
     assert "\n" not in str(err.value)
     if bad != 0:  # 0 in a config means "the default chunk"
         with pytest.raises(ValueError, match="prefill_chunk must be 0 .default. or a power of two"):
@@ -111,7 +111,7 @@ def test_prompt_longer_than_the_state_is_one_line_error(test_params, test_cfg):
         prefill.chunked_prefill(test_params, test_cfg, state, tokens, jnp.asarray([20], jnp.int32))
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        prefill.prefill_logits(test_params, test_cfg, np.zeros((1, test_cfg.max_position_embeddings + 1), np.int32))
+        prefill.chunked_logits(test_params, test_cfg, np.zeros((1, test_cfg.max_position_embeddings + 1), np.int32))
 
 
 def test_demo_prompt_file_and_chunk(tmp_path, capsys):
@@ -149,7 +149,7 @@ def test_issue_lengths_chunked_equal_one_shot(name):
     params = randomize(js.init_params(cfg, jax.random.key(0)), jax.random.key(1))
     lengths = [1, 31, 32, 33, 127, 128, 129, 1000, 3000]
     seq = np.random.default_rng(0).integers(0, cfg.vocab_size, 3000).astype(np.int32)
-    ref = np.asarray(model.prefill_logits(params, cfg, jnp.asarray(seq[None])))[0]
+    ref = np.asarray(model.one_shot_logits(params, cfg, jnp.asarray(seq[None])))[0]
     tokens, lens = jnp.asarray(np.tile(seq, (len(lengths), 1))), jnp.asarray(lengths, jnp.int32)
     for chunk in (128, 256):  # 128 divides 128, neither divides 31, 33, 129, 1000 or 3000
         c = cfg.replace(prefill_chunk=chunk)

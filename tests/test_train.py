@@ -74,7 +74,7 @@ def test_train_resume_and_export(cfg, tmp_path):
     assert (tmp_path / "ckpt" / "loss.csv").is_file() and (tmp_path / "ckpt" / "training.json").is_file()
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "ckpt" / "loss.png").is_file()
-    logits = model_lib.prefill_logits(params, lcfg, jnp.asarray(sampler.batch(5, 1)[:, :SEQ]))
+    logits = model_lib.one_shot_logits(params, lcfg, jnp.asarray(sampler.batch(5, 1)[:, :SEQ]))
     assert bool(jnp.all(jnp.isfinite(logits)))
 
 
