@@ -3,11 +3,15 @@ projection equals a hand calculation, and bad `jaxspec cost` input is a one-line
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxspec as js
 from jaxspec import cost
 from jaxspec.cli import main
+from jaxspec.model import abstract_params, jitted_one_shot_logits
 
 
 def test_costs_summed_per_layer_kind_equal_a_full_lowering(test_cfg):
@@ -70,3 +74,28 @@ def test_cost_cli_reports_and_projects(capsys, tmp_path):
 
     data = json.loads(out_json.read_text())
     assert {(r["batch"], r["spec"]) for r in data["rows"]} == {(1, "ar"), (1, "s2_k2_d4"), (4, "ar"), (4, "s2_k2_d4")}
+
+
+# The work a forward needs (XLA cost analysis on abstract shapes).
+
+
+def _active_params(cfg: js.ModelConfig) -> float:
+    """Parameters one token uses in the main model: all but the MTP block, the embedding table
+    (a row lookup) and the routed experts it did not select."""
+    params = abstract_params(cfg)
+    count = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))  # noqa: E731
+    routed = sum(count(layer.ffn.experts) for layer in params.layers)
+    unselected = routed * (1 - cfg.num_experts_per_tok / cfg.n_routed_experts)
+    return count(params) - count(params.mtp) - params.embed.size - unselected
+
+
+def test_v4_flash_forward_does_only_the_active_work():
+    cfg = js.ModelConfig.preset("v4-flash")
+    active = _active_params(cfg)
+    assert 13.0e9 < active < 13.6e9  # the 13.3B active parameters of V4-Flash
+    params = abstract_params(cfg)
+    for tokens in (1, 8):
+        lowered = jitted_one_shot_logits.lower(params, cfg, jax.ShapeDtypeStruct((1, tokens), jnp.int32))
+        ratio = lowered.cost_analysis()["flops"] / (2 * active * tokens)
+        assert 1.0 <= ratio <= 1.5, (tokens, ratio)  # the dense-expert forward measured ~25
+

@@ -17,7 +17,6 @@ from jaxspec.layers.attention import AttentionContext
 from jaxspec.model import ModelParams, mtp_forward
 from jaxspec.sampling import Sampling
 from jaxspec.state import DecodeState
-from jaxspec.tree.plan import build_plan
 from jaxspec.tree.sampled import SampledDraft, sampled_children
 from jaxspec.tree.values import Calibration, node_log_values
 
@@ -80,8 +79,9 @@ def draft_tree(
 
     A slot drafted at step s sits at MTP position mtp_length + s - 1 and reads the committed MTP
     ring plus the window kv its ancestors left in the draft scratch (`AttentionContext.prior_*`),
-    never a sibling's: the pool equals `draft_tree_exhaustive`'s. With `sampler` (temperature > 0)
-    the children are sampled and ranked by value instead (`tree/sampled.py`); the beam is the same.
+    never a sibling's: the pool equals the exhaustive reference's (tests/draft_reference.py). With
+    `sampler` (temperature > 0) the children are sampled and ranked by value instead
+    (`tree/sampled.py`); the beam is the same.
     """
     s_steps, k = spec.num_steps, spec.topk
     b = root.shape[0]
@@ -143,72 +143,6 @@ def draft_tree(
         rank=jnp.concatenate(pool_rank, axis=1),
         q=jnp.concatenate(slot_q, axis=1) if sampler is not None else None,
         q_slot=jnp.concatenate(q_slot, axis=1) if sampler is not None else None,
-    )
-
-
-def _slot_ancestors(slot_parent: jax.Array, max_depth: int) -> jax.Array:
-    plan = build_plan(slot_parent, jnp.zeros(slot_parent.shape[:1], jnp.int32), max_depth)
-    return plan.ancestor_mask
-
-
-def draft_tree_exhaustive(
-    params: ModelParams,
-    cfg: ModelConfig,
-    spec: SpecConfig,
-    state: DecodeState,  # committed; state.mtp_length == state.length - 1
-    root: jax.Array,  # [B] int32 root token (position P)
-    root_hidden: jax.Array,  # [B, hc, d] target streams at position P-1
-) -> DraftPool:
-    """The first draft, kept as the test reference of `draft_tree`: every step re-runs the MTP block
-    over every slot drafted so far (O(S^2 K) token-forwards) and the head over all of them."""
-    s_steps, k = spec.num_steps, spec.topk
-    b = root.shape[0]
-    num_slots = 1 + (s_steps - 1) * k
-    slot_token = jnp.zeros((b, num_slots), jnp.int32).at[:, 0].set(root)
-    slot_hidden = jnp.zeros((b, num_slots, *root_hidden.shape[1:]), root_hidden.dtype).at[:, 0].set(root_hidden)
-    slot_parent = jnp.zeros((b, num_slots), jnp.int32)
-    slot_depth = jnp.zeros((b, num_slots), jnp.int32)
-    slot_filled = jnp.zeros((b, num_slots), bool).at[:, 0].set(True)
-    pool = pool_token, pool_parent, pool_score, pool_rank = [], [], [], []
-    # per new slot: its pool index (-1 for the root) and score
-    new_slots = jnp.zeros((1,), jnp.int32)
-    new_pool_index = jnp.full((b, 1), -1, jnp.int32)
-    new_score = jnp.zeros((b, 1), jnp.float32)
-    pool_offset = 0
-    batch_index = jnp.arange(b)[:, None]
-    for step in range(1, s_steps + 1):
-        visible = _slot_ancestors(slot_parent, step) & slot_filled[:, None, :]
-        ctx = AttentionContext(
-            positions=state.mtp_length[:, None] + slot_depth,
-            committed=state.mtp_length,
-            visible=visible,
-            ancestor_at_depth=jnp.zeros((b, num_slots, num_slots), jnp.int32),
-            valid=slot_filled,
-        )
-        logits, z, _ = mtp_forward(params, cfg, state, slot_hidden, slot_token, ctx)
-        n = new_slots.shape[0]
-        for column, values in zip(pool, _children(logits[:, new_slots], new_score, new_pool_index, k), strict=True):
-            column.append(values)
-        if step == s_steps:
-            break
-        # Expand the K best candidates of this step in the next one.
-        _, best = jax.lax.top_k(pool_score[-1], k)  # [B, K] local index among this step's n*K
-        next_slots = jnp.arange(1 + (step - 1) * k, 1 + step * k, dtype=jnp.int32)
-        parent_slot = new_slots[best // k]  # [B, K] slot that drafted them
-        slot_token = slot_token.at[batch_index, next_slots].set(jnp.take_along_axis(pool_token[-1], best, axis=1))
-        slot_hidden = slot_hidden.at[batch_index, next_slots].set(z[batch_index, parent_slot])
-        slot_parent = slot_parent.at[batch_index, next_slots].set(parent_slot)
-        slot_depth = slot_depth.at[:, next_slots].set(step)
-        slot_filled = slot_filled.at[:, next_slots].set(True)
-        new_slots = next_slots
-        new_pool_index = pool_offset + best
-        new_score = jnp.take_along_axis(pool_score[-1], best, axis=1)
-        pool_offset += n * k
-    return DraftPool(
-        token=jnp.concatenate(pool_token, axis=1),
-        parent=jnp.concatenate(pool_parent, axis=1),
-        score=jnp.concatenate(pool_score, axis=1),
-        rank=jnp.concatenate(pool_rank, axis=1),
     )
 
 
