@@ -257,6 +257,64 @@ def _fmt(x, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _print_end_to_end(con, e2e, model, args, facts) -> None:
+    table = Table(title=f"end-to-end decode: {model}, {args.new_tokens} new tokens ({facts['backend'].upper()})")
+    for name in ("variant", "batch", "method", "tok/s", "x AR", "tau", "cycles", "check", "run s", "warm-up s"):
+        table.add_column(name, justify="left" if name in ("variant", "method", "check") else "right", no_wrap=True)
+    last_group = None
+    for r in e2e:
+        group = (r["variant"], r["batch"])
+        if last_group is not None and group != last_group:
+            table.add_section()
+        last_group = group
+        check = r["check"]
+        check_str = "-" if check is None else ("[green]OK[/]" if check == "OK" else "[red]MISMATCH[/]")
+        table.add_row(
+            r["variant"], str(r["batch"]), "AR" if r["spec"] is None else r["spec"],
+            f"{r['tokens_per_s']:.1f}", f"{r['ratio_vs_ar']:.2f}", f"{r['tau']:.2f}",
+            _fmt(r["cycles"], "d") if r["cycles"] is not None else str(r["decode_steps"]) + " steps",
+            check_str, f"{r['time_s']:.3f}", f"{r['warmup_s']:.1f}",
+        )
+    con.print(table)
+    con.print(
+        "tok/s = batch*new_tokens / median run time (prefill included, compile excluded); x AR = spec tok/s / AR "
+        "tok/s (same variant, batch); tau = mean accepted length (accepted drafts + bonus per cycle); cycles summed "
+        "over the batch (AR: decode steps); check = greedy spec tokens == generate's; warm-up s = first call "
+        "(compile, when the shape is new, + one run)."
+    )
+
+
+def _print_stages(con, stages, args, variants, facts) -> None:
+    for b, res in stages.items():
+        table = Table(title=f"one cycle, per stage, ms (% of sum): batch {b}, prompt {args.prompt_len}, "
+                            f"'{variants[0]}' params ({facts['backend'].upper()})")
+        table.add_column("spec", no_wrap=True)
+        names = ["draft+prune", "plan", "verify fwd", "accept+commit", "sum", "break-even tau", "e2e ms/cycle"]
+        if args.fused_cycle:
+            names.append("fused cycle")
+        for name in names:
+            table.add_column(name, justify="right", no_wrap=True)
+        for r in res["specs"]:
+            cells = [f"{r['stage_ms'][s]:.2f} ({r['stage_pct'][s]:.0f}%)" for s in STAGES]
+            cells += [f"{r['sum_of_stages_ms']:.2f}", f"{r['break_even_tau']:.2f}",
+                      _fmt(r["e2e_ms_per_cycle"])]
+            if args.fused_cycle:
+                cells.append(_fmt(r["fused_cycle_ms"]))
+            table.add_row(r["spec"], *cells)
+        table.add_section()
+        table.add_row("AR step", "", "", f"{res['decode_step_ms']:.2f}", "", f"{res['decode_step_ms']:.2f}",
+                      "1.00", "", *([""] if args.fused_cycle else []))
+        con.print(table)
+    con.print(
+        f"Stages of jaxspec.stages jitted separately, median of {args.stage_iters} calls each "
+        "(block_until_ready; one dispatch each); AR step = 1-token decode (stages.ar_step, T=1) on generate's "
+        "cache size; break-even tau = sum / AR step; e2e ms/cycle = end-to-end run time / loop cycles (prefill "
+        "included)" + ("; fused cycle = stages.cycle" if args.fused_cycle else "") + ". The AR step"
+        + (" and the fused cycle carry their state forward, so they run" if args.fused_cycle
+           else " carries its state forward, so it runs") + " at most as many calls as the cache holds."
+    )
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     con = console()
@@ -316,30 +374,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 r.update(variant=variant, batch=b)
             e2e.extend(rows)
 
-    table = Table(title=f"end-to-end decode: {model}, {args.new_tokens} new tokens ({facts['backend'].upper()})")
-    for name in ("variant", "batch", "method", "tok/s", "x AR", "tau", "cycles", "check", "run s", "warm-up s"):
-        table.add_column(name, justify="left" if name in ("variant", "method", "check") else "right", no_wrap=True)
-    last_group = None
-    for r in e2e:
-        group = (r["variant"], r["batch"])
-        if last_group is not None and group != last_group:
-            table.add_section()
-        last_group = group
-        check = r["check"]
-        check_str = "-" if check is None else ("[green]OK[/]" if check == "OK" else "[red]MISMATCH[/]")
-        table.add_row(
-            r["variant"], str(r["batch"]), "AR" if r["spec"] is None else r["spec"],
-            f"{r['tokens_per_s']:.1f}", f"{r['ratio_vs_ar']:.2f}", f"{r['tau']:.2f}",
-            _fmt(r["cycles"], "d") if r["cycles"] is not None else str(r["decode_steps"]) + " steps",
-            check_str, f"{r['time_s']:.3f}", f"{r['warmup_s']:.1f}",
-        )
-    con.print(table)
-    con.print(
-        "tok/s = batch*new_tokens / median run time (prefill included, compile excluded); x AR = spec tok/s / AR "
-        "tok/s (same variant, batch); tau = mean accepted length (accepted drafts + bonus per cycle); cycles summed "
-        "over the batch (AR: decode steps); check = greedy spec tokens == generate's; warm-up s = first call "
-        "(compile, when the shape is new, + one run)."
-    )
+    _print_end_to_end(con, e2e, model, args, facts)
 
     # Part 2
     stages = {}
@@ -353,34 +388,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 e = next((x for x in e2e if x["variant"] == variants[0] and x["batch"] == b
                           and x["spec"] == r["spec"]), None)
                 r["e2e_ms_per_cycle"] = None if e is None else 1e3 * e["time_s"] / max(e["loop_cycles"], 1)
-        for b, res in stages.items():
-            table = Table(title=f"one cycle, per stage, ms (% of sum): batch {b}, prompt {args.prompt_len}, "
-                                f"'{variants[0]}' params ({facts['backend'].upper()})")
-            table.add_column("spec", no_wrap=True)
-            names = ["draft+prune", "plan", "verify fwd", "accept+commit", "sum", "break-even tau", "e2e ms/cycle"]
-            if args.fused_cycle:
-                names.append("fused cycle")
-            for name in names:
-                table.add_column(name, justify="right", no_wrap=True)
-            for r in res["specs"]:
-                cells = [f"{r['stage_ms'][s]:.2f} ({r['stage_pct'][s]:.0f}%)" for s in STAGES]
-                cells += [f"{r['sum_of_stages_ms']:.2f}", f"{r['break_even_tau']:.2f}",
-                          _fmt(r["e2e_ms_per_cycle"])]
-                if args.fused_cycle:
-                    cells.append(_fmt(r["fused_cycle_ms"]))
-                table.add_row(r["spec"], *cells)
-            table.add_section()
-            table.add_row("AR step", "", "", f"{res['decode_step_ms']:.2f}", "", f"{res['decode_step_ms']:.2f}",
-                          "1.00", "", *([""] if args.fused_cycle else []))
-            con.print(table)
-        con.print(
-            f"Stages of jaxspec.stages jitted separately, median of {args.stage_iters} calls each "
-            "(block_until_ready; one dispatch each); AR step = 1-token decode (stages.ar_step, T=1) on generate's "
-            "cache size; break-even tau = sum / AR step; e2e ms/cycle = end-to-end run time / loop cycles (prefill "
-            "included)" + ("; fused cycle = stages.cycle" if args.fused_cycle else "") + ". The AR step"
-            + (" and the fused cycle carry their state forward, so they run" if args.fused_cycle
-               else " carries its state forward, so it runs") + " at most as many calls as the cache holds."
-        )
+        _print_stages(con, stages, args, variants, facts)
 
     result = {
         "preset": preset,
