@@ -6,4 +6,4 @@ cd "$(dirname "$0")"
 ruff check jaxspec tests bench notebooks
 # The GPU lowering tests once more under jax 0.12 (.venv312, built once); JAXSPEC_JAX012=0 skips them.
 [ "${JAXSPEC_JAX012:-1}" = 0 ] || bash scripts/test_jax012.sh -q
-exec python -m pytest -n 2 --durations=25 tests "$@"
+exec python -m pytest -n 2 --dist loadfile --durations=30 tests "$@"

@@ -9,10 +9,18 @@ import pytest
 import jaxspec as js
 from jaxspec.testing import high_acceptance, randomize
 
+# Modules whose tests start subprocesses of minutes (the 8-device worker, the 2-process cluster, the
+# CUDA lowering worker) or sample for minutes: first in the run, so under `-n 2 --dist loadfile`
+# (a module stays on one worker) they overlap the rest instead of finishing last.
+SLOW_FIRST = ("test_sharding_8dev.py", "test_multiprocess_load.py", "test_gpu_lowering.py", "test_sampling.py",
+              "test_gpu_check.py", "test_programs.py", "test_calibration.py", "test_rsd.py")
+
 
 def pytest_collection_modifyitems(config, items):
-    """`@pytest.mark.long` checks (too long for CI, each covered there by a cheaper test of the same
-    mechanism) run only with JAXSPEC_LONG_TESTS=1."""
+    """Slow modules first (SLOW_FIRST); `@pytest.mark.long` checks (too long for CI, each covered
+    there by a cheaper test of the same mechanism) run only with JAXSPEC_LONG_TESTS=1."""
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept within
     if os.environ.get("JAXSPEC_LONG_TESTS") == "1":
         return
     skip = pytest.mark.skip(reason="long: JAXSPEC_LONG_TESTS=1 ./test.sh runs it")

@@ -150,7 +150,7 @@ def test_calibrated_values_change_the_tree(calibration, test_params, test_cfg):
     assert greedy[0, 0, 0] > greedy[0, 1, 0]  # greedy: a surer top-1 child is worth more
 
 
-@pytest.mark.parametrize("spec", ["s3_k2_d4", "s5_k2_d6"])  # deep: S = D - 1 with K = 2
+@pytest.mark.parametrize("spec", ["s3_k2_d4", pytest.param("s5_k2_d6", marks=pytest.mark.long)])  # S = D - 1, K = 2
 def test_calibrated_and_deep_trees_are_greedy_exact(calibration, agreeing_params, test_cfg, spec):
     cfg, params = test_cfg, agreeing_params
     ref = js.generate(params, cfg, PROMPTS, max_new_tokens=24)
@@ -228,6 +228,7 @@ def _sampling_case(calibration, params, cfg, spec, setting, n):
     assert result["tau"] > 1.3, result
 
 
+@pytest.mark.long  # ~2 minutes; test_sampling's CI case checks the loop's sampling, test_rsd the rules
 @pytest.mark.parametrize("spec,setting,n", CI_SAMPLING)
 def test_calibrated_tree_samples_the_target(calibration, confident_params, test_cfg, spec, setting, n):
     cal = Calibration(draft_fingerprint(confident_params, test_cfg), calibration.greedy, calibration.sampling)

@@ -241,20 +241,22 @@ def test_sweep_stopped_mid_way_finishes_the_rest_when_rerun(test_cfg, test_param
         return real(*args, **kwargs)
 
     monkeypatch.setattr(eval_lib, "run_batch", counted)
-    sweep = SweepConfig(datasets=("gsm8k",), specs=("s2_k1_d3",), batch_sizes=(2, 4), num_prompts=4,
+    # Two datasets at one batch size share every compiled program (one prompt width), which keeps it cheap.
+    sweep = SweepConfig(datasets=("gsm8k", "mbpp"), specs=("s2_k1_d3",), batch_sizes=(2,), num_prompts=4,
                         max_new_tokens=6, rank_width=2)
-    prompts = {"gsm8k": [[5, 6, 7], [3], [9, 10, 11, 12], [4, 5]]}
-    # The rank-acceptance pass (one call), then group b=2: AR and the spec, each a compile call + 2
-    # batches; stop at the first call of group b=4.
+    prompts = {"gsm8k": [[5, 6, 7], [3], [9, 10, 11, 12], [4, 5]], "mbpp": [[8, 9], [10, 11, 12], [6], [7, 7]]}
+    # Group (gsm8k, 2): the rank-acceptance pass (one call), then AR and the spec, each a compile call
+    # + 2 batches; stop at the first call of group (mbpp, 2).
     stop_at = 1 + 2 * 3 + 1
     with pytest.raises(KeyboardInterrupt):
         run_sweep(test_params, test_cfg, None, sweep, tmp_path, prompts_by_dataset=prompts, progress=False,
                   resume=True)
     first = load_runs(tmp_path / "runs.jsonl")
-    assert [(r["batch_size"], r["spec"]) for r in first] == [(2, "ar"), (2, "s2_k1_d3")]
+    assert [(r["dataset"], r["spec"]) for r in first] == [("gsm8k", "ar"), ("gsm8k", "s2_k1_d3")]
     calls.clear()
     stop_at = None
     records = run_sweep(test_params, test_cfg, None, sweep, tmp_path, prompts_by_dataset=prompts, progress=False,
                         resume=True)
-    assert {b for name, b in calls if name in ("ar", "s2_k1_d3")} == {4}  # only the unfinished group ran
-    assert records[:2] == first and [(r["batch_size"], r["spec"]) for r in records[2:]] == [(4, "ar"), (4, "s2_k1_d3")]
+    assert len([name for name, _ in calls if name in ("ar", "s2_k1_d3")]) == 6  # one group ran, not two
+    assert records[:2] == first and [(r["dataset"], r["spec"]) for r in records[2:]] == [("mbpp", "ar"),
+                                                                                          ("mbpp", "s2_k1_d3")]

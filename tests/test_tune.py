@@ -184,5 +184,9 @@ def test_calibrate_resumes_from_the_buckets_it_finished(agreeing_params, test_cf
     reused = [m for m in second.measurements if m["batch"] == 1]
     assert [m["cycle_seconds"] for m in reused if "cycle_seconds" in m] == \
         [m["cycle_seconds"] for m in first.measurements if "cycle_seconds" in m]
-    calibrate(agreeing_params, test_cfg, PROMPTS[:2], (1,), ("s2_k2_d4",), **args)
-    assert measured == [1, 2, 1]  # other candidates: measured again
+    # Other candidates (or prompts, or lengths) make another signature: such a file is not reused.
+    specs = [js.SpecConfig.parse("s2_k1_d3")]
+    same = tune_lib._signature(test_cfg, PROMPTS[:2], specs, 8, 1)
+    assert tune_lib._signature(test_cfg, PROMPTS[:2], [js.SpecConfig.parse("s2_k2_d4")], 8, 1) != same
+    assert tune_lib._signature(test_cfg, PROMPTS[:1], specs, 8, 1) != same
+    assert tune_lib._finished_buckets(progress, same, [1, 2]).keys() == {1, 2}

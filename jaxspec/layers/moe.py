@@ -208,7 +208,8 @@ def sparse_experts(
     * CPU: `dense_experts`. XLA's CPU backend also runs `ragged_dot` as every group on every row,
       plus the sort and scatter around it (slower than every expert on every token; measured in
       docs/results.md, "The engine"): the same result at the cost it would pay.
-    * elsewhere (TPU, ROCm): `grouped_experts` (`ragged_dot`).
+    * elsewhere (TPU, ROCm): the CPU path. Every branch is traced whatever the platform, and
+      `ragged_dot` has no sharding rule under an explicit mesh, so no branch may use it.
     """
     gathered = 3 * indices.size <= experts.w1.shape[0]
     args = (experts, x, indices, weights)
@@ -216,7 +217,7 @@ def sparse_experts(
         *args,
         cpu=lambda *a: (gathered_experts if gathered else dense_experts)(a[0], cfg, *a[1:]),
         cuda=lambda *a: kernel_experts(a[0], cfg, *a[1:]),
-        default=lambda *a: (gathered_experts if gathered else grouped_experts)(a[0], cfg, *a[1:]),
+        default=lambda *a: (gathered_experts if gathered else dense_experts)(a[0], cfg, *a[1:]),
     )
 
 

@@ -113,7 +113,8 @@ def draft_fingerprint(params: Any, cfg: ModelConfig) -> str:
     to bfloat16: the same for a bf16 checkpoint and its float32 cast, different for another draft."""
     if params.mtp is None:
         raise ValueError("a calibration is for an MTP draft block; these params have none")
-    arch = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("dtype", "attention_impl")}
+    # Settings of how the model is run, not of what it computes, stay out (dtype, kernels, prefill chunk).
+    arch = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("dtype", "attention_impl", "prefill_chunk")}
     h = hashlib.sha256(json.dumps(arch, sort_keys=True, default=str).encode())
     for path, leaf in jax.tree_util.tree_flatten_with_path(params.mtp)[0]:
         flat = jnp.ravel(leaf)
