@@ -172,9 +172,8 @@ def calibrate(
             else:
                 record = _measure_bucket(params, cfg, specs, prompts, b, width, max_len, cycles,
                                          lambda text: bar.update(task, description=text), lambda: bar.advance(task))
-                if resume is not None:
-                    with open(resume, "a") as sink:  # a bucket at a time: a stopped run keeps what it finished
-                        sink.write(json.dumps({"signature": signature, "bucket": b, **record}) + "\n")
+                if resume is not None:  # a bucket at a time: a stopped run keeps what it finished
+                    _append_line(resume, json.dumps({"signature": signature, "bucket": b, **record}))
             measurements += record["measurements"]
             for spec_name, rows in record["accepted"].items():
                 for row, values in rows.items():
@@ -239,6 +238,15 @@ def _signature(cfg: ModelConfig, prompts, specs, max_new_tokens: int, iters: int
     what = json.dumps([repr(cfg), prompts, [s.name for s in specs], max_new_tokens, iters,
                        [d.device_kind for d in jax.local_devices()]])
     return hashlib.sha256(what.encode()).hexdigest()[:16]
+
+
+def _append_line(path: str | Path, line: str) -> None:
+    """Append one JSON line; a line a killed run cut off (no newline) is closed first, so it does not
+    swallow the record written after it."""
+    path = Path(path)
+    cut_off = path.is_file() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
+    with open(path, "a") as sink:
+        sink.write(("\n" if cut_off else "") + line + "\n")
 
 
 def _finished_buckets(resume: str | Path | None, signature: str, buckets: Sequence[int]) -> dict[int, dict[str, Any]]:
