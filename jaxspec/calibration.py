@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import ModelConfig, SpecConfig
-from jaxspec.generate import length_bucket, prefill_for_speculation
+from jaxspec.generate import length_bucket, prefill_for_speculation, prepare_prompts
 from jaxspec.layers.attention import AttentionContext
 from jaxspec.model import ModelParams, forward, mtp_forward
 from jaxspec.programs import bounded_jit
@@ -142,20 +142,19 @@ def collect(
     if not prompts:
         raise ValueError("no prompts to calibrate on")
     SpecConfig(num_steps, 1, num_steps + 1).validate_for(cfg)
-    width = max(len(p) for p in prompts)
-    sb = length_bucket(width, cfg.max_position_embeddings)
-    max_len = length_bucket(sb + cycles * (num_steps + 1) + 1, cfg.max_position_embeddings, minimum=64)
+    generated = cycles * (num_steps + 1) + 1
+    batch = prepare_prompts(cfg, prompts, generated)  # the checks `generate` makes, and the width bucket
+    sb = batch.tokens.shape[1]
+    max_len = length_bucket(sb + generated, cfg.max_position_embeddings, minimum=64)
     sampling = Sampling.create(temperature, key=jax.random.key(seed))
     parts: dict[str, list[np.ndarray]] = {f: [] for f in FIELDS}
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
-        tokens = np.zeros((batch_size, sb), np.int32)
+    for start in range(0, batch.batch, batch_size):
+        n = min(batch_size, batch.batch - start)
+        tokens = np.zeros((batch_size, sb), np.int32)  # one program for every slice, the last one too
         lengths = np.ones((batch_size,), np.int32)
-        for i, p in enumerate(chunk):
-            tokens[i, : len(p)] = p
-            lengths[i] = len(p)
+        tokens[:n], lengths[:n] = batch.tokens[start : start + n], batch.lengths[start : start + n]
         top_logp, label, mask = (
-            np.asarray(x)[:, : len(chunk)]
+            np.asarray(x)[:, :n]
             for x in _collect_loop(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths), num_steps, topk, cycles,
                                    max_len, sampling)
         )  # [C, b, S, k]

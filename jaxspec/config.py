@@ -10,6 +10,8 @@ import dataclasses
 import re
 from typing import Any
 
+from jaxspec.checks import is_int, is_power_of_two, positive_int
+
 LAYER_TYPES = ("sliding", "csa", "hca")
 _HF_LAYER_TYPES = {
     "sliding_attention": "sliding",
@@ -18,6 +20,33 @@ _HF_LAYER_TYPES = {
 }
 ATTENTION_IMPLS = ("xla", "pallas")
 DTYPES = ("float32", "bfloat16")
+
+
+def pooling_coff(overlap: bool) -> int:
+    """Compressor rows per entry, in units of the ratio: CSA's overlapping windows pool two blocks
+    (the previous block's A half and its own B half), HCA's one."""
+    return 2 if overlap else 1
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGeometry:
+    """What a layer's kind fixes, derived from the config in one place (`ModelConfig.geometry`)."""
+
+    kind: str  # "sliding" / "csa" / "hca"
+    ratio: int  # tokens per compressed entry; 0 = the sliding window only
+    indexed: bool  # a lightning indexer picks top-k entries (CSA); else every entry is read (HCA)
+
+    @property
+    def compressed(self) -> bool:
+        return self.ratio > 0
+
+    @property
+    def overlap(self) -> bool:  # CSA's pooling windows overlap
+        return self.indexed
+
+    @property
+    def coff(self) -> int:  # 0 for a window-only layer
+        return pooling_coff(self.overlap) if self.compressed else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,10 +98,16 @@ class ModelConfig:
         _validate_model_config(self)
 
     # ---- derived ----------------------------------------------------------------------------
+    def geometry(self, kind: str) -> LayerGeometry:
+        """Ratio, pooling overlap and indexer of a layer kind ("sliding" for the MTP block)."""
+        if kind not in LAYER_TYPES:
+            raise ValueError(f"unknown layer kind {kind!r}; allowed: {LAYER_TYPES}")
+        ratio = {"sliding": 0, "csa": self.csa_ratio, "hca": self.hca_ratio}[kind]
+        return LayerGeometry(kind=kind, ratio=ratio, indexed=kind == "csa")
+
     def ratio(self, layer: int) -> int:
         """Compression ratio of a main layer (0 = sliding window only)."""
-        kind = self.layer_types[layer]
-        return {"sliding": 0, "csa": self.csa_ratio, "hca": self.hca_ratio}[kind]
+        return self.geometry(self.layer_types[layer]).ratio
 
     @property
     def compressed_ratios(self) -> tuple[int, ...]:
@@ -155,11 +190,6 @@ class ModelConfig:
         return out
 
 
-def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
 def _validate_model_config(cfg: ModelConfig) -> None:
     for name in (
         "vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "q_lora_rank",
@@ -167,7 +197,7 @@ def _validate_model_config(cfg: ModelConfig) -> None:
         "index_head_dim", "index_topk", "n_routed_experts", "num_experts_per_tok",
         "moe_intermediate_size", "hc_mult", "hc_sinkhorn_iters", "max_position_embeddings",
     ):
-        _positive_int(name, getattr(cfg, name))
+        positive_int(name, getattr(cfg, name))
     if not isinstance(cfg.layer_types, tuple) or len(cfg.layer_types) != cfg.num_layers:
         raise ValueError(
             f"layer_types must be a tuple of num_layers={cfg.num_layers} entries, got {cfg.layer_types!r}"
@@ -201,14 +231,14 @@ def _validate_model_config(cfg: ModelConfig) -> None:
     if cfg.attention_impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {cfg.attention_impl!r}")
     chunk = cfg.prefill_chunk
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0 or chunk & (chunk - 1):
+    if chunk != 0 and not is_power_of_two(chunk):
         raise ValueError(f"prefill_chunk must be 0 (default) or a power of two >= 1, got {chunk!r}")
     if cfg.yarn_factor is not None and cfg.yarn_factor <= 0:
         raise ValueError(f"yarn_factor must be > 0 or None, got {cfg.yarn_factor}")
 
 
 def _ratio_to_layer_type(ratio: Any, csa_ratio: int) -> str:
-    if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 0:
+    if not is_int(ratio) or ratio < 0:
         raise ValueError(f"compress_ratios entries must be 0 or a positive int, got {ratio!r}")
     if ratio == 0:
         return "sliding"
@@ -403,7 +433,7 @@ class SpecConfig:
 
     def __post_init__(self):
         for name in ("num_steps", "topk", "num_draft_tokens"):
-            _positive_int(name, getattr(self, name))
+            positive_int(name, getattr(self, name))
         s, k, d = self.num_steps, self.topk, self.num_draft_tokens
         if self.scores not in SCORES:
             raise ValueError(f"scores must be one of {', '.join(SCORES)}, got {self.scores!r}")

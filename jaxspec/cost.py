@@ -35,7 +35,7 @@ from jaxspec import stages
 from jaxspec.config import ModelConfig, SpecConfig
 from jaxspec.model import WEIGHTS, abstract_params
 from jaxspec.ops.quant import SCOPE, count_weight_reads
-from jaxspec.runner import lower_abstract
+from jaxspec.runner import lower_program
 from jaxspec.sharding.active import is_dynamic
 from jaxspec.sharding.rules import DATA, check_mesh
 from jaxspec.state import abstract_state
@@ -164,7 +164,7 @@ def _lowered_cost(fn: Callable, args: tuple, mesh: Any, batch: int, cfg: ModelCo
     # device reads are the program's bytes in proportion to its share of the FLOPs.
     twin = cfg.replace(dtype="float32")
     twin_args = tuple(twin if a is cfg else _as_float32(a) for a in args)
-    compiled = lower_abstract(fn, mesh, twin_args, batch=batch, cfg=twin).compile()
+    compiled = lower_program(fn, mesh, twin_args, batch=batch, cfg=twin).compile()
     partitioned = compiled.cost_analysis()
     if isinstance(partitioned, (list, tuple)):  # older jax: one dict per device program
         partitioned = partitioned[0]

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import state as state_lib
+from jaxspec.checks import is_int, next_power_of_two, positive_int
 from jaxspec.config import ModelConfig, SpecConfig
 from jaxspec.model import ModelParams, check_params, extend, forward
 from jaxspec.prefill import chunked_prefill, prefill_for_speculation
@@ -38,10 +39,6 @@ class GenerateOutput:
     tokens: np.ndarray  # [B, max_new_tokens] int32, pad_id after a sequence ends
     lengths: np.ndarray  # [B] generated tokens per sequence (eos included)
     stats: dict[str, Any]
-
-
-def next_power_of_two(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def batch_bucket(batch: int) -> int:
@@ -125,8 +122,7 @@ def prepare_prompts(
 
 
 def _check_max_new_tokens(max_new_tokens: Any) -> None:
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    positive_int("max_new_tokens", max_new_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +155,7 @@ class DecodeOptions:
         temperature, top_k, top_p = validate_sampling(temperature, top_k, top_p)
         if eos_id is None:
             eos = -1
-        elif isinstance(eos_id, bool) or not isinstance(eos_id, (int, np.integer)) or not 0 <= eos_id < cfg.vocab_size:
+        elif not is_int(eos_id) or not 0 <= eos_id < cfg.vocab_size:
             raise ValueError(f"eos_id must be None or an int in [0, {cfg.vocab_size}), got {eos_id!r}")
         else:
             eos = int(eos_id)
@@ -340,6 +336,26 @@ def summarize_stats(per_sequence: dict[str, np.ndarray], spec: SpecConfig) -> di
     }
 
 
+def draft_and_verify(
+    params: ModelParams,
+    cfg: ModelConfig,
+    spec: SpecConfig,
+    state: state_lib.DecodeState,
+    root: jax.Array,  # [B] bonus token of the last cycle, at position P (not yet committed)
+    last_hidden: jax.Array,  # [B, hc, d] target streams at position P-1
+    sampling: Sampling | None = None,
+    cycle: jax.Array | None = None,  # [B] int32 per-sequence cycle counter (folds sampling.key)
+    accept: str = "target",  # "target" | "residual" (jaxspec.tree.rules)
+    values: Calibration | None = None,  # node values to rank by; None = raw draft log-probs
+):
+    """draft -> prune -> plan -> verify -> accept, nothing committed yet; -> (tree, verify_out, acceptance).
+    The verify scratch (`verify_out.rows`) holds every node's rows; the commit keeps the accepted path's."""
+    tree = draft_and_prune(params, cfg, spec, state, root, last_hidden, accept, sampling, cycle, values=values)
+    plan = build_plan(tree.parent, state.length, spec.num_steps)
+    verify_out = forward(params, cfg, state, tree.tokens, verify_context(plan, state.length))
+    return tree, verify_out, accept_tree(spec, tree, verify_out.logits, sampling, cycle)
+
+
 def speculative_cycle(
     params: ModelParams,
     cfg: ModelConfig,
@@ -348,34 +364,14 @@ def speculative_cycle(
     root: jax.Array,  # [B] bonus token of the last cycle, at position P (not yet committed)
     last_hidden: jax.Array,  # [B, hc, d] target streams at position P-1
     active: jax.Array,  # [B] bool
-    poison_rejected: bool = False,
     sampling: Sampling | None = None,
     cycle: jax.Array | None = None,  # [B] int32 per-sequence cycle counter (folds sampling.key)
     accept: str = "target",  # "target" | "residual" (jaxspec.tree.rules)
     values: Calibration | None = None,  # node values to rank by; None = raw draft log-probs
 ):
-    """draft -> prune -> plan -> verify -> accept -> commit; -> (state, last_hidden, tree, acceptance).
-
-    `poison_rejected` (tests only) fills the verify scratch of every node off the accepted path
-    with NaN before the commit: outputs must not change.
-    """
-    tree = draft_and_prune(params, cfg, spec, state, root, last_hidden, accept, sampling, cycle, values=values)
-    plan = build_plan(tree.parent, state.length, spec.num_steps)
-    verify_out = forward(params, cfg, state, tree.tokens, verify_context(plan, state.length))
-    acc = accept_tree(spec, tree, verify_out.logits, sampling, cycle)
-    if poison_rejected:
-        off_path = ~acc.path_mask
-
-        def poison(x):
-            if x is None or not jnp.issubdtype(x.dtype, jnp.floating):
-                return x
-            shape = off_path.shape + (1,) * (x.ndim - 2)
-            return jnp.where(off_path.reshape(shape), jnp.nan, x)
-
-        verify_out = verify_out.replace(
-            rows=jax.tree.map(poison, verify_out.rows),
-            hidden=poison(verify_out.hidden),
-        )
+    """draft -> prune -> plan -> verify -> accept -> commit; -> (state, last_hidden, tree, acceptance)."""
+    tree, verify_out, acc = draft_and_verify(params, cfg, spec, state, root, last_hidden, sampling, cycle, accept,
+                                             values)
     state, last_hidden = commit_accepted_path(
         params, cfg, state, tree.tokens, verify_out, acc, last_hidden, active
     )

@@ -233,9 +233,8 @@ def mtp_forward(
     return head_logits(params, cfg, z, mtp=True), z, rows
 
 
-def one_shot_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """One full causal forward of `tokens` [B, S] from an empty state, the whole prompt in one
-    extend -> logits [B, S, V]: the reference the chunked `jaxspec.prefill_logits` equals."""
+def check_logits_inputs(params: ModelParams, cfg: Any, tokens: Any) -> jax.Array:
+    """`tokens` [B, S] as int32 after the checks of every all-positions logits call (one-line errors)."""
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
     check_params(params, cfg)
@@ -244,7 +243,17 @@ def one_shot_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array) ->
         raise ValueError(f"tokens must be a [B, S] int array with S >= 1, got shape {tokens.shape}")
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
-    return jitted_one_shot_logits(params, cfg, tokens.astype(jnp.int32))
+    if tokens.shape[1] > cfg.max_position_embeddings:
+        raise ValueError(
+            f"tokens has {tokens.shape[1]} positions, longer than max_position_embeddings={cfg.max_position_embeddings}"
+        )
+    return tokens.astype(jnp.int32)
+
+
+def one_shot_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """One full causal forward of `tokens` [B, S] from an empty state, the whole prompt in one
+    extend -> logits [B, S, V]: the reference the chunked `jaxspec.prefill_logits` equals."""
+    return jitted_one_shot_logits(params, cfg, check_logits_inputs(params, cfg, tokens))
 
 
 @functools.partial(bounded_jit, static_argnums=(1,))

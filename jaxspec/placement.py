@@ -13,10 +13,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxspec.checks import positive_int
 from jaxspec.config import ModelConfig
 from jaxspec.model import WEIGHTS, abstract_params  # noqa: F401  (the placement of these shapes)
 from jaxspec.sharding.active import as_tuple
-from jaxspec.sharding.rules import DATA, check_mesh, check_rules, mesh_shape, positive_size, tree_specs
+from jaxspec.sharding.rules import DATA, check_mesh, check_rules, mesh_shape, tree_specs
 from jaxspec.state import abstract_state
 
 
@@ -142,7 +143,7 @@ def memory_plan(
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
     sizes = mesh_shape(mesh)
-    batch, context = positive_size("batch", batch), positive_size("context", context)
+    batch, context = positive_int("batch", batch), positive_int("context", context)
     if context > cfg.max_position_embeddings:
         raise ValueError(f"context must be <= max_position_embeddings={cfg.max_position_embeddings}, got {context}")
     batch = -(-batch // sizes[DATA]) * sizes[DATA]

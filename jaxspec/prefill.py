@@ -23,8 +23,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec import state as state_lib
+from jaxspec.checks import is_power_of_two
 from jaxspec.config import ModelConfig
-from jaxspec.model import ModelParams, causal_context, check_params, extend, mtp_forward
+from jaxspec.model import ModelParams, causal_context, check_logits_inputs, extend, mtp_forward
 from jaxspec.programs import bounded_jit
 from jaxspec.sampling import Sampling, sample_tokens
 from jaxspec.sharding.active import constrain_state
@@ -32,13 +33,9 @@ from jaxspec.sharding.active import constrain_state
 MIN_DEFAULT_CHUNK, MAX_DEFAULT_CHUNK = 256, 2048
 
 
-def _is_power_of_two(n: Any) -> bool:
-    return not isinstance(n, bool) and isinstance(n, int) and n >= 1 and not n & (n - 1)
-
-
 def check_chunk(chunk: Any) -> int:
     """The chunk size as an int; ValueError unless it is a power of two >= 1."""
-    if not _is_power_of_two(chunk):
+    if not is_power_of_two(chunk):
         raise ValueError(f"prefill chunk must be a power of two >= 1, got {chunk!r}")
     return int(chunk)
 
@@ -165,20 +162,9 @@ def prefill_for_speculation(
 def chunked_logits(params: ModelParams, cfg: ModelConfig, tokens: Any, chunk: int | None = None) -> jax.Array:
     """Causal logits of every position of `tokens` [B, S] from an empty state, chunked -> [B, S, V]
     (`model.one_shot_logits` is the one-shot reference it equals)."""
-    if not isinstance(cfg, ModelConfig):
-        raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
-    check_params(params, cfg)
-    tokens = jnp.asarray(tokens)
-    if tokens.ndim != 2 or tokens.shape[1] < 1:
-        raise ValueError(f"tokens must be a [B, S] int array with S >= 1, got shape {tokens.shape}")
-    if not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
-    if tokens.shape[1] > cfg.max_position_embeddings:
-        raise ValueError(
-            f"tokens has {tokens.shape[1]} positions, longer than max_position_embeddings={cfg.max_position_embeddings}"
-        )
+    tokens = check_logits_inputs(params, cfg, tokens)
     chunk = prefill_chunk(cfg) if chunk is None else check_chunk(chunk)
-    return jitted_chunked_logits(params, cfg.replace(prefill_chunk=chunk), tokens.astype(jnp.int32))
+    return jitted_chunked_logits(params, cfg.replace(prefill_chunk=chunk), tokens)
 
 
 @functools.partial(bounded_jit, static_argnums=(1,))

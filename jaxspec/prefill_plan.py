@@ -19,11 +19,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxspec import prefill
+from jaxspec.checks import positive_int
 from jaxspec.config import ModelConfig
 from jaxspec.model import abstract_params
 from jaxspec.placement import param_shardings, state_specs
 from jaxspec.sharding.active import activate
-from jaxspec.sharding.rules import check_mesh, check_rules, positive_size
+from jaxspec.sharding.rules import check_mesh, check_rules
 from jaxspec.state import abstract_state
 
 
@@ -71,10 +72,10 @@ def prefill_memory(
     `flops_per_chunk` speak for the model; its parameter and state bytes are `memory_plan`'s."""
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
-    batch, context = positive_size("batch", batch), positive_size("context", context)
+    batch, context = positive_int("batch", batch), positive_int("context", context)
     if context > cfg.max_position_embeddings:
         raise ValueError(f"context must be <= max_position_embeddings={cfg.max_position_embeddings}, got {context}")
-    prompt = context if prompt is None else positive_size("prompt", prompt)
+    prompt = context if prompt is None else positive_int("prompt", prompt)
     if prompt > context:
         raise ValueError(f"prompt ({prompt}) must be <= context ({context}): the state holds the prompt")
     chunk = prefill.prefill_chunk(cfg) if chunk is None else prefill.check_chunk(chunk)

@@ -31,7 +31,8 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
+
+from jaxspec.checks import positive_int
 
 ENV_VAR = "JAXSPEC_MAX_PROGRAMS"
 # A sweep process (one batch size) cycles through AR + up to 16 specs + the rank-acceptance spec:
@@ -56,9 +57,7 @@ def _size_from_env() -> int:
 
 
 def _check_size(n: Any) -> int:
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-        raise ValueError(f"the program cache size must be an int >= 1, got {n!r}")
-    return int(n)
+    return positive_int("the program cache size", n)
 
 
 @dataclasses.dataclass

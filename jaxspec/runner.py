@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspec import programs
 from jaxspec.config import ModelConfig
-from jaxspec.model import ModelParams, check_params
+from jaxspec.model import ModelParams, check_logits_inputs
 from jaxspec.placement import param_shardings, shard_params
 from jaxspec.prefill import chunked_logits, jitted_chunked_logits, prefill_chunk
 from jaxspec.sharding.active import activate, is_dynamic
@@ -143,7 +143,7 @@ def run_sharded(
     return post(out)
 
 
-def lower_sharded(
+def lower_program(
     jitted: Any,
     mesh: jax.sharding.Mesh,
     args: Sequence[Any],
@@ -152,32 +152,21 @@ def lower_sharded(
     cfg: ModelConfig,
     rules: Mapping[str, Any] | None = None,
 ) -> Any:
-    """The `jax.stages.Lowered` program `run_sharded` runs for these arguments (HLO inspection)."""
-    _, program, dyn_args, _ = _program(jitted, mesh, args, batch, cfg, rules)
-    with activate(mesh, check_rules(rules), cfg):
-        return program.lower(*dyn_args)
-
-
-def lower_abstract(
-    jitted: Any,
-    mesh: jax.sharding.Mesh,
-    args: Sequence[Any],
-    *,
-    batch: int,
-    cfg: ModelConfig,
-    rules: Mapping[str, Any] | None = None,
-) -> Any:
-    """The `jax.stages.Lowered` program `run_sharded` would run, from abstract arguments
-    (ShapeDtypeStructs: nothing is allocated or placed): per-device costs of a model too large
-    for this machine."""
+    """The `jax.stages.Lowered` program `run_sharded` runs for these arguments, from their shapes
+    only (arrays or ShapeDtypeStructs: nothing is allocated or placed): its HLO, and per-device
+    costs of a model too large for this machine."""
     mesh = check_mesh(mesh)
     rules = check_rules(rules)
     raw = getattr(jitted, "__wrapped__", jitted)
     args = list(args)
     static = tuple(i for i, a in enumerate(args) if not is_dynamic(a))
     program, _ = _build_program(raw, mesh, rules, cfg, args, static, batch)
+    def shape(x):
+        return x if isinstance(x, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+
+    shapes = [jax.tree.map(shape, a) for i, a in enumerate(args) if i not in static]
     with activate(mesh, rules, cfg):
-        return program.lower(*[a for i, a in enumerate(args) if i not in static])
+        return program.lower(*shapes)
 
 
 def sharded_compile_count() -> int:
@@ -222,13 +211,8 @@ def prefill_logits(params: Any, cfg: ModelConfig, tokens: Any, mesh: jax.shardin
     back after)."""
     if mesh is None:
         return chunked_logits(params, cfg, tokens)
-    if not isinstance(cfg, ModelConfig):
-        raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
-    check_params(params, cfg)
+    tokens = np.asarray(check_logits_inputs(params, cfg, tokens))
     data = check_mesh(mesh).shape[DATA]
-    tokens = np.asarray(tokens)
-    if tokens.ndim != 2 or tokens.shape[1] < 1 or not np.issubdtype(tokens.dtype, np.integer):
-        raise ValueError(f"tokens must be a [B, S] int array with S >= 1, got shape {tokens.shape} {tokens.dtype}")
     b = tokens.shape[0]
     padded = np.zeros((-(-b // data) * data, tokens.shape[1]), np.int32)
     padded[:b] = tokens

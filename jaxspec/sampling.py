@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxspec.checks import is_int
 from jaxspec.sharding.active import global_rows
 
 
@@ -40,7 +41,7 @@ def validate_sampling(temperature, top_k, top_p) -> tuple[float, int, float]:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if top_k is None:
         top_k = 0
-    elif isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+    elif not is_int(top_k) or top_k < 1:
         raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
     if top_p is None:
         top_p = 1.0

@@ -47,10 +47,10 @@ def _layer_state(cfg: ModelConfig, kind: str, batch: int, max_len: int) -> Layer
     dtype = jnp.dtype(cfg.dtype)
     c, ci = cfg.head_dim, cfg.index_head_dim
     swa = jnp.zeros((batch, cfg.sliding_window, c), dtype)
-    if kind == "sliding":
+    g = cfg.geometry(kind)
+    if not g.compressed:
         return LayerState(swa_kv=swa)
-    ratio = cfg.csa_ratio if kind == "csa" else cfg.hca_ratio
-    coff = 2 if kind == "csa" else 1
+    ratio, coff = g.ratio, g.coff
     num_entries = -(-max_len // ratio)
     state = LayerState(
         swa_kv=swa,
@@ -58,7 +58,7 @@ def _layer_state(cfg: ModelConfig, kind: str, batch: int, max_len: int) -> Layer
         comp_rows_kv=jnp.zeros((batch, coff * ratio, coff * c), jnp.float32),
         comp_rows_gate=jnp.zeros((batch, coff * ratio, coff * c), jnp.float32),
     )
-    if kind == "csa":
+    if g.indexed:
         state = state.replace(
             idx_kv=jnp.zeros((batch, num_entries, ci), jnp.float32),
             idx_rows_kv=jnp.zeros((batch, 2 * ratio, 2 * ci), jnp.float32),
@@ -113,15 +113,16 @@ def commit_layer(
     new_length: jax.Array,  # [B]
 ) -> LayerState:
     out = layer.replace(swa_kv=_write_ring(layer.swa_kv, rows.kv, positions, take, new_length))
-    if kind == "sliding":
+    g = cfg.geometry(kind)
+    if not g.compressed:
         return out
-    ratio = cfg.csa_ratio if kind == "csa" else cfg.hca_ratio
+    ratio = g.ratio
     out = out.replace(
         comp_rows_kv=_write_ring(layer.comp_rows_kv, rows.comp_kv, positions, take, new_length),
         comp_rows_gate=_write_ring(layer.comp_rows_gate, rows.comp_gate, positions, take, new_length),
         comp_kv=_write_entries(layer.comp_kv, rows.comp_entry, positions, take, ratio),
     )
-    if kind == "csa":
+    if g.indexed:
         out = out.replace(
             idx_rows_kv=_write_ring(layer.idx_rows_kv, rows.idx_kv, positions, take, new_length),
             idx_rows_gate=_write_ring(layer.idx_rows_gate, rows.idx_gate, positions, take, new_length),

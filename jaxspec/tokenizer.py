@@ -10,6 +10,8 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from jaxspec.checks import is_int
+
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIAL_TOKENS = (BOS, EOS, PAD)
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
@@ -20,8 +22,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 
     """Train a byte-level BPE `tokenizers.Tokenizer` with exactly `vocab_size` ids on `texts`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB:
+    if not is_int(vocab_size) or vocab_size < MIN_VOCAB:
         raise ValueError(f"vocab_size must be an int >= {MIN_VOCAB} (256 bytes + specials), got {vocab_size!r}")
+    vocab_size = int(vocab_size)
     if isinstance(texts, str):
         raise ValueError("texts must be an iterable of strings, not one string")
     tok = Tokenizer(models.BPE())

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import costmodel, stages
+from jaxspec.checks import is_int
 from jaxspec.config import ModelConfig, SpecConfig
 from jaxspec.eval import measure_rank_acceptance
 from jaxspec.generate import batch_bucket, length_bucket, prepare_prompts
@@ -136,7 +137,7 @@ def calibrate(
         raise ValueError("tuning speculation needs an MTP draft block; these params have none")
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
-    if not batch_sizes or any(isinstance(b, bool) or int(b) < 1 for b in batch_sizes):
+    if not batch_sizes or any(not is_int(b) or b < 1 for b in batch_sizes):
         raise ValueError(f"batch sizes must be ints >= 1, got {list(batch_sizes)}")
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")

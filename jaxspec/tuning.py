@@ -11,8 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from jaxspec.checks import positive_int
 from jaxspec.config import SpecConfig
 
 NO_SPECULATION = "ar"
@@ -32,8 +31,7 @@ class Tuning:
 
     def spec_for(self, batch_size: int) -> SpecConfig | None:
         """The choice for `batch_size` (the nearest calibrated bucket in log scale); None = no speculation."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        positive_int("batch_size", batch_size)
         bucket = min(self.choices, key=lambda b: (abs(math.log2(b) - math.log2(batch_size)), b))
         name = self.choices[bucket]
         return None if name == NO_SPECULATION else SpecConfig.parse(name)

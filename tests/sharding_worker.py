@@ -191,7 +191,7 @@ def kernel_per_shard(mesh) -> dict:
     m, bias = jax.random.normal(key[2], (4, 3)), jax.random.normal(key[3], (8, 1))
     args = (q, k, m, bias)
     got = runner.run_sharded(program, mesh, args, batch=4, cfg=CFG)
-    text = runner.lower_sharded(program, mesh, args, batch=4, cfg=CFG).as_text()
+    text = runner.lower_program(program, mesh, args, batch=4, cfg=CFG).as_text()
     want = call(q, k, {"m": m}, bias=bias, scale=2.0)
     return {"equal": bool(np.array_equal(np.asarray(got), np.asarray(want))),
             "shard_map": "shard_map" in text or "sdy.manual_computation" in text}
@@ -248,7 +248,7 @@ def main() -> None:
         args = (placed, CFG, SPEC, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), NEW_TOKENS, max_len,
                 jnp.int32(-1), Sampling(jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0), jax.random.key(0)),
                 "residual")
-        compiled = runner.lower_sharded(_speculative_loop, mesh, args, batch=len(batch.lengths), cfg=CFG).compile()
+        compiled = runner.lower_program(_speculative_loop, mesh, args, batch=len(batch.lengths), cfg=CFG).compile()
         want = placement.param_shardings(CFG, mesh)
         kept = all(
             a.is_equivalent_to(b, x.ndim)

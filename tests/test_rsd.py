@@ -26,6 +26,7 @@ from test_sampling import ALPHA, check_end_to_end, chi_square_p
 import jaxspec as js
 from jaxspec.generate import speculative_compile_count
 from jaxspec.sampling import Sampling, processed_logprobs
+from jaxspec.tree import verify
 from jaxspec.tree.sampled import SampledDraft, make_sampled_draft, prior_log_values, sampled_children
 from jaxspec.tree.verify import chain_residual_accept, node_keys, recursive_rejection_accept, residual_tree_accept
 
@@ -63,11 +64,21 @@ def padded_tree(name):
             np.concatenate([depth, 0 * pad + MAX_DEPTH + 1]).astype(np.int32))
 
 
-@functools.partial(jax.jit, static_argnums=(5, 6))
-def _rows(target, draft, parent, rank, depth, n, chain, sampling, update_residual, skip_first):
+def _step_without_residual(p, q, x, coin, try_it):
+    """The deliberately wrong rule: a rejected sibling leaves p and q as they were (no residual)."""
+    ok, _, _ = _EXACT_STEP(p, q, x, coin, try_it)
+    return ok, p, q
+
+
+_EXACT_STEP = verify._residual_step
+
+
+@functools.partial(jax.jit, static_argnums=(5, 6, 8))
+def _rows(target, draft, parent, rank, depth, n, chain, sampling, variant):
     """n rows: draft the tree level by level with `sampled_children`, accept, continue past the cycle
-    with exact target draws -> ([n, 3] tokens, accepted [n]). skip_first (wrong variant): the kept
-    children are draws 2..K+1, not a prefix of the sampling order."""
+    with exact target draws -> ([n, 3] tokens, accepted [n]). Wrong variants: "non_prefix", the kept
+    children are draws 2..K+1, not a prefix of the sampling order; "no_residual", a rejection leaves
+    the target distribution as it was (traced with `_step_without_residual` in its place)."""
     d = parent.shape[0]
     cycle = jnp.zeros((n,), jnp.int32)
     keys = node_keys(jax.random.fold_in(sampling.key, 99), cycle, d)
@@ -76,7 +87,7 @@ def _rows(target, draft, parent, rank, depth, n, chain, sampling, update_residua
     unused = jnp.zeros((n, d * width), jnp.int32)  # the top-K children, used at temperature 0 only
     tokens = jnp.zeros((n, d), jnp.int32).at[:, 0].set(3)
     q = jnp.zeros((n, d, VOCAB), jnp.float32)
-    pick = rank + skip_first.astype(jnp.int32)
+    pick = rank + int(variant == "non_prefix")
     for level in range(MAX_DEPTH):  # the children at depth level + 1 of every node
         logits = draft[jnp.minimum(depth, MAX_DEPTH)[None, :], tokens]  # [n, D, V]
         (drawn, _, _, _), logq = sampled_children(logits, jnp.zeros((n, d)), jnp.arange(d), level + 1, sampler,
@@ -93,8 +104,12 @@ def _rows(target, draft, parent, rank, depth, n, chain, sampling, update_residua
                                    t_logits[:, :nodes], max_depth, 1, sampling, cycle)
     else:
         logp = processed_logprobs(t_logits, sampling.temperature, sampling.top_k, sampling.top_p)
-        acc = recursive_rejection_accept(tokens, parent_a, rank_a, jnp.exp(q), jnp.exp(logp),
-                                         node_keys(sampling.key, cycle, d), MAX_DEPTH, TREE_K, update_residual)
+        verify._residual_step = _step_without_residual if variant == "no_residual" else _EXACT_STEP
+        try:  # the swap lasts this trace only (variant is static: its own compiled program)
+            acc = recursive_rejection_accept(tokens, parent_a, rank_a, jnp.exp(q), jnp.exp(logp),
+                                             node_keys(sampling.key, cycle, d), MAX_DEPTH, TREE_K)
+        finally:
+            verify._residual_step = _EXACT_STEP
     path = jnp.take_along_axis(tokens, acc.path_nodes, axis=1)
     a = acc.num_accepted[:, None]
     slot = jnp.arange(MAX_DEPTH + 1)[None, :]
@@ -114,8 +129,7 @@ def check_rule(tree, setting, variant="exact", seed=0, n=N):
     target, draft = markov_model(seed)
     sampling = Sampling.create(temperature, top_p=top_p, key=jax.random.key(seed + 1))
     parent, rank, depth = (jnp.asarray(x) for x in padded_tree(tree))
-    out, accepted = _rows(target, draft, parent, rank, depth, n, tree == "chain", sampling,
-                          jnp.asarray(variant != "no_residual"), jnp.asarray(variant == "non_prefix"))
+    out, accepted = _rows(target, draft, parent, rank, depth, n, tree == "chain", sampling, variant)
     logp = processed_logprobs(target[:NUM_EMITTED], jnp.float32(temperature), jnp.int32(0), jnp.float32(top_p or 1))
     p = np.exp(np.asarray(logp, np.float64))
     p /= p.sum(-1, keepdims=True)  # [3, V(prev), V]

@@ -86,7 +86,7 @@ def test_meshes():
     assert js.make_mesh().shape == {"data": 1, "tensor": 1, "expert": 1}
     with pytest.raises(ValueError, match="needs 8 devices, 1 available"):
         js.make_mesh(data=2, tensor=4)
-    with pytest.raises(ValueError, match="tensor must be a positive int"):
+    with pytest.raises(ValueError, match="tensor must be an int >= 1"):
         js.make_mesh(tensor=0)
     assert [sharding.default_mesh_shape(n) for n in (1, 2, 4, 8)] == [(1, 1, 1), (1, 2, 1), (1, 4, 1), (1, 8, 1)]
     assert sharding.default_mesh_shape(8, js.ModelConfig.preset("v4-flash")) == (1, 8, 1)

@@ -2,6 +2,7 @@
 greedy speculative output equals `generate`, rejected branches never leak, the committed state
 equals a plain prefill of the accepted tokens, and the loop compiles once per bucket."""
 
+import functools
 import os
 
 import jax
@@ -12,8 +13,14 @@ import pytest
 import jaxspec as js
 from jaxspec import model
 from jaxspec import state as state_lib
-from jaxspec.generate import prefill_for_speculation, speculative_compile_count, speculative_cycle
-from jaxspec.tree.plan import build_plan, completes_block, verify_context
+from jaxspec.generate import draft_and_verify, prefill_for_speculation, speculative_compile_count, speculative_cycle
+from jaxspec.tree.commit import commit_accepted_path
+from jaxspec.tree.plan import build_plan, verify_context
+
+
+def completes_block(plan, ratio: int) -> jax.Array:
+    """[B, D] bool: nodes that close a compression block of `ratio` (they emit a branch-local entry)."""
+    return (plan.positions + 1) % ratio == 0
 
 extend = jax.jit(model.extend, static_argnums=(1,))
 forward = jax.jit(model.forward, static_argnums=(1,))
@@ -137,7 +144,24 @@ def test_batch_sizes_and_eos(agreeing_params, test_cfg, batch):
     assert out.lengths[0] <= 11
 
 
-cycle = jax.jit(speculative_cycle, static_argnums=(1, 2, 7))
+cycle = jax.jit(speculative_cycle, static_argnums=(1, 2))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def poisoned_cycle(params, cfg, spec, state, root, last_hidden, active):
+    """`speculative_cycle` with the verify scratch of every node off the accepted path set to NaN
+    before the commit: the commit must read only the accepted path, so nothing may change."""
+    tree, verify_out, acc = draft_and_verify(params, cfg, spec, state, root, last_hidden)
+    off_path = ~acc.path_mask  # [B, D]
+
+    def poison(x):
+        if x is None or not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return jnp.where(off_path.reshape(off_path.shape + (1,) * (x.ndim - 2)), jnp.nan, x)
+
+    verify_out = verify_out.replace(rows=jax.tree.map(poison, verify_out.rows), hidden=poison(verify_out.hidden))
+    state, last_hidden = commit_accepted_path(params, cfg, state, tree.tokens, verify_out, acc, last_hidden, active)
+    return state, last_hidden, tree, acc
 
 
 def _prefilled(params, cfg, prompts, max_len=128):
@@ -162,8 +186,8 @@ def test_poisoned_rejected_branches_do_not_leak_and_state_equals_prefill(agreein
     accepted = [[] for _ in PROMPTS]
     rejected_any = False
     for _ in range(8):
-        s1, h1, tree, acc = cycle(params, cfg, spec, clean[0], clean[1], clean[2], active, False)
-        s2, h2, _, acc2 = cycle(params, cfg, spec, poisoned[0], poisoned[1], poisoned[2], active, True)
+        s1, h1, tree, acc = cycle(params, cfg, spec, clean[0], clean[1], clean[2], active)
+        s2, h2, _, acc2 = poisoned_cycle(params, cfg, spec, poisoned[0], poisoned[1], poisoned[2], active)
         rejected_any |= bool(np.any(~np.asarray(acc.path_mask)))
         for x, y in zip(jax.tree.leaves((s1, h1)), jax.tree.leaves((s2, h2)), strict=True):
             assert not np.isnan(np.asarray(y, np.float64)).any()

@@ -71,9 +71,10 @@ def _block_specs(ck: str, ours: str, kind: str, hash_routed: bool, cfg: ModelCon
     add("attn.kv_norm.weight", "attn.kv_norm", "copy")
     add("attn.attn_sink", "attn.sink", "copy")
     comps = []
-    if kind != "sliding":
+    g = cfg.geometry(kind)
+    if g.compressed:
         comps.append(("attn.compressor", "attn.compressor"))
-    if kind == "csa":
+    if g.indexed:
         comps.append(("attn.indexer.compressor", "attn.indexer.compressor"))
         add("attn.indexer.wq_b.weight", "attn.indexer.wq_b", "T", quant="fp8")
         add("attn.indexer.weights_proj.weight", "attn.indexer.weights_proj", "T")

@@ -184,7 +184,8 @@ def state_layers(cfg: ModelConfig, mesh: tuple[int, int, int], batch: int, conte
         unit = "mtp" if p.startswith("mtp.") else ".".join(p.split(".")[:2])
         field = p.rsplit(".", 1)[-1]
         kind = "sliding" if unit == "mtp" else cfg.layer_types[int(unit.split(".")[1])]
-        ratio = {"sliding": 1, "csa": cfg.csa_ratio, "hca": cfg.hca_ratio}[kind]
+        g = cfg.geometry(kind)
+        ratio = g.ratio or 1  # a window row is written per token
         shard, _ = _shard(x.shape, spec, sizes)
         nbytes = math.prod(shard) * np.dtype(x.dtype).itemsize
         rows_per_seq = shard[1]
@@ -193,7 +194,7 @@ def state_layers(cfg: ModelConfig, mesh: tuple[int, int, int], batch: int, conte
         if field == "comp_kv":
             a["entries"] = x.shape[1]
             a["entry_bytes"] = per_seq_row
-            if kind == "hca":
+            if not g.indexed:  # HCA reads every entry; CSA what its indexer picks (terms.layer_pass)
                 a["read_bytes"] += nbytes
         else:
             a["read_bytes"] += nbytes

@@ -110,10 +110,11 @@ def check_setup(cfg: ModelConfig, mesh: tuple[int, int, int], batch: int, contex
 def _attention_keys(cfg: ModelConfig, kind: str, tokens: int, prior: int, st: LayerState) -> tuple[float, float]:
     """-> (keys one token's heads read, index keys it scores) on a layer of `kind`."""
     keys = cfg.sliding_window + tokens + prior  # committed ring + the new (and scratch) tokens
-    if kind == "hca":
+    g = cfg.geometry(kind)
+    if g.compressed and not g.indexed:
         keys += st.entries + tokens  # every committed entry + branch-local candidates
         return keys, 0.0
-    if kind == "csa":
+    if g.indexed:
         keys += min(cfg.index_topk, st.entries + tokens) + tokens
         return keys, st.entries + tokens
     return keys, 0.0
@@ -141,7 +142,7 @@ def layer_pass(s: Setup, name: str, tokens: int, prior: int = 0, commit: int = 0
     busiest = routing.expected_max_per_device(e, k, n, u.expert_groups, overlap)
     keys, index_keys = _attention_keys(cfg, kind, tokens, prior, st)
     selected = 0.0
-    if kind == "csa":  # CSA reads only the entries its tokens select (at most all of them)
+    if cfg.geometry(kind).indexed:  # CSA reads only the entries its tokens select (at most all of them)
         selected = s.rows * min(st.entries, tokens * min(cfg.index_topk, st.entries)) * st.entry_bytes
     nbytes = {
         "weights": u.dense_bytes,

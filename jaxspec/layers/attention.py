@@ -87,11 +87,11 @@ def init_attention(cfg: ModelConfig, key: jax.Array, kind: str, std: float = 0.0
         return (std * jax.random.normal(kk, shape, jnp.float32)).astype(dtype)
 
     compressor = indexer = None
-    if kind == "csa":
-        compressor = init_compressor(cfg, keys[5], cfg.csa_ratio, overlap=True, width=c)
+    geo = cfg.geometry(kind)
+    if geo.compressed:
+        compressor = init_compressor(cfg, keys[5], geo.ratio, overlap=geo.overlap, width=c)
+    if geo.indexed:
         indexer = init_indexer(cfg, keys[6])
-    elif kind == "hca":
-        compressor = init_compressor(cfg, keys[5], cfg.hca_ratio, overlap=False, width=c)
     return AttentionParams(
         wq_a=normal(keys[0], (d, dq)),
         q_norm=jnp.ones((dq,), jnp.float32),
@@ -179,8 +179,8 @@ def attention(
 ) -> tuple[jax.Array, AttentionRows]:
     b, t, _ = x.shape
     h, c = cfg.num_heads, cfg.head_dim
-    compressed = kind != "sliding"
-    ratio = {"sliding": 0, "csa": cfg.csa_ratio, "hca": cfg.hca_ratio}[kind]
+    geo = cfg.geometry(kind)
+    compressed, ratio = geo.compressed, geo.ratio
     freqs = inv_freq(cfg, compressed)
     cos, sin = rope_angles(ctx.positions, freqs)  # [B, T, r/2]
 
@@ -205,7 +205,7 @@ def attention(
     if compressed:
         comp_kv_rows, comp_gate_rows = compressor_rows(p.compressor, x, ctx.positions, ratio)
         entry = pool_entries(
-            p.compressor, cfg, ratio, kind == "csa", layer_state.comp_rows_kv, layer_state.comp_rows_gate,
+            p.compressor, cfg, ratio, geo.overlap, layer_state.comp_rows_kv, layer_state.comp_rows_gate,
             comp_kv_rows, comp_gate_rows, ctx.positions, ctx.committed, ctx.ancestor_at_depth, freqs,
         ).astype(kv.dtype)
         rows = rows.replace(comp_kv=comp_kv_rows, comp_gate=comp_gate_rows, comp_entry=entry)
@@ -215,7 +215,7 @@ def attention(
         # A token reads the branch-local entries its own ancestors (and itself) emitted.
         ancestor_entries = ctx.visible & emits[:, None, :]  # [B, T, T]
         keys.update(comp_kv=cache, tree_entries=entry)
-        if kind == "hca":
+        if not geo.indexed:
             keys.update(comp_len=num_committed_entries, tree_entry_mask=ancestor_entries)
         else:
             ip = p.indexer

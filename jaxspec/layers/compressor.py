@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec.config import ModelConfig
+from jaxspec.config import ModelConfig, pooling_coff
 from jaxspec.ops.pooling import pool_rows
 from jaxspec.pallas.chain_compress import chain_compress
 from jaxspec.sharding.rules import axes
@@ -31,7 +31,7 @@ class CompressorParams:
 def init_compressor(
     cfg: ModelConfig, key: jax.Array, ratio: int, overlap: bool, width: int, std: float = 0.02
 ) -> CompressorParams:
-    coff = 2 if overlap else 1
+    coff = pooling_coff(overlap)
     k1, k2 = jax.random.split(key)
     dtype = jnp.float32  # V4 keeps compressor projections in fp32
     return CompressorParams(

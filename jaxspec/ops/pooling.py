@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxspec.config import pooling_coff
 from jaxspec.ops.norms import rms_norm
 from jaxspec.ops.rope import apply_rope, rope_angles
 
@@ -53,7 +54,7 @@ def pool_rows(
 ) -> jax.Array:
     """Entry of every new token as if it closed a block: [B, T, D] fp32 (callers mask the tokens that do
     not close one). The jnp path of `layers.compressor.pool_entries` and the chain-compress kernel's reference."""
-    coff = 2 if overlap else 1
+    coff = pooling_coff(overlap)
     width = norm.shape[0]
     num_sources = coff * ratio
     ring_size = ring_kv.shape[1]

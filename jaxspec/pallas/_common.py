@@ -78,9 +78,6 @@ def triton_params(num_warps: int | None, num_stages: int | None):
     return cls(num_warps=num_warps, num_stages=num_stages)
 
 
-def next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
-
 
 def round_up(n: int, multiple: int) -> int:
     return -(-int(n) // multiple) * multiple

@@ -25,6 +25,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxspec.config import pooling_coff
 from jaxspec.ops.pooling import source_indices
 from jaxspec.ops.rope import rope_angles
 from jaxspec.pallas._common import SQUEEZED, by_platform, triton_params
@@ -54,7 +55,7 @@ def _check(ring_kv, ring_gate, new_kv, new_gate, positions, committed, ancestor_
             f"ring_kv must be [B, R, coff*D] and new_kv [B, T, coff*D], got {ring_kv.shape}, {new_kv.shape}"
         )
     b, t, width2 = new_kv.shape
-    coff = 2 if overlap else 1
+    coff = pooling_coff(overlap)
     width = norm.shape[0]
     if width2 != coff * width or ring_kv.shape[2] != width2:
         raise ValueError(f"rows must be coff*D = {coff}*{width} wide, got ring {ring_kv.shape} and new {new_kv.shape}")
@@ -187,7 +188,7 @@ def chain_compress(
 def _chain_compress(ring_kv, ring_gate, new_kv, new_gate, positions, committed, ancestor_at_depth, norm, freqs, *,
                     ratio, overlap, eps, block_rows, num_warps, num_stages, interpret: bool):
     b, t, width2 = new_kv.shape
-    coff = 2 if overlap else 1
+    coff = pooling_coff(overlap)
     width = norm.shape[0]
     rope_dim = 2 * int(jnp.shape(freqs)[-1])
     num_sources = coff * ratio

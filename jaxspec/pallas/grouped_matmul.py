@@ -27,12 +27,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxspec.checks import next_power_of_two
 from jaxspec.ops import quant
 from jaxspec.pallas._common import (
     SQUEEZED,
     by_platform,
     exact_dot_precision,
-    next_pow2,
     pad_axis,
     triton_params,
 )
@@ -102,7 +102,7 @@ def _largest_pow2_divisor(n: int, cap: int) -> int:
 def _tiles(w, rows: int, groups: int, block_m, block_n, block_k, gpu: bool) -> tuple[int, int, int]:
     _, d_in, d_out = w.shape
     # Decode sends a few rows per expert; a 16-row tile (the Triton dot minimum) wastes least.
-    bm = int(block_m or min(MAX_BLOCK_M, max(16, next_pow2(-(-rows // max(groups, 1))))))
+    bm = int(block_m or min(MAX_BLOCK_M, max(16, next_power_of_two(-(-rows // max(groups, 1))))))
     bn = int(block_n or _largest_pow2_divisor(d_out, MAX_BLOCK_N))
     if quant.is_quantized(w) and w.fmt == "fp4":
         bk = quant.FP4_BLOCK[0]  # one scale row per tile
@@ -149,7 +149,7 @@ def _grouped_matmul(x, w, offsets, block_m, block_n, block_k, *, interpret: bool
     xp = pad_axis(x, 0, rows + bm)  # a tile starting at the last row reads bm - 1 rows past it
     if fmt == "fp4":  # [evens, odds] within each bk-column tile, the order the kernel contracts
         xp = xp.reshape(rows + bm, d_in // bk, bk // 2, 2).swapaxes(2, 3).reshape(rows + bm, d_in)
-    off = pad_axis(offsets.astype(jnp.int32), 0, next_pow2(groups + 1), value=rows)
+    off = pad_axis(offsets.astype(jnp.int32), 0, next_power_of_two(groups + 1), value=rows)
     sq = SQUEEZED
     in_specs = [
         pl.BlockSpec((off.shape[0],), lambda e, j: (0,)),

@@ -25,12 +25,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxspec.checks import next_power_of_two
 from jaxspec.pallas._common import (
     SQUEEZED,
     by_platform,
     exact_dot_precision,
     multiple_of,
-    next_pow2,
     num_sms,
     pad_axis,
     round_up,
@@ -383,11 +383,11 @@ def _tiles(h: int, c: int, block_h, block_k, gpu: bool) -> tuple[int, int, int, 
     min_tile = 16 if gpu else 1
     if gpu and bk < 16:
         raise ValueError(f"block_k must be >= 16 on GPU, got {bk}")
-    hp = max(next_pow2(h), min_tile)
+    hp = max(next_power_of_two(h), min_tile)
     bh = min(int(block_h or (GPU_BLOCK_H if gpu else hp)), hp)
     if bh < min_tile or bh & (bh - 1):
         raise ValueError(f"block_h must be a power of two >= {min_tile}, got {bh}")
-    return bk, bh, hp, max(next_pow2(c), min_tile)
+    return bk, bh, hp, max(next_power_of_two(c), min_tile)
 
 
 def _compressed_operands(mode, comp_kv, comp_len, comp_index, keys, b, t, bk, cp, committed_blocks):

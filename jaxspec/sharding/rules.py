@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from jaxspec.checks import positive_int
 from jaxspec.config import ModelConfig
 from jaxspec.ops.quant import BlockScaled
 
@@ -66,12 +67,6 @@ DEFAULT_MESH_SHAPES: dict[int, tuple[int, int, int]] = {
 MESH_AXIS_TYPES = (AxisType.Explicit, AxisType.Auto, AxisType.Auto)
 
 
-def positive_size(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
-
-
 def make_mesh(
     data: int = 1, tensor: int = 1, expert: int = 1, *, devices: Sequence[Any] | None = None
 ) -> jax.sharding.Mesh:
@@ -81,7 +76,7 @@ def make_mesh(
     Auto: parameters are placed by `NamedSharding`s and the model's einsums are partitioned by the
     compiler, so the layers carry no `out_sharding` annotations.
     """
-    shape = (positive_size("data", data), positive_size("tensor", tensor), positive_size("expert", expert))
+    shape = (positive_int("data", data), positive_int("tensor", tensor), positive_int("expert", expert))
     available = list(jax.devices() if devices is None else devices)
     need = math.prod(shape)
     if need > len(available):
@@ -95,7 +90,7 @@ def make_mesh(
 def default_mesh_shape(num_devices: int, cfg: ModelConfig | None = None) -> tuple[int, int, int]:
     """(data, tensor, expert) for `num_devices`: `DEFAULT_MESH_SHAPES` (all on "tensor"), adapted
     to `cfg` so tensor divides heads and o_groups (the rest goes to "expert", then "data")."""
-    n = positive_size("num_devices", num_devices)
+    n = positive_int("num_devices", num_devices)
     if cfg is None:
         if n in DEFAULT_MESH_SHAPES:
             return DEFAULT_MESH_SHAPES[n]
@@ -121,7 +116,7 @@ def mesh_shape(mesh: Any) -> dict[str, int]:
     unknown = sorted(set(shape) - set(MESH_AXES))
     if unknown:
         raise ValueError(f"mesh axes must be among {MESH_AXES}, got extra axes {unknown}")
-    return {a: positive_size(a, shape.get(a, 1)) for a in MESH_AXES}
+    return {a: positive_int(a, shape.get(a, 1)) for a in MESH_AXES}
 
 
 def check_mesh(mesh: Any) -> jax.sharding.Mesh:
@@ -162,7 +157,7 @@ def initialize_distributed(
     if (num_processes is None) != (process_id is None):
         raise ValueError("give both num_processes and process_id, or neither")
     if num_processes is not None and not (
-        isinstance(process_id, int) and 0 <= process_id < positive_size("num_processes", num_processes)
+        isinstance(process_id, int) and 0 <= process_id < positive_int("num_processes", num_processes)
     ):
         raise ValueError(f"process_id must be in [0, {num_processes}), got {process_id!r}")
     jax.distributed.initialize(

@@ -48,8 +48,3 @@ def verify_context(plan: TreePlan, committed: jax.Array) -> AttentionContext:
         ancestor_at_depth=plan.ancestor_at_depth,
         valid=jnp.ones((b, d), bool),
     )
-
-
-def completes_block(plan: TreePlan, ratio: int) -> jax.Array:
-    """[B, D] bool: nodes that close a compression block of `ratio` (they emit a branch-local entry)."""
-    return (plan.positions + 1) % ratio == 0

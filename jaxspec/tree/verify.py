@@ -56,18 +56,18 @@ def greedy_accept(
         found = jnp.any(match, axis=1) & alive
         nxt = jnp.argmax(match, axis=1).astype(jnp.int32)
         current = jnp.where(found, nxt, current)
-        path_mask = path_mask | ((nodes[None, :] == nxt[:, None]) & found[:, None])
-        num_accepted = num_accepted + found.astype(jnp.int32)
+        path_mask, num_accepted = _step_into(path_mask, num_accepted, path_nodes, current, found)
         alive = found
-        path_nodes.append(current)
     bonus = jnp.take_along_axis(target_choice, current[:, None], axis=1)[:, 0]
-    return Acceptance(
-        path_mask=path_mask,
-        num_accepted=num_accepted,
-        last_node=current,
-        bonus=bonus,
-        path_nodes=jnp.stack(path_nodes, axis=1),
-    )
+    return Acceptance(path_mask, num_accepted, current, bonus, jnp.stack(path_nodes, axis=1))
+
+
+def _step_into(path_mask, num_accepted, path_nodes, current, found):
+    """One step of an acceptance walk: where `found` [B], `current` [B] joins the path (mask [B, D],
+    its count, and `path_nodes`, a list the walk appends to: the node a row stopped at repeats)."""
+    at = jnp.arange(path_mask.shape[1])[None, :] == current[:, None]
+    path_nodes.append(current)
+    return path_mask | (at & found[:, None]), num_accepted + found.astype(jnp.int32)
 
 
 def node_keys(
@@ -202,7 +202,6 @@ def recursive_rejection_accept(
     keys: jax.Array,  # [B, D] typed keys, independent per (sequence, cycle, node)
     max_depth: int,
     topk: int,
-    update_residual: bool | jax.Array = True,  # False (tests only): the deliberately wrong rule, no residual
 ) -> Acceptance:
     """RSD-S: at the reached node try its children in sampling order, accepting x_i with probability
     min(1, p_i(x_i) / q_i(x_i)), where p_1, q_1 are the target and draft distributions there and each
@@ -233,26 +232,17 @@ def recursive_rejection_accept(
             for j in range(topk):
                 sibling = is_child & (rank == j)
                 child = jnp.argmax(sibling, axis=1).astype(jnp.int32)
-                ok, p_next, q_next = _residual_step(p, q, tokens[batch, child], coins[batch, child],
-                                                    alive & ~found & jnp.any(sibling, axis=1))
-                p, q = jnp.where(update_residual, p_next, p), jnp.where(update_residual, q_next, q)
+                ok, p, q = _residual_step(p, q, tokens[batch, child], coins[batch, child],
+                                          alive & ~found & jnp.any(sibling, axis=1))
                 nxt = jnp.where(ok, child, nxt)
                 found = found | ok
         bonus = jnp.where(alive & ~found, emit(p, current), bonus)
         if depth == max_depth:
             break
         current = nxt
-        path_mask = path_mask | ((nodes[None, :] == nxt[:, None]) & found[:, None])
-        num_accepted = num_accepted + found.astype(jnp.int32)
+        path_mask, num_accepted = _step_into(path_mask, num_accepted, path_nodes, current, found)
         alive = found
-        path_nodes.append(current)
-    return Acceptance(
-        path_mask=path_mask,
-        num_accepted=num_accepted,
-        last_node=current,
-        bonus=bonus,
-        path_nodes=jnp.stack(path_nodes, axis=1),
-    )
+    return Acceptance(path_mask, num_accepted, current, bonus, jnp.stack(path_nodes, axis=1))
 
 
 def residual_tree_accept(
