@@ -38,7 +38,7 @@ def export_cycle(shape, batch):
     params = jax.eval_shape(lambda: js.init_params(CFG, jax.random.key(0)))
     state, root, hidden = jax.eval_shape(lambda p, t, n: prefill_for_speculation(p, CFG, t, n, 128), params,
                                          S((batch, 16), jnp.int32), S((batch,), jnp.int32))
-    args = [params, CFG, js.SpecConfig.parse("s3_k2_d6"), state, root, hidden, S((batch,), jnp.bool_), False]
+    args = [params, CFG, js.SpecConfig.parse("s3_k2_d6"), state, root, hidden, S((batch,), jnp.bool_)]
     rules = check_rules(None)
     static = tuple(i for i, a in enumerate(args) if not runner.is_dynamic(a))
     program, _ = runner._build_program(speculative_cycle, mesh, rules, CFG, args, static, batch)

@@ -97,12 +97,12 @@ def _cycle_args(cfg, batch, spec, sampling):
     extra = ()
     if sampling:
         extra = (jax.eval_shape(lambda: Sampling.create(0.7, top_k=20)), S((batch,), I32))
-    return (params, cfg, js.SpecConfig.parse(spec), state, root, hidden, S((batch,), jnp.bool_), False, *extra)
+    return (params, cfg, js.SpecConfig.parse(spec), state, root, hidden, S((batch,), jnp.bool_), *extra)
 
 
 def _check_cycle(cfg, batch, spec="s3_k2_d6", sampling=False):
     args = _cycle_args(cfg, batch, spec, sampling)
-    text = export_for_cuda(speculative_cycle, *args, static_argnums=(1, 2, 7))
+    text = export_for_cuda(speculative_cycle, *args, static_argnums=(1, 2))
     calls = kernel_calls(text)
     assert any(n.startswith("tree_attention_") for n in calls), calls
     assert calls["chain_compress"] > 0, calls
