@@ -44,8 +44,9 @@ def check_chunk(chunk: Any) -> int:
 def prefill_chunk(cfg: ModelConfig) -> int:
     """Tokens per prefill chunk: `cfg.prefill_chunk` when set, else 4x the sliding window rounded up
     to a power of two and clamped to [256, 2048] (tiny: 256, V4-Flash / Pro: 512). Per token a chunk
-    reads W window keys, C chunk keys and the compressed entries; C ~ 4W keeps the chunk's own
-    quadratic share small while a chunk is long enough to amortise the loop step."""
+    reads the window ring, up to two query blocks of the chunk (`layers.banded`, linear in C) and
+    the compressed entries; 4W is long enough to amortise the loop step and to take the banded path
+    (more than two blocks of max(W, 64) rows) on V4's window of 128."""
     if cfg.prefill_chunk:
         return check_chunk(cfg.prefill_chunk)
     want = 1 << max(0, 4 * cfg.sliding_window - 1).bit_length()
