@@ -4,8 +4,9 @@
     python bench/prefill.py spec                  # tiny-v4 fp32: 7,168-token prompt + 64 tokens, greedy s3_k2_d6
     python bench/prefill.py long [TOKENS]         # random tiny, 131,072 positions: generate from a 65,536-token prompt
     python bench/prefill.py flops CHUNK S...      # XLA cost analysis, one-shot vs chunked, tiny fp32
-    python bench/prefill.py memory STATE:PROMPT:CHUNK ...   # XLA memory analysis of the prefill program, tiny
-    python bench/prefill.py equal tiny|v4-ratios CHUNK...   # chunked == one-shot at 1 .. 3000 tokens
+    python bench/prefill.py memory STATE:PROMPT:CHUNK[:dense] ...   # XLA memory analysis of the prefill, tiny
+    python bench/prefill.py equal tiny|v4-ratios CHUNK...   # chunked == one-shot at 1 .. 3000 tokens (-CHUNK: dense)
+    python bench/prefill.py equal-width v4-ratios WIDTH CHUNK...  # the same at hidden size WIDTH
 
 Run pinned: XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" taskset -c 1 ...
 """
@@ -25,7 +26,7 @@ import jaxspec as js
 from jaxspec import model, prefill
 from jaxspec.cli.common import as_float32
 from jaxspec.state import abstract_state, init_state
-from jaxspec.testing import randomize
+from jaxspec.testing import one_shot_greedy, randomize
 
 
 def _rss_gb() -> float:
@@ -105,46 +106,67 @@ def memory(*specs: str) -> None:
     from jaxspec.prefill_plan import prefill_memory
 
     cfg = js.ModelConfig.preset("tiny", max_position_embeddings=131072)
-    for spec_ in specs:
-        state, prompt, chunk = (int(x) for x in spec_.split(":"))
-        m = prefill_memory(cfg, 1, state, chunk, prompt=prompt)
-        print(json.dumps({"state": state, "prompt": prompt, "chunk": m.chunk, "temp_MB": m.temp_bytes / 2**20,
-                          "gflop_chunk": m.flops_per_chunk / 1e9}), flush=True)
+    for spec_ in specs:  # STATE:PROMPT:CHUNK, or STATE:PROMPT:CHUNK:dense for the dense reference path
+        state, prompt, chunk = (int(x) for x in spec_.split(":")[:3])
+        banded = not spec_.endswith(":dense")
+        m = prefill_memory(cfg, 1, state, chunk, prompt=prompt, banded=banded)
+        print(json.dumps({"state": state, "prompt": prompt, "chunk": m.chunk, "banded": banded,
+                          "temp_MB": m.temp_bytes / 2**20, "gflop_chunk": m.flops_per_chunk / 1e9}), flush=True)
 
 
-def equal(name: str, *chunks: int) -> None:
+def equal_config(name: str, width: int = 0) -> js.ModelConfig:
+    """tiny, or the 2-layer (CSA, HCA) config with V4-Flash's window 128, CSA 4 / HCA 128, top-512
+    (`v4-ratios`); width > 0: hidden size and q / o ranks scaled down to it (the ratios kept)."""
     cfg = js.ModelConfig.preset("tiny")
     if name == "v4-ratios":
         cfg = cfg.replace(num_layers=2, layer_types=("csa", "hca"), sliding_window=128, csa_ratio=4, hca_ratio=128,
                           index_topk=512, num_hash_layers=1)
+    if width:
+        cfg = cfg.replace(hidden_size=width, q_lora_rank=width // 2, o_lora_rank=width // 4,
+                          moe_intermediate_size=width)
+    return cfg
+
+
+def equal(name: str, *chunks: int, width: int = 0, new_tokens: int = 16) -> None:
+    """Logits of rows of 1 .. 3000 tokens, chunked (banded where the chunk is > 2 blocks, dense at
+    the chunks given as -CHUNK), against the one-shot dense prefill of the 3000-token row; then the
+    greedy continuation of the 1000- and 3000-token prompts by `generate` (chunked) against
+    `testing.one_shot_greedy` (one dense extend of the whole prompt, then decode steps)."""
+    cfg = equal_config(name, width)
     params = randomize(js.init_params(cfg, jax.random.key(0)), jax.random.key(1))
     lengths = [1, 31, 32, 33, 127, 128, 129, 1000, 3000]
     seq = np.random.default_rng(0).integers(0, cfg.vocab_size, 3000).astype(np.int32)
+    t0 = time.perf_counter()
     ref = np.asarray(model.one_shot_logits(params, cfg, jnp.asarray(seq[None])))[0]  # causal: prefixes are rows
+    res: dict = {"config": name, "width": cfg.hidden_size, "one_shot_s": time.perf_counter() - t0,
+                 "maxrss_gb_after_one_shot": _rss_gb()}
     tokens, lens = jnp.asarray(np.tile(seq, (len(lengths), 1))), jnp.asarray(lengths, jnp.int32)
-    res: dict = {"config": name}
     for chunk in chunks:
-        c = cfg.replace(prefill_chunk=chunk)
-        run = jax.jit(lambda p, t, n, c=c: prefill.chunked_prefill(p, c, init_state(c, len(lengths), 3000), t, n,
-                                                                   all_logits=True)[0].logits)
+        c = cfg.replace(prefill_chunk=abs(chunk))
+        run = jax.jit(lambda p, t, n, c=c, b=chunk > 0: prefill.chunked_prefill(
+            p, c, init_state(c, len(lengths), 3000), t, n, all_logits=True, banded=b)[0].logits)
         got = np.asarray(run(params, tokens, lens))
         res[f"chunk{chunk}"] = {n: float(np.max(np.abs(got[i, :n] - ref[:n])) / np.max(np.abs(ref[:n])))
                                 for i, n in enumerate(lengths)}
-    print(json.dumps(res), flush=True)  # before the one-shot generate, the run's memory peak
-    prompt = [seq.tolist()]
-    want = js.generate(params, cfg.replace(prefill_chunk=4096), prompt, max_new_tokens=16).tokens  # one chunk
-    got = js.generate(params, cfg.replace(prefill_chunk=128), prompt, max_new_tokens=16).tokens
-    res["greedy_3000_identical"] = bool(np.array_equal(want, got))
-    ragged = js.generate(params, cfg.replace(prefill_chunk=128), [seq[:n].tolist() for n in lengths],
-                         max_new_tokens=16).tokens
+        print(json.dumps(res), flush=True)
     first = ref[np.array(lengths) - 1].argmax(-1)  # one-shot argmax at each row's last position
+    ragged = js.generate(params, cfg, [seq[:n].tolist() for n in lengths], max_new_tokens=1).tokens
     res["ragged_first_tokens_match_one_shot"] = bool(np.array_equal(ragged[:, 0], first))
-    print(json.dumps(res))
+    del ref
+    for n in (1000, 3000):
+        want = one_shot_greedy(params, cfg, seq[:n], new_tokens)
+        for chunk in sorted({abs(c) for c in chunks}):
+            got = js.generate(params, cfg.replace(prefill_chunk=chunk), [seq[:n].tolist()],
+                              max_new_tokens=new_tokens).tokens[0]
+            res[f"greedy_{n}_chunk{chunk}_identical"] = bool(np.array_equal(want, got))
+        print(json.dumps({**res, "maxrss_gb": _rss_gb()}), flush=True)
 
 
 if __name__ == "__main__":
     mode, rest = sys.argv[1], sys.argv[2:]
     if mode in ("memory", "equal"):
         {"memory": memory, "equal": lambda n, *c: equal(n, *map(int, c))}[mode](*rest)
+    elif mode == "equal-width":  # equal-width NAME WIDTH CHUNK...: the same check at a smaller hidden size
+        equal(rest[0], *map(int, rest[2:]), width=int(rest[1]))
     else:
         {"time": time_prefill, "spec": spec, "long": long, "flops": flops}[mode](*map(int, rest))

@@ -17,6 +17,7 @@ from flax import struct
 from jaxspec import state as state_lib
 from jaxspec.config import ModelConfig
 from jaxspec.layers.attention import AttentionContext, AttentionParams, AttentionRows, attention, init_attention
+from jaxspec.layers.banded import band_block
 from jaxspec.layers.mhc import (
     HyperConnParams,
     HyperHeadParams,
@@ -151,11 +152,17 @@ def block(
     return hc_post(ffn_out, streams, post, comb), rows
 
 
-def causal_context(committed: jax.Array, valid: jax.Array) -> AttentionContext:
-    """Context for a chain of new tokens at positions P, P+1, ... (prefill / extend / decode)."""
+def causal_context(committed: jax.Array, valid: jax.Array, band: int = 0) -> AttentionContext:
+    """Context for a chain of new tokens at positions P, P+1, ... (prefill / extend / decode).
+
+    band > 0 (`layers.banded.band_block`; `valid` a prefix of each row): the layers read the chain
+    block by block and no [T, T] visibility or ancestor table is built."""
     b, t = valid.shape
     index = jnp.arange(t, dtype=jnp.int32)
     positions = committed[:, None] + index[None, :]
+    if band:
+        return AttentionContext(positions=positions, committed=committed, visible=None, ancestor_at_depth=None,
+                                valid=valid, band=band)
     visible = (index[None, :] <= index[:, None])[None] & valid[:, None, :]
     ancestor = jnp.broadcast_to(index[None, None, :], (b, t, t))
     return AttentionContext(
@@ -209,9 +216,12 @@ def extend(
     state: DecodeState,
     tokens: jax.Array,  # [B, T] int32, left-aligned
     valid: jax.Array,  # [B, T] bool (ragged chunks: a prefix of each row is valid)
+    banded: bool = True,
 ) -> tuple[ForwardOutput, DecodeState]:
-    """Append a chunk of tokens to every sequence: forward, then commit every valid token."""
-    ctx = causal_context(state.length, valid)
+    """Append a chunk of tokens to every sequence: forward, then commit every valid token.
+
+    banded: read a long chunk block by block (`layers.banded`; False: the dense [T, T] reference)."""
+    ctx = causal_context(state.length, valid, band_block(cfg, tokens.shape[1]) if banded else 0)
     out = forward(params, cfg, state, tokens, ctx)
     return out, state_lib.commit(cfg, state, out.rows, ctx.positions, valid)
 
@@ -261,5 +271,5 @@ def jitted_one_shot_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Ar
     """`one_shot_logits` without the input checks (tokens [B, S] int32), for cost analyses that lower it."""
     b, s = tokens.shape
     state = state_lib.init_state(cfg, b, s)
-    out, _ = extend(params, cfg, state, tokens, jnp.ones((b, s), bool))
+    out, _ = extend(params, cfg, state, tokens, jnp.ones((b, s), bool), banded=False)  # the dense reference
     return out.logits

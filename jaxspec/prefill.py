@@ -25,6 +25,7 @@ from flax import struct
 from jaxspec import state as state_lib
 from jaxspec.checks import is_power_of_two
 from jaxspec.config import ModelConfig
+from jaxspec.layers.banded import band_block
 from jaxspec.model import ModelParams, causal_context, check_logits_inputs, extend, mtp_forward
 from jaxspec.programs import bounded_jit
 from jaxspec.sampling import Sampling, sample_tokens
@@ -43,8 +44,9 @@ def check_chunk(chunk: Any) -> int:
 def prefill_chunk(cfg: ModelConfig) -> int:
     """Tokens per prefill chunk: `cfg.prefill_chunk` when set, else 4x the sliding window rounded up
     to a power of two and clamped to [256, 2048] (tiny: 256, V4-Flash / Pro: 512). Per token a chunk
-    reads W window keys, C chunk keys and the compressed entries; C ~ 4W keeps the chunk's own
-    quadratic share small while a chunk is long enough to amortise the loop step."""
+    reads the window ring, up to two query blocks of the chunk (`layers.banded`, linear in C) and
+    the compressed entries; 4W is long enough to amortise the loop step and to take the banded path
+    (more than two blocks of max(W, 64) rows) on V4's window of 128."""
     if cfg.prefill_chunk:
         return check_chunk(cfg.prefill_chunk)
     want = 1 << max(0, 4 * cfg.sliding_window - 1).bit_length()
@@ -75,11 +77,14 @@ def chunked_prefill(
     chunk: int | None = None,
     mtp: bool = False,
     all_logits: bool = False,
+    banded: bool = True,
 ) -> tuple[PrefillOutput, state_lib.DecodeState]:
     """Append each row's prompt to `state` chunk by chunk (traceable; call it inside a jit).
 
     mtp: also fill the MTP ring over the prompt (position i consumes (H_i, token i+1), i < P-1), as
     `speculative_generate` needs. all_logits: keep the logits of every position ([B, S, V]).
+    banded: a chunk longer than two query blocks reads its own keys block by block (`layers.banded`,
+    linear in the chunk); False: the dense [chunk, chunk] reference.
     """
     b, s = tokens.shape
     if s > state.max_len:
@@ -103,7 +108,7 @@ def chunked_prefill(
         start = step * c
         chunk_tokens = jax.lax.dynamic_slice_in_dim(padded, start, c, axis=1)  # [B, C]
         valid = (start + index)[None, :] < lengths[:, None]
-        out, state = extend(params, cfg, state, chunk_tokens, valid)
+        out, state = extend(params, cfg, state, chunk_tokens, valid, banded=banded)
         last = lengths - 1 - start  # [B] index of the row's last prompt token in this chunk
         here = (last >= 0) & (last < c)
         at = jnp.clip(last, 0, c - 1)
@@ -116,7 +121,7 @@ def chunked_prefill(
         if mtp:
             next_tokens = jax.lax.dynamic_slice_in_dim(padded, start + 1, c, axis=1)
             mtp_valid = (start + index)[None, :] < (lengths - 1)[:, None]
-            ctx = causal_context(state.mtp_length, mtp_valid)
+            ctx = causal_context(state.mtp_length, mtp_valid, band_block(cfg, c) if banded else 0)
             _, _, rows = mtp_forward(params, cfg, state, out.hidden, next_tokens, ctx)
             state = state_lib.commit_mtp(cfg, state, rows, ctx.positions, mtp_valid)
         return step + 1, constrain_state(state), acc

@@ -45,9 +45,9 @@ class PrefillMemory:
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
 
-def _prefill_fn(cfg: ModelConfig):
+def _prefill_fn(cfg: ModelConfig, banded: bool):
     def run(params, state, tokens, lengths):
-        out, state = prefill.chunked_prefill(params, cfg, state, tokens, lengths)
+        out, state = prefill.chunked_prefill(params, cfg, state, tokens, lengths, banded=banded)
         return out.last_logits, state
 
     return run
@@ -63,10 +63,12 @@ def prefill_memory(
     weights: str = "plain",
     experts: str = "fp4",
     prompt: int | None = None,
+    banded: bool = True,
 ) -> PrefillMemory:
     """Per-device memory of prefilling `batch` prompts of `context` tokens into a state of `context`
     positions, `chunk` tokens at a time (default `prefill.prefill_chunk(cfg)`), on `mesh` or one device.
-    `prompt`: the prompt width when shorter than the state (default `context`).
+    `prompt`: the prompt width when shorter than the state (default `context`). `banded` False: the
+    dense [chunk, chunk] reference path (`prefill.chunked_prefill`).
 
     On CPU a bf16 config is compiled as its float32 twin (see below): then only `temp_bytes` and
     `flops_per_chunk` speak for the model; its parameter and state bytes are `memory_plan`'s."""
@@ -89,7 +91,7 @@ def prefill_memory(
     state = abstract_state(cfg, batch, context)
     tokens = jax.ShapeDtypeStruct((batch, prompt), jnp.int32)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    fn = _prefill_fn(cfg)
+    fn = _prefill_fn(cfg, banded)
     if mesh is None:
         compiled = jax.jit(fn, donate_argnums=(1,)).lower(params, state, tokens, lengths).compile()
     else:

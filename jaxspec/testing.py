@@ -3,10 +3,15 @@ every mechanism, and a draft that agrees with its target)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jaxspec import model as model_lib
 from jaxspec.model import ModelParams
+from jaxspec.state import init_state
 
 
 def randomize(params: ModelParams, key: jax.Array, scale: float = 0.05) -> ModelParams:
@@ -52,3 +57,17 @@ def high_acceptance(params: ModelParams, mix: float = 0.05) -> ModelParams:
         norm=params.norm * 30.0,
     )
     return params.replace(layers=tuple(damp(b) for b in params.layers), mtp=mtp)
+
+
+def one_shot_greedy(params: ModelParams, cfg: Any, prompt: Any, max_new_tokens: int) -> np.ndarray:
+    """Greedy continuation of one prompt by the one-shot program: the whole prompt in one dense
+    `extend` (no chunks, no bands), then one-token decode steps -> [max_new_tokens] int32. The
+    reference the chunked `generate` is held to."""
+    prompt = np.asarray(prompt, np.int32)[None]
+    step = jax.jit(lambda p, st, t: model_lib.extend(p, cfg, st, t, jnp.ones(t.shape, bool), banded=False))
+    out, state = step(params, init_state(cfg, 1, prompt.shape[1] + max_new_tokens), jnp.asarray(prompt))
+    tokens = [int(jnp.argmax(out.logits[0, -1]))]
+    for _ in range(max_new_tokens - 1):
+        out, state = step(params, state, jnp.asarray([[tokens[-1]]], jnp.int32))
+        tokens.append(int(jnp.argmax(out.logits[0, -1])))
+    return np.asarray(tokens, np.int32)

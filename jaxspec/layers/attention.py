@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec.config import ModelConfig
+from jaxspec.layers.banded import attend_banded, chain_entry_ok, with_chain_entries
 from jaxspec.layers.compressor import CompressorParams, compressor_rows, init_compressor, pool_entries
 from jaxspec.layers.indexer import IndexerParams, index_queries, index_scores, init_indexer
 from jaxspec.ops import quant
@@ -54,14 +55,18 @@ class AttentionContext:
 
     positions: jax.Array  # [B, T] int32 absolute positions of the new tokens
     committed: jax.Array  # [B] int32 committed length P (positions < P are in the state)
-    visible: jax.Array  # [B, T, T] bool: new token i may read new token j (self included)
-    ancestor_at_depth: jax.Array  # [B, T, T] int32: index of i's chain element at position P + d
+    visible: jax.Array | None  # [B, T, T] bool: new token i may read new token j (self included)
+    ancestor_at_depth: jax.Array | None  # [B, T, T] int32: index of i's chain element at position P + d
     valid: jax.Array  # [B, T] bool: padding tokens are False
     # Window kv of uncommitted tokens computed by earlier calls (the draft's scratch): a new token
     # also reads prior key j where prior_visible[i, j]. Sliding-window layers only.
     prior_kv: jax.Array | None = None  # [B, X, c]
     prior_positions: jax.Array | None = None  # [B, X] int32
     prior_visible: jax.Array | None = None  # [B, T, X] bool
+    # Static: > 0 when the new tokens are one causal chain (positions P + row, a valid prefix per
+    # row) read through `layers.banded` in query blocks of this many rows; visible and
+    # ancestor_at_depth are then None (nothing [T, T] is built). 0: the dense path (`attend`).
+    band: int = struct.field(pytree_node=False, default=0)
 
 
 @struct.dataclass
@@ -169,6 +174,77 @@ def attend(
     return out
 
 
+def _entry_keys(
+    p: AttentionParams, cfg: ModelConfig, kind: str, x: jax.Array, q_latent: jax.Array, cos: jax.Array,
+    sin: jax.Array, layer_state: Any, ctx: AttentionContext, rows: AttentionRows, freqs: Any,
+) -> tuple[dict[str, Any], AttentionRows]:
+    """The compressed keys a compressed layer's new tokens read (`attend`'s / `attend_banded`'s
+    keyword arguments) and the rows they add to the commit's scratch."""
+    b, t = ctx.positions.shape
+    geo = cfg.geometry(kind)
+    ratio = geo.ratio
+    comp_kv_rows, comp_gate_rows = compressor_rows(p.compressor, x, ctx.positions, ratio)
+    entry = pool_entries(
+        p.compressor, cfg, ratio, geo.overlap, layer_state.comp_rows_kv, layer_state.comp_rows_gate,
+        comp_kv_rows, comp_gate_rows, ctx.positions, ctx.committed, ctx.ancestor_at_depth, freqs,
+    ).astype(rows.kv.dtype)
+    rows = rows.replace(comp_kv=comp_kv_rows, comp_gate=comp_gate_rows, comp_entry=entry)
+    emits = ((ctx.positions + 1) % ratio == 0) & ctx.valid  # [B, T]
+    cache = layer_state.comp_kv  # [B, Lc, c]
+    lc = cache.shape[1]
+    if ctx.band:  # one causal chain: its entries go where the commit puts them (layers/banded.py)
+        cache = with_chain_entries(cache, entry, ctx.positions, emits, ratio)
+        entry_ok = chain_entry_ok(ctx.positions, lc, ratio)  # [B, T, Lc]
+    else:
+        num_committed_entries = ctx.committed // ratio  # [B]
+        # A token reads the branch-local entries its own ancestors (and itself) emitted.
+        ancestor_entries = ctx.visible & emits[:, None, :]  # [B, T, T]
+    if not geo.indexed:
+        if ctx.band:
+            return dict(comp_kv=cache, comp_ok=entry_ok), rows
+        return dict(comp_kv=cache, tree_entries=entry, comp_len=num_committed_entries,
+                    tree_entry_mask=ancestor_entries), rows
+    ip = p.indexer
+    idx_kv_rows, idx_gate_rows = compressor_rows(ip.compressor, x, ctx.positions, ratio)
+    idx_entry = pool_entries(
+        ip.compressor, cfg, ratio, True, layer_state.idx_rows_kv, layer_state.idx_rows_gate,
+        idx_kv_rows, idx_gate_rows, ctx.positions, ctx.committed, ctx.ancestor_at_depth, freqs,
+    )
+    rows = rows.replace(idx_kv=idx_kv_rows, idx_gate=idx_gate_rows, idx_entry=idx_entry)
+    iq, iw = index_queries(ip, cfg, q_latent, x, cos, sin)
+    if ctx.band:  # the top-k over committed + chain entries, all in one (copied) index cache
+        index_keys = with_chain_entries(layer_state.idx_kv.astype(jnp.float32), idx_entry, ctx.positions, emits, ratio)
+        scores = jnp.where(entry_ok, index_scores(iq, iw, index_keys), -jnp.inf)  # [B, T, Lc]
+        top_scores, top_index = jax.lax.top_k(scores, min(cfg.index_topk, lc))
+        return dict(comp_kv=cache, comp_index=jnp.where(top_scores > -jnp.inf, top_index, -1)), rows
+    # The indexer picks the top-k of committed + branch-local entries per token.
+    index_keys = jnp.concatenate([layer_state.idx_kv.astype(jnp.float32), idx_entry], axis=1)
+    committed_ok = jnp.arange(lc)[None, :] < num_committed_entries[:, None]  # [B, Lc]
+    entry_ok = jnp.concatenate(
+        [jnp.broadcast_to(committed_ok[:, None, :], (b, t, lc)), ancestor_entries], axis=-1
+    )  # [B, T, Lc+T]
+    scores = jnp.where(entry_ok, index_scores(iq, iw, index_keys), -jnp.inf)
+    top_scores, top_index = jax.lax.top_k(scores, min(cfg.index_topk, lc + t))  # [B, T, k]
+    selected = top_scores > -jnp.inf
+    local = jnp.where(selected & (top_index >= lc), top_index - lc, -1)  # [B, T, k] picked new entries
+    return dict(
+        comp_kv=cache, tree_entries=entry, comp_index=jnp.where(selected & (top_index < lc), top_index, -1),
+        tree_entry_mask=_picked_mask(local, t),
+    ), rows
+
+
+def _picked_mask(local: jax.Array, t: int) -> jax.Array:
+    """[B, T, k] picked new-entry ids (-1: none) -> [B, T, T] bool: token i reads token j's entry."""
+    if t <= 64:  # a decode step or a tree: the compare is small ([B, T, k, T])
+        return jnp.any(local[..., None] == jnp.arange(t, dtype=local.dtype), axis=-2)
+    # A long dense chunk (the one-shot reference): [B, T, k, T] would be T*k*T bytes (4.6 GB at
+    # T = 3000, k = 512); the scatter builds the same mask in [B, T, T].
+    b, _, k = local.shape
+    rows = jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None]
+    hit = jnp.zeros((b, t, t + 1), bool).at[(*rows, jnp.where(local >= 0, local, t))].set(True)
+    return hit[..., :t]
+
+
 def attention(
     p: AttentionParams,
     cfg: ModelConfig,
@@ -179,8 +255,7 @@ def attention(
 ) -> tuple[jax.Array, AttentionRows]:
     b, t, _ = x.shape
     h, c = cfg.num_heads, cfg.head_dim
-    geo = cfg.geometry(kind)
-    compressed, ratio = geo.compressed, geo.ratio
+    compressed = cfg.geometry(kind).compressed
     freqs = inv_freq(cfg, compressed)
     cos, sin = rope_angles(ctx.positions, freqs)  # [B, T, r/2]
 
@@ -189,11 +264,20 @@ def attention(
     q = apply_rope(unweighted_rms_norm(q, cfg.rms_norm_eps), cos[:, :, None], sin[:, :, None])
     kv = apply_rope(rms_norm(quant.matmul(x, p.wkv), p.kv_norm, cfg.rms_norm_eps), cos, sin)  # [B, T, c]
     rows = AttentionRows(kv=kv)
+    keys: dict[str, Any] = {}
+    if compressed:
+        keys, rows = _entry_keys(p, cfg, kind, x, q_latent, cos, sin, layer_state, ctx, rows, freqs)
 
     # Window keys: the committed ring (last W positions) and the new tokens a token may see.
     window = cfg.sliding_window
     ring = layer_state.swa_kv
     ring_pos = ring_positions(ctx.committed, ring.shape[1])  # [B, W]
+    if ctx.band:
+        if ctx.prior_kv is not None:
+            raise ValueError("prior (scratch) keys are for the dense path only (band=0)")
+        out = attend_banded(q, ring, ring_pos, kv, ctx.valid, ctx.positions, p.sink, window=window,
+                            scale=c**-0.5, block=ctx.band, **keys)
+        return _output(p, cfg, out, cos, sin, x.dtype), rows
     new_kv, new_mask = kv, ctx.visible & (ctx.positions[:, None, :] > ctx.positions[:, :, None] - window)
     if ctx.prior_kv is not None:
         if compressed:
@@ -201,46 +285,6 @@ def attention(
         prior_mask = ctx.prior_visible & (ctx.prior_positions[:, None, :] > ctx.positions[:, :, None] - window)
         new_kv = jnp.concatenate([ctx.prior_kv.astype(kv.dtype), kv], axis=1)  # [B, X+T, c]
         new_mask = jnp.concatenate([prior_mask, new_mask], axis=-1)  # [B, T, X+T]
-    keys: dict[str, Any] = {}
-    if compressed:
-        comp_kv_rows, comp_gate_rows = compressor_rows(p.compressor, x, ctx.positions, ratio)
-        entry = pool_entries(
-            p.compressor, cfg, ratio, geo.overlap, layer_state.comp_rows_kv, layer_state.comp_rows_gate,
-            comp_kv_rows, comp_gate_rows, ctx.positions, ctx.committed, ctx.ancestor_at_depth, freqs,
-        ).astype(kv.dtype)
-        rows = rows.replace(comp_kv=comp_kv_rows, comp_gate=comp_gate_rows, comp_entry=entry)
-        emits = ((ctx.positions + 1) % ratio == 0) & ctx.valid  # [B, T]
-        cache = layer_state.comp_kv  # [B, Lc, c]
-        num_committed_entries = ctx.committed // ratio  # [B]
-        # A token reads the branch-local entries its own ancestors (and itself) emitted.
-        ancestor_entries = ctx.visible & emits[:, None, :]  # [B, T, T]
-        keys.update(comp_kv=cache, tree_entries=entry)
-        if not geo.indexed:
-            keys.update(comp_len=num_committed_entries, tree_entry_mask=ancestor_entries)
-        else:
-            ip = p.indexer
-            idx_kv_rows, idx_gate_rows = compressor_rows(ip.compressor, x, ctx.positions, ratio)
-            idx_entry = pool_entries(
-                ip.compressor, cfg, ratio, True, layer_state.idx_rows_kv, layer_state.idx_rows_gate,
-                idx_kv_rows, idx_gate_rows, ctx.positions, ctx.committed, ctx.ancestor_at_depth, freqs,
-            )
-            rows = rows.replace(idx_kv=idx_kv_rows, idx_gate=idx_gate_rows, idx_entry=idx_entry)
-            # The indexer picks the top-k of committed + branch-local entries per token.
-            lc = cache.shape[1]
-            index_keys = jnp.concatenate([layer_state.idx_kv.astype(jnp.float32), idx_entry], axis=1)
-            committed_ok = jnp.arange(lc)[None, :] < num_committed_entries[:, None]  # [B, Lc]
-            entry_ok = jnp.concatenate(
-                [jnp.broadcast_to(committed_ok[:, None, :], (b, t, lc)), ancestor_entries], axis=-1
-            )  # [B, T, Lc+T]
-            iq, iw = index_queries(ip, cfg, q_latent, x, cos, sin)
-            scores = jnp.where(entry_ok, index_scores(iq, iw, index_keys), -jnp.inf)
-            top_scores, top_index = jax.lax.top_k(scores, min(cfg.index_topk, lc + t))  # [B, T, k]
-            selected = top_scores > -jnp.inf
-            local = jnp.where(selected & (top_index >= lc), top_index - lc, -1)  # [B, T, k] picked new entries
-            keys.update(
-                comp_index=jnp.where(selected & (top_index < lc), top_index, -1),
-                tree_entry_mask=jnp.any(local[..., None] == jnp.arange(t, dtype=local.dtype), axis=-2),
-            )
 
     args = (q, ring, ring_pos, new_kv, new_mask, ctx.positions, p.sink)
     if cfg.attention_impl == "pallas":
@@ -251,9 +295,14 @@ def attention(
         out = kernel(*args, window=window, scale=c**-0.5, **keys)
     else:
         out = attend(*args, window=window, scale=c**-0.5, **keys)
-    out = apply_rope(out, cos[:, :, None], sin[:, :, None], inverse=True).astype(x.dtype)
+    return _output(p, cfg, out, cos, sin, x.dtype), rows
 
+
+def _output(p: AttentionParams, cfg: ModelConfig, out: jax.Array, cos: jax.Array, sin: jax.Array, dtype) -> jax.Array:
+    """[B, T, H, c] attention output -> [B, T, d]: inverse RoPE, grouped low-rank output projection."""
+    b, t, h, c = out.shape
+    out = apply_rope(out, cos[:, :, None], sin[:, :, None], inverse=True).astype(dtype)
     g = cfg.o_groups
     grouped = out.reshape(b, t, g, h * c // g)
     projected = quant.einsum("btgi,gio->btgo", grouped, p.wo_a).reshape(b, t, -1)
-    return quant.matmul(projected, p.wo_b), rows
+    return quant.matmul(projected, p.wo_b)

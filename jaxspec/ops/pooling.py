@@ -19,19 +19,21 @@ from jaxspec.ops.rope import apply_rope, rope_angles
 def source_indices(
     positions: jax.Array,  # [B, T] query positions
     committed: jax.Array,  # [B] committed length P
-    ancestor_at_depth: jax.Array,  # [B, T, T] new-token index of the chain element at P + depth
+    ancestor_at_depth: jax.Array | None,  # [B, T, T] new-token index of the chain element at P + depth
     num_sources: int,
     ring_size: int,
 ) -> tuple[jax.Array, jax.Array]:
     """Where the rows of positions pos-num_sources+1 .. pos live, per query.
 
     Index into concat(committed ring [ring_size], new rows [T]) -> ([B, T, S] int32, valid [B, T, S]).
+    ancestor_at_depth None: the new tokens are one causal chain (the element at P + depth is row depth).
     """
     offsets = jnp.arange(num_sources, dtype=jnp.int32) - (num_sources - 1)
     src_pos = positions[..., None] + offsets  # [B, T, S]
     p = committed[:, None, None]
-    depth = jnp.clip(src_pos - p, 0, ancestor_at_depth.shape[-1] - 1)
-    from_new = ring_size + jnp.take_along_axis(ancestor_at_depth, depth, axis=-1)
+    depth = jnp.clip(src_pos - p, 0, (positions if ancestor_at_depth is None else ancestor_at_depth).shape[-1] - 1)
+    chain = depth if ancestor_at_depth is None else jnp.take_along_axis(ancestor_at_depth, depth, axis=-1)
+    from_new = ring_size + chain
     from_ring = src_pos % ring_size
     index = jnp.where(src_pos >= p, from_new, from_ring)
     return index.astype(jnp.int32), src_pos >= 0
@@ -44,7 +46,7 @@ def pool_rows(
     new_gate: jax.Array,  # [B, T, coff*D]
     positions: jax.Array,  # [B, T]
     committed: jax.Array,  # [B]
-    ancestor_at_depth: jax.Array,  # [B, T, T]
+    ancestor_at_depth: jax.Array | None,  # [B, T, T]; None: one causal chain
     norm: jax.Array,  # [D] fp32 RMSNorm weight
     freqs,
     *,
