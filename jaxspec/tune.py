@@ -245,7 +245,11 @@ def _append_line(path: str | Path, line: str) -> None:
     """Append one JSON line; a line a killed run cut off (no newline) is closed first, so it does not
     swallow the record written after it."""
     path = Path(path)
-    cut_off = path.is_file() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
+    cut_off = False
+    if path.is_file() and path.stat().st_size > 0:
+        with open(path, "rb") as f:  # only the last byte: the file grows with every bucket
+            f.seek(-1, 2)
+            cut_off = f.read(1) != b"\n"
     with open(path, "a") as sink:
         sink.write(("\n" if cut_off else "") + line + "\n")
 
