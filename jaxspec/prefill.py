@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec import state as state_lib
-from jaxspec.checks import is_power_of_two
+from jaxspec.checks import is_power_of_two, next_power_of_two
 from jaxspec.config import ModelConfig
 from jaxspec.layers.banded import band_block
 from jaxspec.model import ModelParams, causal_context, check_logits_inputs, extend, mtp_forward
@@ -49,7 +49,7 @@ def prefill_chunk(cfg: ModelConfig) -> int:
     (more than two blocks of max(W, 64) rows) on V4's window of 128."""
     if cfg.prefill_chunk:
         return check_chunk(cfg.prefill_chunk)
-    want = 1 << max(0, 4 * cfg.sliding_window - 1).bit_length()
+    want = next_power_of_two(4 * cfg.sliding_window)
     return min(max(want, MIN_DEFAULT_CHUNK), MAX_DEFAULT_CHUNK)
 
 
@@ -57,7 +57,7 @@ def effective_chunk(cfg: ModelConfig, width: int, chunk: int | None = None) -> i
     """The chunk a prompt of `width` tokens runs with: never longer than the width's power of two
     (a 16-token prompt is not padded to 256)."""
     chunk = prefill_chunk(cfg) if chunk is None else check_chunk(chunk)
-    return min(chunk, 1 << max(0, int(width) - 1).bit_length())
+    return min(chunk, next_power_of_two(width))
 
 
 @struct.dataclass
