@@ -47,3 +47,22 @@ def test_sparse_experts_skip_assignments_held_elsewhere(test_params, test_cfg):
     for path in (gathered_experts, grouped_experts):
         assert _rel_err(path(held, cfg, x, local, weights), want) <= 1e-6, path.__name__
 
+
+
+@pytest.mark.parametrize("tokens, gathered", [(1, True), (6, True), (7, False), (8, False)])
+def test_cpu_path_gathers_up_to_one_and_a_half_assignments_per_expert(tokens, gathered):
+    """On the CPU the selected experts are gathered while N*k <= 1.5 E (8 experts, k = 2: up to 6
+    tokens) and every expert runs on every token beyond that; the rule is read off the lowered
+    program (a dot over the whole [E, d, I] stack only on the dense path)."""
+    from jaxspec.config import ModelConfig
+    from jaxspec.gpu_export import expert_stack_dots
+    from jaxspec.layers.moe import MLPParams
+
+    cfg = ModelConfig.preset("tiny")
+    e, d, i, k = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    assert (e, k) == (8, 2)
+    s = jax.ShapeDtypeStruct
+    experts = MLPParams(w1=s((e, d, i), jnp.float32), w3=s((e, d, i), jnp.float32), w2=s((e, i, d), jnp.float32))
+    args = (experts, s((tokens, d), jnp.float32), s((tokens, k), jnp.int32), s((tokens, k), jnp.float32))
+    text = jax.jit(lambda ex, x, idx, w: sparse_experts(ex, cfg, x, idx, w)).lower(*args).as_text()
+    assert bool(expert_stack_dots(text, e, d, i)) is not gathered

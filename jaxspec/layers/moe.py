@@ -189,13 +189,19 @@ def _kernel_experts_bwd(cfg, interpret, res, g):
 kernel_experts.defvjp(_kernel_experts_fwd, _kernel_experts_bwd)
 
 
+def gathers_on_cpu(assignments: int, num_experts: int) -> bool:
+    """The CPU's path for `assignments` (N*k) over `num_experts` held here: gathered while N*k <= 1.5 E,
+    else dense (measured by bench/experts_cpu.py, docs/results.md "Routed experts on the CPU")."""
+    return 2 * assignments <= 3 * num_experts
+
+
 def sparse_experts(
     experts: MLPParams, cfg: ModelConfig, x: jax.Array, indices: jax.Array, weights: jax.Array
 ) -> jax.Array:
     """The routed experts each token selected, and nothing else -> [N, d] fp32. Off CUDA the path is
-    chosen from the static sizes: the gathered path moves each selected expert's weights three times
-    (read, written as the gathered copy, read again), so while 3*N*k <= the experts held here it
-    moves less than reading every expert once; beyond that, a grouped matmul.
+    chosen from the static sizes (`gathers_on_cpu`): the gathered path copies each assignment's
+    weights, the dense one multiplies every token by every expert, and which costs less depends on
+    the assignments per expert (docs/results.md, "Routed experts on the CPU").
 
     Takes any slice of the experts (and of their hidden width) with indices relative to the slice,
     which is how `sharding.active.routed_experts` runs it per device before summing the outputs.
@@ -205,13 +211,13 @@ def sparse_experts(
     * CUDA: `kernel_experts`, the Pallas grouped matmul, at every size (it reads each selected
       expert once, where the gathered path moves it three times). XLA's GPU backend rewrites
       `ragged_dot` into every group on every row unless cuDNN's ragged-dot fusion is on.
-    * CPU: `dense_experts`. XLA's CPU backend also runs `ragged_dot` as every group on every row,
-      plus the sort and scatter around it (slower than every expert on every token; measured in
-      docs/results.md, "The engine"): the same result at the cost it would pay.
+    * CPU: `gathered_experts` or `dense_experts` as above (`gathers_on_cpu`). XLA's CPU backend
+      runs `ragged_dot` as every group on every row, plus the sort and scatter around it (slower
+      than every expert on every token; docs/results.md, "The engine").
     * elsewhere (TPU, ROCm): the CPU path. Every branch is traced whatever the platform, and
       `ragged_dot` has no sharding rule under an explicit mesh, so no branch may use it.
     """
-    gathered = 3 * indices.size <= experts.w1.shape[0]
+    gathered = gathers_on_cpu(indices.size, experts.w1.shape[0])
     args = (experts, x, indices, weights)
     return jax.lax.platform_dependent(
         *args,

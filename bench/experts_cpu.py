@@ -1,0 +1,101 @@
+"""The CPU's two routed-expert paths side by side: gathered (each assignment's weights copied, then
+contracted) vs dense (every expert on every token), at the token counts of a decode step and a
+tree verify, on every MoE layer of a model at once.
+
+    python bench/experts_cpu.py [--checkpoint PATH | --preset tiny] [--tokens 1 2 3 4 5 6 8 12 16]
+                                [--rounds 15] [--json PATH]
+
+One jitted function per (path, N) runs the routed experts of all layers in turn on N tokens (the
+router of each layer picks the experts; all layers' weights are read, as in a forward pass, so they
+do not sit in cache between calls). The functions are timed round-robin, `rounds` x 3 calls each,
+so a change in machine load hits both paths alike; the table gives the median ms per call and
+gathered / dense. `jaxspec.layers.moe.sparse_experts` picks the gathered path on the CPU while the
+assignments N*k are at most 1.5x the experts; this script is the measurement behind that rule.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _common import check_positive, console, machine_facts, machine_header, parser, write_json
+from rich.table import Table
+
+import jaxspec as js
+from jaxspec.layers.moe import dense_experts, gathered_experts, gathers_on_cpu, route
+
+PATHS = {"gathered": gathered_experts, "dense": dense_experts}
+
+
+def load(args) -> tuple[js.ModelConfig, Any]:
+    if args.checkpoint:
+        from jaxspec.cli.common import as_float32
+
+        cfg, params, _ = js.load_checkpoint(os.path.expanduser(args.checkpoint))
+        return as_float32(cfg, params) if jax.default_backend() == "cpu" else (cfg, params)
+    cfg = js.ModelConfig.preset(args.preset).replace(dtype="float32")
+    return cfg, js.init_params(cfg, jax.random.key(args.seed))
+
+
+def all_layers(cfg: js.ModelConfig, params, path):
+    """x [N, d], ids [N] -> the routed experts of every layer applied in turn (residual-style)."""
+    layers = [layer.ffn for layer in params.layers]
+
+    def run(layers, x, ids):
+        for ffn in layers:
+            indices, weights = route(ffn, cfg, x, ids)
+            x = x + 0.01 * path(ffn.experts, cfg, x, indices, weights).astype(x.dtype)
+        return x
+
+    return jax.jit(run), layers
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = parser(__doc__)
+    p.add_argument("--checkpoint", metavar="PATH", help="a trained checkpoint instead of --preset")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 8, 12, 16])
+    p.add_argument("--rounds", type=int, default=15)
+    args = p.parse_args(argv)
+    check_positive(p, args, ["tokens", "rounds"])
+    con, facts = console(), machine_facts()
+    con.print(machine_header(facts, "a GPU, which runs the grouped-matmul kernel at every size"))
+    cfg, params = load(args)
+    calls = {}
+    for name, path in PATHS.items():
+        fn, layers = all_layers(cfg, params, path)
+        for n in args.tokens:
+            x = jax.random.normal(jax.random.key(n), (n, cfg.hidden_size), jnp.float32)
+            ids = jax.random.randint(jax.random.key(n + 1), (n,), 0, cfg.vocab_size)
+            compiled = fn.lower(layers, x, ids).compile()
+            jax.block_until_ready(compiled(layers, x, ids))
+            calls[(name, n)] = (compiled, (layers, x, ids))
+    times: dict[tuple[str, int], list[float]] = {key: [] for key in calls}
+    for _ in range(args.rounds):
+        for key, (compiled, call_args) in calls.items():
+            for _ in range(3):
+                start = time.perf_counter()
+                jax.block_until_ready(compiled(*call_args))
+                times[key].append(time.perf_counter() - start)
+    k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
+    table = Table(title=f"routed experts of {len(params.layers)} layers, {e} experts, k = {k} (ms per call)")
+    for col in ("tokens N", "N*k / E", "gathered", "dense", "gathered / dense", "engine's CPU path"):
+        table.add_column(col, justify="right")
+    rows = []
+    for n in args.tokens:
+        g, d = (1e3 * float(np.median(times[(name, n)])) for name in PATHS)
+        chosen = "gathered" if gathers_on_cpu(n * k, e) else "dense"
+        rows.append({"tokens": n, "gathered_ms": g, "dense_ms": d, "engine_path": chosen})
+        table.add_row(str(n), f"{n * k / e:.2f}", f"{g:.3f}", f"{d:.3f}", f"{g / d:.2f}", chosen)
+    con.print(table)
+    result = {"facts": facts, "checkpoint": args.checkpoint, "preset": None if args.checkpoint else args.preset,
+              "rounds": args.rounds, "rows": rows}
+    write_json(args.json, result, con)
+    return result
+
+
+if __name__ == "__main__":
+    main()
