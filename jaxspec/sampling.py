@@ -61,23 +61,33 @@ def processed_logprobs(
     top_k: jax.Array,  # [] int, 0 = off
     top_p: jax.Array,  # [] float, 1 = off
 ) -> jax.Array:
-    """Log-probabilities of the distribution actually sampled from (temperature, top-k, top-p)."""
-    vocab = logits.shape[-1]
+    """Log-probabilities of the distribution actually sampled from (temperature, top-k, top-p).
+
+    The truncation runs only when top-k or top-p is on (a `lax.cond` on the traced settings): its
+    vocabulary sort is the most expensive op of a sampled batch-1 cycle on a CPU, and with both off
+    it would keep every token anyway."""
     scaled = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
+    truncates = (top_k > 0) | (top_p < 1.0)
+    scaled = jax.lax.cond(truncates, _truncated, lambda s, k, p: s, scaled, top_k, top_p)
+    return jax.nn.log_softmax(scaled, axis=-1)
+
+
+def _truncated(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:  # scaled: [..., V]
+    """Top-k, then top-p over what top-k left; the tokens cut are -inf."""
+    vocab = scaled.shape[-1]
     descending = -jnp.sort(-scaled, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     kth = jnp.take(descending, k - 1, axis=-1)[..., None]
     scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
-    # top-p over what top-k left: keep the smallest prefix of the sorted distribution whose mass
-    # reaches top_p (the token that crosses the threshold is kept).
+    # top-p: keep the smallest prefix of the sorted distribution whose mass reaches top_p (the
+    # token that crosses the threshold is kept).
     descending = jnp.where(jnp.arange(vocab) < k, descending, -jnp.inf)
     sorted_probs = jax.nn.softmax(descending, axis=-1)
     mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
     keep_sorted = mass_before < top_p
     # the smallest kept logit is the cut-off value
     cutoff = jnp.min(jnp.where(keep_sorted, descending, jnp.inf), axis=-1, keepdims=True)
-    scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
-    return jax.nn.log_softmax(scaled, axis=-1)
+    return jnp.where(scaled < cutoff, -jnp.inf, scaled)
 
 
 def sample_tokens(
