@@ -25,6 +25,7 @@ from jaxspec.state import DecodeState
 from jaxspec.tree.commit import commit_accepted_path
 from jaxspec.tree.draft import Tree, draft_tree, prune_to_budget
 from jaxspec.tree.plan import TreePlan, build_plan, verify_context
+from jaxspec.tree.values import Calibration
 from jaxspec.tree.verify import tree_accept
 
 STAGES = ("draft", "plan", "verify", "accept")
@@ -40,11 +41,13 @@ def ar_step(params: ModelParams, cfg: ModelConfig, state: DecodeState, last: jax
     return state, jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32)
 
 
-@functools.partial(bounded_jit, static_argnums=(1, 2))
+@functools.partial(bounded_jit, static_argnums=(1, 2, 6))
 def draft(params: ModelParams, cfg: ModelConfig, spec: SpecConfig, state: DecodeState, root: jax.Array,
-          last_hidden: jax.Array) -> Tree:
-    """draft_tree + prune_to_budget: root [B], last_hidden [B, hc, d] -> the D-node tree."""
-    return prune_to_budget(draft_tree(params, cfg, spec, state, root, last_hidden), root, spec.num_draft_tokens)
+          last_hidden: jax.Array, values: Calibration | None = None) -> Tree:
+    """draft_tree + prune_to_budget: root [B], last_hidden [B, hc, d] -> the D-node tree, ranked by
+    `values` (None: raw draft log-probs; `tree.values.resolve_scores` gives what the loop uses)."""
+    pool = draft_tree(params, cfg, spec, state, root, last_hidden, values=values)
+    return prune_to_budget(pool, root, spec.num_draft_tokens)
 
 
 @functools.partial(bounded_jit, static_argnums=(0,))
@@ -67,12 +70,13 @@ def accept(params: ModelParams, cfg: ModelConfig, spec: SpecConfig, state: Decod
     return commit_accepted_path(params, cfg, state, tree.tokens, verify_out, acc, last_hidden, active)
 
 
-@functools.partial(bounded_jit, static_argnums=(1, 2), donate_argnums=(3,))
+@functools.partial(bounded_jit, static_argnums=(1, 2, 6), donate_argnums=(3,))
 def cycle(params: ModelParams, cfg: ModelConfig, spec: SpecConfig, state: DecodeState, root: jax.Array,
-          last_hidden: jax.Array):
-    """One whole greedy cycle (state donated, as in the loop): -> (state, bonus, last_hidden, accepted [B])."""
+          last_hidden: jax.Array, values: Calibration | None = None):
+    """One whole greedy cycle (state donated, as in the loop), ranked by `values` as `draft`:
+    -> (state, bonus, last_hidden, accepted [B])."""
     active = jnp.ones(root.shape, bool)
-    state, last_hidden, _, acc = speculative_cycle(params, cfg, spec, state, root, last_hidden, active)
+    state, last_hidden, _, acc = speculative_cycle(params, cfg, spec, state, root, last_hidden, active, values=values)
     return state, acc.bonus, last_hidden, acc.num_accepted
 
 

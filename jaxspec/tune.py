@@ -39,6 +39,7 @@ from jaxspec.eval import measure_rank_acceptance
 from jaxspec.generate import batch_bucket, length_bucket, prepare_prompts
 from jaxspec.model import ModelParams, check_params
 from jaxspec.tree.budget import expected_tokens_per_cycle
+from jaxspec.tree.values import resolve_scores
 from jaxspec.tuning import NO_SPECULATION, Tuning
 
 ESTIMATORS = ("sequoia", "measured")
@@ -214,12 +215,15 @@ def _measure_bucket(params, cfg, specs, prompts, b, width, max_len, cycles, desc
     advance()
     for spec in specs:
         describe(f"b={b} {spec.name}")
+        # ranked as speculative_generate ranks it: by the checkpoint's calibration where it has one
+        spec, values = resolve_scores(params, cfg, spec)
         _, draft_seconds, _ = stages.median_seconds(
-            lambda c, spec=spec, s=start_state, r=root0, h=hidden0: stages.draft(params, cfg, spec, s, r, h),
+            lambda c, spec=spec, s=start_state, r=root0, h=hidden0, v=values: stages.draft(params, cfg, spec, s, r, h,
+                                                                                          v),
             None, cycles,
         )
         _, cycle_seconds, seen = stages.median_seconds(
-            lambda c, spec=spec: stages.cycle(params, cfg, spec, c[0], c[1], c[2]),
+            lambda c, spec=spec, v=values: stages.cycle(params, cfg, spec, c[0], c[1], c[2], v),
             (start_state, root0, hidden0, jnp.zeros_like(root0)), cycles,
         )
         per_row = np.stack([np.asarray(c[3]) for c in seen])  # [cycles, b] accepted drafts

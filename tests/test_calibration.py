@@ -13,6 +13,7 @@ import pytest
 from test_sampling import ALPHA, check_end_to_end
 
 import jaxspec as js
+from jaxspec import stages
 from jaxspec.calibration import calibration_errors, collect, draft_chain_topk, fit
 from jaxspec.checkpoint import load_checkpoint, save_checkpoint
 from jaxspec.cli import main
@@ -135,6 +136,11 @@ def test_calibrated_values_change_the_tree(calibration, test_params, test_cfg):
     raw = draft_jit(params, cfg, spec, state, root, hidden)
     cal = draft_jit(params, cfg, spec, state, root, hidden, calibration)
     assert not np.array_equal(np.asarray(raw.parent), np.asarray(cal.parent))
+    # the timed stage (what `jaxspec tune` measures) drafts the same trees for the same values
+    for values, want in ((None, raw), (calibration, cal)):
+        got = stages.draft(params, cfg, spec, state, root, hidden, values)
+        assert np.array_equal(np.asarray(got.parent), np.asarray(want.parent))
+        assert np.array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     def depth(tree):
         return int(np.asarray(build_plan(tree.parent, state.length, 5).depth).max())
 
