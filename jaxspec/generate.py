@@ -28,8 +28,8 @@ from jaxspec.sharding.rules import check_mesh
 from jaxspec.tree.commit import commit_accepted_path
 from jaxspec.tree.plan import build_plan, verify_context
 from jaxspec.tree.rules import accept_tree, choose_rule, draft_and_prune
-from jaxspec.tree.values import Calibration, resolve_scores
-from jaxspec.tuning import NO_SPECULATION, auto_spec
+from jaxspec.tree.values import Calibration, draft_fingerprint, resolve_scores
+from jaxspec.tuning import NO_SPECULATION, auto_spec, registered_tuning
 
 MAX_BATCH_BUCKET = 64
 
@@ -279,15 +279,19 @@ def speculative_generate(
     drafts, the default at temperature > 0) or "target" (top-K drafts), `jaxspec.tree.rules`.
 
     spec="auto" takes the spec `jaxspec tune` chose for this batch size from `tuning` (a `Tuning`,
-    its JSON file or the checkpoint folder holding it); where it chose no speculation this is
-    `generate`, and stats["spec"] says which ran. `spec.scores` and `calibration`: `resolve_scores`.
+    its JSON file or the checkpoint folder holding it; default: the tune.json `load_checkpoint`
+    found beside these params); where it chose no speculation this is `generate`, and
+    stats["spec"] says which ran. `spec.scores` and `calibration`: `resolve_scores`.
     """
     opts = DecodeOptions.create(cfg, max_new_tokens, temperature, top_k, top_p, eos_id, rng, mesh)
     check_params(params, cfg)
     rule = choose_rule(accept, float(opts.sampling.temperature))
     if isinstance(spec, str) and spec == "auto":
+        if tuning is None and params.mtp is not None:
+            tuning = registered_tuning(draft_fingerprint(params, cfg))  # load_checkpoint's tune.json
         if tuning is None:
-            raise ValueError('spec="auto" needs tuning= (a Tuning, or the folder `jaxspec tune` wrote tune.json to)')
+            raise ValueError('spec="auto" needs tuning= (a Tuning, or the folder `jaxspec tune` wrote tune.json to), '
+                             "or params from load_checkpoint of a folder holding tune.json")
         num_prompts = len(prompts) if isinstance(prompts, (list, tuple)) else int(np.shape(prompts)[0])
         spec = auto_spec(tuning, max(num_prompts, 1))
         if spec is None:

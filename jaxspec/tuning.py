@@ -81,6 +81,19 @@ def load_tuning(path: str | Path) -> Tuning:
     return Tuning.from_json(json.loads(path.read_text()))
 
 
+_LOADED: dict[str, Tuning] = {}  # draft fingerprint -> the tune.json loaded beside those params
+
+
+def register_tuning(fingerprint: str, tuning: Tuning) -> None:
+    """Make `tuning` what spec="auto" reads for params with this draft fingerprint
+    (`load_checkpoint` registers the tune.json it finds beside the params)."""
+    _LOADED[fingerprint] = tuning
+
+
+def registered_tuning(fingerprint: str) -> Tuning | None:
+    return _LOADED.get(fingerprint)
+
+
 def as_tuning(tuning: Tuning | str | Path) -> Tuning:
     if isinstance(tuning, Tuning):
         return tuning

@@ -190,3 +190,20 @@ def test_calibrate_resumes_from_the_buckets_it_finished(agreeing_params, test_cf
     assert tune_lib._signature(test_cfg, PROMPTS[:2], [js.SpecConfig.parse("s2_k2_d4")], 8, 1) != same
     assert tune_lib._signature(test_cfg, PROMPTS[:1], specs, 8, 1) != same
     assert tune_lib._finished_buckets(progress, same, [1, 2]).keys() == {1, 2}
+
+
+def test_load_checkpoint_registers_its_tune_json_for_spec_auto(tmp_path, agreeing_params, test_params, test_cfg):
+    """A checkpoint folder holding tune.json needs no tuning= for spec="auto"; other params still do."""
+    from jaxspec import tuning as tuning_lib
+    from jaxspec.checkpoint import load_checkpoint, save_checkpoint
+
+    save_checkpoint(tmp_path, test_cfg, agreeing_params)
+    Tuning((0.7, 0.1), {4: "s3_k2_d6"}, "sequoia", (), 32).save(tmp_path)
+    tuning_lib._LOADED.clear()
+    cfg, params, _ = load_checkpoint(tmp_path)
+    out = js.speculative_generate(params, cfg, PROMPTS, "auto", max_new_tokens=16)
+    assert out.stats["spec"] == "s3_k2_d6"
+    np.testing.assert_array_equal(out.tokens, js.generate(params, cfg, PROMPTS, max_new_tokens=16).tokens)
+    with pytest.raises(ValueError, match="tuning="):  # another draft: nothing registered for it
+        js.speculative_generate(test_params, test_cfg, PROMPTS, "auto", max_new_tokens=8)
+    tuning_lib._LOADED.clear()

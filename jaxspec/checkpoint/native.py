@@ -16,7 +16,8 @@ from jaxspec.config import ModelConfig
 from jaxspec.model import ModelParams, abstract_params
 from jaxspec.ops.quant import BlockScaled
 from jaxspec.placement import param_shardings, sharded_abstract
-from jaxspec.tree.values import CALIBRATION_FILE, load_calibration
+from jaxspec.tree.values import CALIBRATION_FILE, draft_fingerprint, load_calibration
+from jaxspec.tuning import TUNING_FILE, load_tuning, register_tuning
 
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
@@ -90,7 +91,8 @@ def load_checkpoint(
     path: str | os.PathLike, mesh: Any = None, rules: dict[str, Any] | None = None
 ) -> tuple[ModelConfig, ModelParams, Any]:
     """-> (cfg, params, tokenizer or None) from a folder written by `save_checkpoint`; its
-    calibration.json (`jaxspec calibrate`), if any, must be the draft's and becomes its default.
+    calibration.json (`jaxspec calibrate`), if any, must be the draft's and becomes its default;
+    its tune.json (`jaxspec tune`), if any, is what spec="auto" uses for these params.
 
     With `mesh` (see `jaxspec.make_mesh`) every leaf is restored straight into its parameter
     sharding (`placement.param_shardings(cfg, mesh, rules)`): each device reads only its slice.
@@ -141,6 +143,9 @@ def load_checkpoint(
     if os.path.isfile(os.path.join(path, CALIBRATION_FILE)) and params.mtp is not None:
         # checked against these params and registered: speculative_generate ranks by it by default
         load_calibration(os.path.join(path, CALIBRATION_FILE), params, cfg)
+    if os.path.isfile(os.path.join(path, TUNING_FILE)) and params.mtp is not None:
+        # what speculative_generate(spec="auto") reads for these params when no tuning= is given
+        register_tuning(draft_fingerprint(params, cfg), load_tuning(path))
     return cfg, params, tokenizer
 
 
