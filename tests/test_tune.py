@@ -207,3 +207,23 @@ def test_load_checkpoint_registers_its_tune_json_for_spec_auto(tmp_path, agreein
     with pytest.raises(ValueError, match="tuning="):  # another draft: nothing registered for it
         js.speculative_generate(test_params, test_cfg, PROMPTS, "auto", max_new_tokens=8)
     tuning_lib._LOADED.clear()
+
+
+def test_the_shipped_checkpoint_carries_its_tuning():
+    """checkpoints/tiny-v4/tune.json parses, covers the batch buckets it was measured for, and
+    load_checkpoint registers it for spec="auto"."""
+    from jaxspec import tuning as tuning_lib
+    from jaxspec.checkpoint import load_checkpoint
+    from jaxspec.tree.values import draft_fingerprint
+
+    if not os.path.isfile("checkpoints/tiny-v4/tune.json"):
+        pytest.skip("needs the shipped checkpoint")
+    shipped = load_tuning("checkpoints/tiny-v4")
+    assert sorted(shipped.choices) == [1, 4, 16, 64]
+    tuning_lib._LOADED.clear()
+    cfg, params, _ = load_checkpoint("checkpoints/tiny-v4")
+    assert tuning_lib.registered_tuning(draft_fingerprint(params, cfg)) == shipped
+    for b in (1, 3, 64, 200):  # every batch size maps to a bucket's choice
+        spec = shipped.spec_for(b)
+        assert spec is None or spec.validate_for(cfg) is None
+    tuning_lib._LOADED.clear()
