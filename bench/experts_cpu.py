@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     for n in args.tokens:
         g, d = (1e3 * float(np.median(times[(name, n)])) for name in PATHS)
-        chosen = "gathered" if gathers_on_cpu(n * k, e) else "dense"
+        chosen = "gathered" if gathers_on_cpu(n * k, e, k) else "dense"
         rows.append({"tokens": n, "gathered_ms": g, "dense_ms": d, "engine_path": chosen})
         table.add_row(str(n), f"{n * k / e:.2f}", f"{g:.3f}", f"{d:.3f}", f"{g / d:.2f}", chosen)
     con.print(table)

@@ -66,3 +66,10 @@ def test_cpu_path_gathers_up_to_one_and_a_half_assignments_per_expert(tokens, ga
     args = (experts, s((tokens, d), jnp.float32), s((tokens, k), jnp.int32), s((tokens, k), jnp.float32))
     text = jax.jit(lambda ex, x, idx, w: sparse_experts(ex, cfg, x, idx, w)).lower(*args).as_text()
     assert bool(expert_stack_dots(text, e, d, i)) is not gathered
+
+
+def test_cpu_path_is_dense_when_every_token_takes_every_expert():
+    from jaxspec.layers.moe import gathers_on_cpu
+
+    assert gathers_on_cpu(4, 4, 2) and not gathers_on_cpu(4, 4, 4)  # k = E: nothing to skip
+    assert gathers_on_cpu(12, 8, 2) and not gathers_on_cpu(14, 8, 2)  # the 1.5 E edge

@@ -189,10 +189,12 @@ def _kernel_experts_bwd(cfg, interpret, res, g):
 kernel_experts.defvjp(_kernel_experts_fwd, _kernel_experts_bwd)
 
 
-def gathers_on_cpu(assignments: int, num_experts: int) -> bool:
+def gathers_on_cpu(assignments: int, num_experts: int, top_k: int) -> bool:
     """The CPU's path for `assignments` (N*k) over `num_experts` held here: gathered while N*k <= 1.5 E,
-    else dense (measured by bench/experts_cpu.py, docs/results.md "Routed experts on the CPU")."""
-    return 2 * assignments <= 3 * num_experts
+    else dense (measured by bench/experts_cpu.py, docs/results.md "Routed experts on the CPU"); dense
+    also when each token takes every expert held here (k >= E): there is nothing to skip, and
+    the gathered copies would only add traffic."""
+    return top_k < num_experts and 2 * assignments <= 3 * num_experts
 
 
 def sparse_experts(
@@ -217,7 +219,7 @@ def sparse_experts(
     * elsewhere (TPU, ROCm): the CPU path. Every branch is traced whatever the platform, and
       `ragged_dot` has no sharding rule under an explicit mesh, so no branch may use it.
     """
-    gathered = gathers_on_cpu(indices.size, experts.w1.shape[0])
+    gathered = gathers_on_cpu(indices.size, experts.w1.shape[0], indices.shape[1])
     args = (experts, x, indices, weights)
     return jax.lax.platform_dependent(
         *args,
