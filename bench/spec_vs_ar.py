@@ -60,6 +60,7 @@ import jaxspec as js
 from jaxspec import stages as st
 from jaxspec.generate import compile_count, length_bucket, speculative_compile_count
 from jaxspec.testing import high_acceptance
+from jaxspec.tree.values import resolve_scores
 
 DEFAULT_PRESET = "tiny"
 DEFAULT_SPECS = ["s3_k1_d4", "s7_k1_d8", "s3_k2_d6", "s4_k2_d8"]
@@ -182,17 +183,19 @@ def _prefill(params, cfg, prompt_tokens, max_len):
 
 
 def _bench_one_spec(params, cfg, name: str, prompt_tokens, new_tokens: int, iters: int, fused: bool) -> dict:
-    spec = js.SpecConfig.parse(name)
+    # Ranked as the loop ranks: the checkpoint's calibration when it has one, else raw draft log-probs.
+    spec, values = resolve_scores(params, cfg, js.SpecConfig.parse(name))
     prompt_len = prompt_tokens.shape[1]
     max_len = length_bucket(prompt_len + new_tokens + spec.num_steps + 1, cfg.max_position_embeddings, minimum=64)
     state, root, last_hidden = _prefill(params, cfg, prompt_tokens, max_len)
-    timed = st.time_stages(params, cfg, spec, state, root, last_hidden, iters)
-    row: dict[str, Any] = {"spec": name, "max_len": max_len, **timed, "fused_cycle_ms": None}
+    timed = st.time_stages(params, cfg, spec, state, root, last_hidden, iters, values)
+    row: dict[str, Any] = {"spec": name, "scores": spec.scores, "max_len": max_len, **timed, "fused_cycle_ms": None}
     if fused:
         # Each call commits up to num_steps + 1 tokens of the carried state: as many calls as the cache holds.
         cycle_iters = max(1, min(iters, (max_len - prompt_len) // (spec.num_steps + 1) - 1))
         first, seconds, _ = st.median_seconds(
-            lambda c: st.cycle(params, cfg, spec, c[0], c[1], c[2])[:3], (state, root, last_hidden), cycle_iters)
+            lambda c: st.cycle(params, cfg, spec, c[0], c[1], c[2], values)[:3], (state, root, last_hidden),
+            cycle_iters)
         row["first_call_s"]["cycle"] = first
         row["fused_cycle_ms"] = 1e3 * seconds
         row["fused_cycle_iters"] = cycle_iters

@@ -102,15 +102,16 @@ def median_seconds(step: Callable[[Any], Any], carry: Any = None, iters: int = 1
 
 
 def time_stages(params: ModelParams, cfg: ModelConfig, spec: SpecConfig, state: DecodeState, root: jax.Array,
-                last_hidden: jax.Array, iters: int = 10) -> dict[str, Any]:
+                last_hidden: jax.Array, iters: int = 10, values: Calibration | None = None) -> dict[str, Any]:
     """Median milliseconds of each stage of one greedy cycle from (state, root, last_hidden), each
-    jitted alone on the previous stage's real output; also the first call (compile) seconds."""
+    jitted alone on the previous stage's real output; also the first call (compile) seconds. The
+    tree is ranked by `values`, as in `draft`."""
     active = jnp.ones(root.shape, bool)
-    tree = jax.block_until_ready(draft(params, cfg, spec, state, root, last_hidden))
+    tree = jax.block_until_ready(draft(params, cfg, spec, state, root, last_hidden, values))
     tree_plan = jax.block_until_ready(plan(spec, tree.parent, state.length))
     verify_out = jax.block_until_ready(verify(params, cfg, state, tree.tokens, tree_plan))
     calls = {
-        "draft": lambda _: draft(params, cfg, spec, state, root, last_hidden),
+        "draft": lambda _: draft(params, cfg, spec, state, root, last_hidden, values),
         "plan": lambda _: plan(spec, tree.parent, state.length),
         "verify": lambda _: verify(params, cfg, state, tree.tokens, tree_plan),
         "accept": lambda _: accept(params, cfg, spec, state, tree, verify_out, last_hidden, active),
