@@ -276,11 +276,19 @@ def check_end_to_end(params, cfg, spec, setting_name, seed=0, n=E2E_BATCH, accep
     return result | {"tau": out.stats["mean_accepted_length"]}
 
 
+def assert_samples_the_target(result):
+    """Every p-value of `check_end_to_end` above ALPHA / their number (Bonferroni): an exact sampler
+    then fails a case with probability <= ALPHA however many statistics it reads, where min(p) > ALPHA
+    failed one ~5% of the time (the long tier's s2_k4_d9 residual case at seed 0; docs/sampling.md)."""
+    p_values = {k: v for k, v in result.items() if k != "tau"}
+    assert min(p_values.values()) > ALPHA / len(p_values), result
+
+
 @pytest.mark.parametrize("which,spec,setting", E2E)
 def test_speculative_generate_samples_the_target(test_params, confident_params, test_cfg, which, spec, setting):
     # the default rule at T > 0 ("residual"); tests/test_rsd.py runs the target-only rule's grid (long)
     result = check_end_to_end(_params(which, test_params, confident_params), test_cfg, spec, setting)
-    assert min(v for k, v in result.items() if k != "tau") > ALPHA, result
+    assert_samples_the_target(result)
     if which == "confident":
         assert result["tau"] > 1.3, result  # tree paths were accepted
 
