@@ -27,13 +27,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 import test_sampling  # noqa: E402  (the suite's harness, so the case is exactly the test's)
 
 import jaxspec as js  # noqa: E402
-from jaxspec.testing import high_acceptance, randomize  # noqa: E402
+from jaxspec.testing import high_acceptance, randomize, sharpened  # noqa: E402
 
 
 def confident_params(cfg: js.ModelConfig):
-    """The suite's `confident_params` fixture (tests/conftest.py, tests/test_rsd.py)."""
-    params = high_acceptance(randomize(js.init_params(cfg, jax.random.key(0)), jax.random.key(1)))
-    return params.replace(norm=params.norm * 8.0)
+    """The suite's `confident_params` fixture (tests/conftest.py), built the same way."""
+    return sharpened(high_acceptance(randomize(js.init_params(cfg, jax.random.key(0)), jax.random.key(1))))
 
 
 def fisher_p(p_values: list[float]) -> float:

@@ -59,6 +59,13 @@ def high_acceptance(params: ModelParams, mix: float = 0.05) -> ModelParams:
     return params.replace(layers=tuple(damp(b) for b in params.layers), mtp=mtp)
 
 
+def sharpened(params: ModelParams, factor: float = 8.0) -> ModelParams:
+    """The target's logits scaled by `factor` (its final norm), the argmax kept: on `high_acceptance`
+    params, whose target is near uniform at temperature 1 (top token ~2%), sampled trees then get
+    accepted. The chi-square tests' `confident_params`."""
+    return params.replace(norm=params.norm * factor)
+
+
 def one_shot_greedy(params: ModelParams, cfg: Any, prompt: Any, max_new_tokens: int) -> np.ndarray:
     """Greedy continuation of one prompt by the one-shot program: the whole prompt in one dense
     `extend` (no chunks, no bands), then one-token decode steps -> [max_new_tokens] int32. The

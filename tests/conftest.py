@@ -7,7 +7,7 @@ import jax
 import pytest
 
 import jaxspec as js
-from jaxspec.testing import high_acceptance, randomize
+from jaxspec.testing import high_acceptance, randomize, sharpened
 
 # Modules whose tests start subprocesses of minutes (the 8-device worker, the 2-process cluster, the
 # CUDA lowering worker) or sample for minutes: first in the run, so under `-n 2 --dist loadfile`
@@ -75,3 +75,9 @@ def test_params(test_cfg):
 @pytest.fixture(scope="session")
 def agreeing_params(test_params):
     return high_acceptance(test_params)
+
+
+@pytest.fixture(scope="session")
+def confident_params(agreeing_params):
+    """agreeing_params with a sharper target (same argmax), so sampled trees get accepted."""
+    return sharpened(agreeing_params)

@@ -53,12 +53,6 @@ def synthetic_samples(n=6000, seed=0, depth_gain=0.0):
 
 
 @pytest.fixture(scope="module")
-def confident_params(agreeing_params):
-    """test_sampling's: a sharper target (same argmax), so sampled trees get accepted."""
-    return agreeing_params.replace(norm=agreeing_params.norm * 8.0)
-
-
-@pytest.fixture(scope="module")
 def calibration(agreeing_params, test_cfg):
     samples, _ = synthetic_samples()
     return fit({0.0: samples, 1.0: samples}, draft_fingerprint(agreeing_params, test_cfg))

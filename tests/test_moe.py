@@ -8,7 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.layers.moe import dense_experts, gathered_experts, grouped_experts, moe, route, sparse_experts
+from jaxspec.layers.moe import (
+    dense_experts,
+    gathered_experts,
+    gathers_on_cpu,
+    grouped_experts,
+    moe,
+    route,
+    sparse_experts,
+)
 
 
 def _rel_err(got, want):
@@ -69,7 +77,5 @@ def test_cpu_path_gathers_up_to_one_and_a_half_assignments_per_expert(tokens, ga
 
 
 def test_cpu_path_is_dense_when_every_token_takes_every_expert():
-    from jaxspec.layers.moe import gathers_on_cpu
-
     assert gathers_on_cpu(4, 4, 2) and not gathers_on_cpu(4, 4, 4)  # k = E: nothing to skip
     assert gathers_on_cpu(12, 8, 2) and not gathers_on_cpu(14, 8, 2)  # the 1.5 E edge

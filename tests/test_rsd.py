@@ -196,11 +196,6 @@ def test_values_keep_prefixes_and_reject_bad_tables(test_params, test_cfg):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def confident_params(agreeing_params):
-    return agreeing_params.replace(norm=agreeing_params.norm * 8.0)  # as test_sampling.py's
-
-
 FULL_E2E = [(s, t) for s in ("s3_k1_d4", "s3_k2_d6", "s2_k4_d9") for t in ("t0.5", "t1", "t1_p0.9")]
 
 

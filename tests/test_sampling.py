@@ -32,13 +32,6 @@ SPECS = ["s3_k1_d4", "s3_k2_d6", "s2_k4_d9"]  # chain, K = 2, K = 4
 ALPHA = 0.01
 
 
-@pytest.fixture(scope="session")
-def confident_params(agreeing_params):
-    """agreeing_params with a sharper target (same argmax). agreeing_params' target is near uniform
-    at temperature 1 (top token ~2%), so sampled trees would almost never be accepted."""
-    return agreeing_params.replace(norm=agreeing_params.norm * 8.0)
-
-
 def _params(which, test_params, confident_params):
     return test_params if which == "random" else confident_params
 

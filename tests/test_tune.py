@@ -216,8 +216,6 @@ def test_the_shipped_checkpoint_carries_its_tuning():
     from jaxspec.checkpoint import load_checkpoint
     from jaxspec.tree.values import draft_fingerprint
 
-    if not os.path.isfile("checkpoints/tiny-v4/tune.json"):
-        pytest.skip("needs the shipped checkpoint")
     shipped = load_tuning("checkpoints/tiny-v4")
     assert sorted(shipped.choices) == [1, 4, 16, 64]
     tuning_lib._LOADED.clear()
