@@ -424,12 +424,17 @@ class SpecConfig:
     linear chain); num_draft_tokens D: tokens the target verifies per cycle, root included.
     scores: what drafting and pruning rank candidates by (tree/values.py): "calibrated" node values,
     "draft" (raw draft log-probs), or "auto" (calibrated where the params have a calibration).
+    widths: width chosen per cycle (tree/widths.py): the compiled verify widths, ascending, the last
+    = D; each cycle verifies the nodes whose path value (P(the walk reaches them)) is at least
+    width_threshold, in the smallest width that holds them. () verifies all D every cycle.
     """
 
     num_steps: int
     topk: int
     num_draft_tokens: int
     scores: str = "auto"
+    widths: tuple[int, ...] = ()
+    width_threshold: float = 0.1
 
     def __post_init__(self):
         for name in ("num_steps", "topk", "num_draft_tokens"):
@@ -437,6 +442,13 @@ class SpecConfig:
         s, k, d = self.num_steps, self.topk, self.num_draft_tokens
         if self.scores not in SCORES:
             raise ValueError(f"scores must be one of {', '.join(SCORES)}, got {self.scores!r}")
+        widths = tuple(self.widths)
+        if widths and (any(not isinstance(w, int) or isinstance(w, bool) or w < 2 for w in widths)
+                       or list(widths) != sorted(set(widths)) or widths[-1] != d):
+            raise ValueError(f"widths must be ascending integers >= 2 ending at num_draft_tokens={d}, got {widths}")
+        object.__setattr__(self, "widths", widths)
+        if not 0.0 < self.width_threshold < 1.0:
+            raise ValueError(f"width_threshold must be in (0, 1), got {self.width_threshold}")
         if d < 2:
             raise ValueError(f"num_draft_tokens must be >= 2 (the root plus at least one draft), got {d}")
         if k == 1 and d != s + 1:
@@ -460,14 +472,19 @@ class SpecConfig:
 
     @property
     def name(self) -> str:
-        return f"s{self.num_steps}_k{self.topk}_d{self.num_draft_tokens}"
+        base = f"s{self.num_steps}_k{self.topk}_d{self.num_draft_tokens}"
+        return base + ("_w" + ".".join(str(w) for w in self.widths[:-1]) if len(self.widths) > 1 else "")
 
     @classmethod
     def parse(cls, name: str) -> SpecConfig:
-        match = re.fullmatch(r"s(\d+)_k(\d+)_d(\d+)", str(name).strip())
+        """'s15_k2_d16', or 's15_k2_d16_w4.8' for widths (4, 8, 16) chosen per cycle."""
+        match = re.fullmatch(r"s(\d+)_k(\d+)_d(\d+)(?:_w(\d+(?:\.\d+)*))?", str(name).strip())
         if not match:
-            raise ValueError(f"spec name must look like 's3_k2_d6' (steps, topk, draft tokens), got {name!r}")
-        return cls(*(int(g) for g in match.groups()))
+            raise ValueError(f"spec name must look like 's3_k2_d6' (steps, topk, draft tokens) or 's15_k2_d16_w4.8' "
+                             f"(per-cycle widths), got {name!r}")
+        s, k, d = (int(g) for g in match.groups()[:3])
+        widths = () if match.group(4) is None else (*(int(w) for w in match.group(4).split(".")), d)
+        return cls(s, k, d, widths=widths)
 
     def validate_for(self, cfg: ModelConfig) -> None:
         if self.num_steps >= cfg.sliding_window:

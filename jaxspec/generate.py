@@ -29,6 +29,7 @@ from jaxspec.tree.commit import commit_accepted_path
 from jaxspec.tree.plan import build_plan, verify_context
 from jaxspec.tree.rules import accept_tree, choose_rule, draft_and_prune
 from jaxspec.tree.values import CONTEXT_CAP, Calibration, context_bins, draft_fingerprint, resolve_scores
+from jaxspec.tree.widths import accepted_path, verify_in_width
 from jaxspec.tuning import NO_SPECULATION, auto_spec, registered_tuning
 
 MAX_BATCH_BUCKET = 64
@@ -319,15 +320,18 @@ def speculative_generate(
 def summarize_stats(per_sequence: dict[str, np.ndarray], spec: SpecConfig) -> dict[str, Any]:
     """Aggregate per-sequence counters (cycles, accepted, depth_hits, rank_hist) into tau, per-depth
     acceptance and the rank histogram; `stats["per_sequence"]` of an output feeds back in."""
-    per_sequence = {k: np.asarray(per_sequence[k]) for k in ("cycles", "accepted", "depth_hits", "rank_hist")}
+    keys = ("cycles", "accepted", "depth_hits", "rank_hist", *(("verified",) if "verified" in per_sequence else ()))
+    per_sequence = {k: np.asarray(per_sequence[k]) for k in keys}
     cycles = per_sequence["cycles"]
     total_cycles = int(cycles.sum())
     accepted = per_sequence["accepted"]
     denom = max(total_cycles, 1)
+    verified = per_sequence.get("verified")
     return {
         "spec": spec.name,
         "cycles": total_cycles,
         "mean_accepted_length": float((accepted.sum() + total_cycles) / denom),
+        "mean_verified": float(verified.sum() / denom) if verified is not None else float(spec.num_draft_tokens),
         "per_depth_acceptance": (per_sequence["depth_hits"].sum(0) / denom).tolist(),
         "rank_histogram": per_sequence["rank_hist"].sum(0).tolist(),
         "per_sequence": {
@@ -336,6 +340,7 @@ def summarize_stats(per_sequence: dict[str, np.ndarray], spec: SpecConfig) -> di
             "mean_accepted_length": ((accepted + cycles) / np.maximum(cycles, 1)).tolist(),
             "depth_hits": per_sequence["depth_hits"].tolist(),
             "rank_hist": per_sequence["rank_hist"].tolist(),
+            **({"verified": verified.tolist()} if verified is not None else {}),
         },
     }
 
@@ -430,6 +435,7 @@ def _speculative_loop(
     stats = {
         "cycles": jnp.zeros((bb,), jnp.int32),
         "accepted": jnp.zeros((bb,), jnp.int32),
+        "verified": jnp.zeros((bb,), jnp.int32),  # nodes verified (the cycle's width, summed)
         "depth_hits": jnp.zeros((bb, s_steps), jnp.int32),
         "rank_hist": jnp.zeros((bb, k), jnp.int32),
     }
@@ -440,18 +446,26 @@ def _speculative_loop(
     def body(carry):
         state, root, last_hidden, tokens, num_generated, done, stats = carry
         active = ~done
-        state, last_hidden, tree, acc = speculative_cycle(
-            params, cfg, spec, state, root, last_hidden, active, sampling=sampling, cycle=stats["cycles"],
-            accept=accept, values=values, context=loop_context(spec, values, stats),
-        )
+        context = loop_context(spec, values, stats)
+        if spec.widths:  # width chosen per cycle (tree/widths.py)
+            tree = draft_and_prune(params, cfg, spec, state, root, last_hidden, accept, sampling, stats["cycles"],
+                                   values=values, context=context)
+            state, last_hidden, path_tokens, ranks, num_accepted, bonus, verified = verify_in_width(
+                params, cfg, spec, state, last_hidden, active, tree, sampling, stats["cycles"])
+        else:
+            state, last_hidden, tree, acc = speculative_cycle(
+                params, cfg, spec, state, root, last_hidden, active, sampling=sampling, cycle=stats["cycles"],
+                accept=accept, values=values, context=context,
+            )
+            (path_tokens, ranks), num_accepted, bonus = accepted_path(tree, acc), acc.num_accepted, acc.bonus
+            verified = jnp.int32(spec.num_draft_tokens)
         # Emitted this cycle: the accepted drafts, then the bonus token.
-        path_tokens = jnp.take_along_axis(tree.tokens, acc.path_nodes, axis=1)  # [B, S+1]
         slot = jnp.arange(s_steps + 1)[None, :]
-        a = acc.num_accepted[:, None]
+        a = num_accepted[:, None]
         drafted = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((bb, 1), jnp.int32)], axis=1)
-        emitted = jnp.where(slot < a, drafted, jnp.where(slot == a, acc.bonus[:, None], pad_id))
+        emitted = jnp.where(slot < a, drafted, jnp.where(slot == a, bonus[:, None], pad_id))
         is_eos = (emitted == eos_id) & (slot <= a)
-        count = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1, acc.num_accepted + 1)
+        count = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1, num_accepted + 1)
         count = jnp.minimum(count, max_new_tokens - num_generated)
         count = jnp.where(active, count, 0)
         column = jnp.where(slot < count[:, None], num_generated[:, None] + slot, width)
@@ -459,16 +473,16 @@ def _speculative_loop(
         num_generated = num_generated + count
         done = done | jnp.any(is_eos & (slot < count[:, None]), axis=1) | (num_generated >= max_new_tokens)
         on = active.astype(jnp.int32)
-        ranks = jnp.take_along_axis(tree.rank, acc.path_nodes[:, 1:], axis=1)  # [B, S]
         hit = (jnp.arange(s_steps)[None, :] < a) & active[:, None]
         stats = {
             "cycles": stats["cycles"] + on,
-            "accepted": stats["accepted"] + acc.num_accepted * on,
+            "accepted": stats["accepted"] + num_accepted * on,
+            "verified": stats["verified"] + verified * on,
             "depth_hits": stats["depth_hits"] + hit.astype(jnp.int32),
             "rank_hist": stats["rank_hist"]
             + jnp.sum(jax.nn.one_hot(ranks, k, dtype=jnp.int32) * hit[..., None].astype(jnp.int32), axis=1),
         }
-        root = jnp.where(active, acc.bonus, root)
+        root = jnp.where(active, bonus, root)
         return state, root, last_hidden, tokens, num_generated, done, stats
 
     carry = (state, root, last_hidden, tokens, num_generated, done, stats)
