@@ -45,7 +45,9 @@ FORMAT = "jaxspec-calibration-v1"
 class ValueMap:
     """P(accepted | parent accepted) per (depth bin, rank bin, probability bin), flattened."""
 
-    mode: str  # "greedy" (feature: own draft prob) or "sampling" (feature: parent's top-1 draft prob)
+    # "greedy" (feature: own draft prob), "sampling" (feature: parent's top-1 draft prob), or "residual"
+    # (the recursive-rejection event of sampled drafts; feature: parent's processed top-1 draft prob)
+    mode: str
     temperature: float  # 0 for greedy
     table: tuple[float, ...]  # [depth bins, NUM_RANKS, prob bins] row-major
     counts: tuple[int, ...]  # samples behind each cell (same layout)
@@ -62,6 +64,7 @@ class Calibration:
     greedy: ValueMap
     sampling: tuple[ValueMap, ...]  # ascending temperature
     meta: tuple[tuple[str, str], ...] = ()  # provenance (datasets, prompts, spec, ...) as strings
+    residual: tuple[ValueMap, ...] = ()  # sampled drafts' values (tree/sampled.py), ascending temperature
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -70,7 +73,7 @@ class Calibration:
             "prob_edges": list(PROB_EDGES),
             "depth_edges": list(DEPTH_EDGES),
             "num_ranks": NUM_RANKS,
-            "maps": [dataclasses.asdict(m) for m in (self.greedy, *self.sampling)],
+            "maps": [dataclasses.asdict(m) for m in (self.greedy, *self.sampling, *self.residual)],
             "meta": dict(self.meta),
         }
 
@@ -90,12 +93,14 @@ class Calibration:
             meta = tuple(sorted((str(k), str(v)) for k, v in dict(data.get("meta", {})).items()))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{source} has a missing or malformed field: {e}") from None
-        if not maps or maps[0].mode != "greedy" or any(m.mode != "sampling" for m in maps[1:]):
-            raise ValueError(f"{source} must hold the greedy map first, then sampling maps")
+        if not maps or maps[0].mode != "greedy" or any(m.mode not in ("sampling", "residual") for m in maps[1:]):
+            raise ValueError(f"{source} must hold the greedy map first, then sampling (and residual) maps")
         if any(len(m.table) != size or not all(0.0 < x < 1.0 for x in m.table) for m in maps):
             raise ValueError(f"{source}: every map needs {size} values in (0, 1)")
-        sampling = tuple(sorted(maps[1:], key=lambda m: m.temperature))
-        return cls(fingerprint=fingerprint, greedy=maps[0], sampling=sampling, meta=meta)
+        by_mode = {mode: tuple(sorted((m for m in maps[1:] if m.mode == mode), key=lambda m: m.temperature))
+                   for mode in ("sampling", "residual")}
+        return cls(fingerprint=fingerprint, greedy=maps[0], sampling=by_mode["sampling"], meta=meta,
+                   residual=by_mode["residual"])
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -260,8 +265,8 @@ def fit_map(mode: str, temperature: float, depth: Sequence[int], rank: Sequence[
             label: Sequence[float]) -> ValueMap:
     """Binned, smoothed and monotone fit of E[label | depth, rank, prob]; `prob` is the node's own
     draft probability (greedy) or its parent's top-1 draft probability (sampling)."""
-    if mode not in ("greedy", "sampling"):
-        raise ValueError(f"mode must be 'greedy' or 'sampling', got {mode!r}")
+    if mode not in ("greedy", "sampling", "residual"):
+        raise ValueError(f"mode must be 'greedy', 'sampling' or 'residual', got {mode!r}")
     depth, rank, prob, label = (np.asarray(x) for x in (depth, rank, prob, label))
     if not depth.size:
         raise ValueError("no samples to fit a calibration on")
