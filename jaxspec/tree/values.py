@@ -283,7 +283,9 @@ def fit_map(mode: str, temperature: float, depth: Sequence[int], rank: Sequence[
     pool = (pool_s + PRIOR_STRENGTH * rank_mean[:, None]) / (pool_n + PRIOR_STRENGTH)
     value = (s + PRIOR_STRENGTH * pool[None]) / (n + PRIOR_STRENGTH)
     weight = n + PRIOR_STRENGTH
-    for d in range(shape[0]):
+    # Residual maps stay unconstrained in the feature: under recursive rejection rank 0 is U-shaped and
+    # rank 1 peaks in the parent's top-1 probability (docs/sampling_values.md); only smoothed.
+    for d in range(shape[0] if mode != "residual" else 0):
         for r in range(shape[1]):
             increasing = mode == "greedy" or r == 0
             row, w = value[d, r], weight[d, r]
