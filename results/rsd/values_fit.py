@@ -43,7 +43,8 @@ for t in (1.0, 0.6):
                       "top1_percentiles_10_50_90": np.percentile(s["parent_top1"], [10, 50, 90]).round(3).tolist()}),
           flush=True)
     for d in range(tab.shape[0]):
-        print(f"  depth bin {d} rank0", tab[d, 0].round(2).tolist(), "\n              rank1", tab[d, 1].round(2).tolist())
+        print(f"  depth bin {d} rank0", tab[d, 0].round(2).tolist())
+        print("              rank1", tab[d, 1].round(2).tolist())
 shipped = load_calibration("checkpoints/tiny-v4")
 out = with_residual(shipped, maps)
 out.save("results/rsd/residual_values.json")
