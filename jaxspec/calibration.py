@@ -28,12 +28,22 @@ from jaxspec.sampling import Sampling, processed_logprobs
 from jaxspec.state import DecodeState
 from jaxspec.tree.commit import commit_accepted_path
 from jaxspec.tree.plan import build_plan, verify_context
-from jaxspec.tree.values import Calibration, ValueMap, draft_fingerprint, expected_calibration_error, fit_map, predict
+from jaxspec.tree.values import (
+    CONTEXT_CAP,
+    CONTEXT_EDGES,
+    Calibration,
+    ValueMap,
+    context_bins,
+    draft_fingerprint,
+    expected_calibration_error,
+    fit_map,
+    predict,
+)
 from jaxspec.tree.verify import tree_accept
 
 COLLECT_STEPS = 10  # chain depth drafted per cycle (deeper nodes share the last depth bin)
 COLLECT_TOPK = 4  # ranks recorded at every chain node (3+ share the last rank bin)
-FIELDS = ("depth", "rank", "own_prob", "parent_top1", "label")
+FIELDS = ("depth", "rank", "own_prob", "parent_top1", "label", "context")
 
 
 def draft_chain_topk(
@@ -91,14 +101,16 @@ def _collect_loop(
     max_len: int,
     sampling: Sampling,
 ):
-    """-> per cycle [C, B, S, k]: top_logp, label, mask (parent accepted); depth = S index + 1, rank = k index."""
+    """-> per cycle [C, B, S, k]: top_logp, label, mask (parent accepted), and [C, B] the sequence's
+    context bin before the cycle (`context_bins`, as the loop computes it); depth = S index + 1, rank = k index."""
     bb = prompt_tokens.shape[0]
     greedy = sampling.temperature <= 0
     state, root, last_hidden = prefill_for_speculation(params, cfg, prompt_tokens, prompt_lengths, max_len, sampling)
     parent = jnp.broadcast_to(jnp.maximum(jnp.arange(num_steps + 1, dtype=jnp.int32) - 1, 0), (bb, num_steps + 1))
 
     def body(carry, _):
-        state, root, last_hidden, cycle = carry
+        state, root, last_hidden, cycle, capped = carry
+        context = context_bins(capped, cycle)
         chain, top_logp, top_token = draft_chain_topk(params, cfg, state, root, last_hidden, num_steps, k)
         tokens = jnp.concatenate([root[:, None], chain], axis=1)  # [B, S+1]
         plan = build_plan(parent, state.length, num_steps)
@@ -118,9 +130,10 @@ def _collect_loop(
         label = jax.lax.cond(greedy, argmax_label, soft_label)
         depth = jnp.arange(1, num_steps + 1)[None, :, None]
         mask = jnp.broadcast_to(depth <= acc.num_accepted[:, None, None] + 1, label.shape)  # parent on the path
-        return (state, acc.bonus, last_hidden, cycle + 1), (top_logp, label, mask)
+        capped = capped + jnp.minimum(acc.num_accepted, CONTEXT_CAP)
+        return (state, acc.bonus, last_hidden, cycle + 1, capped), (top_logp, label, mask, context)
 
-    carry = (state, root, last_hidden, jnp.zeros((bb,), jnp.int32))
+    carry = (state, root, last_hidden, jnp.zeros((bb,), jnp.int32), jnp.zeros((bb,), jnp.int32))
     _, records = jax.lax.scan(body, carry, None, length=cycles)
     return records
 
@@ -153,7 +166,7 @@ def collect(
         tokens = np.zeros((batch_size, sb), np.int32)  # one program for every slice, the last one too
         lengths = np.ones((batch_size,), np.int32)
         tokens[:n], lengths[:n] = batch.tokens[start : start + n], batch.lengths[start : start + n]
-        top_logp, label, mask = (
+        top_logp, label, mask, context = (
             np.asarray(x)[:, :n]
             for x in _collect_loop(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths), num_steps, topk, cycles,
                                    max_len, sampling)
@@ -166,6 +179,7 @@ def collect(
         parts["own_prob"].append(np.exp(top_logp[keep]))
         parts["parent_top1"].append(np.exp(np.broadcast_to(top_logp[..., :1], mask.shape)[keep]))
         parts["label"].append(label[keep])
+        parts["context"].append(np.broadcast_to(context[:, :, None, None], mask.shape)[keep])
     return {f: np.concatenate(v) for f, v in parts.items()}
 
 
@@ -184,7 +198,32 @@ def fit(samples_by_temperature: dict[float, dict[str, np.ndarray]], fingerprint:
         feature = s["own_prob"] if mode == "greedy" else s["parent_top1"]
         maps[t] = fit_map(mode, t, s["depth"], s["rank"], feature, s["label"])
     meta_items = tuple(sorted((str(k), str(v)) for k, v in (meta or {}).items()))
-    return Calibration(fingerprint, maps[0.0], tuple(m for t, m in sorted(maps.items()) if t > 0), meta_items)
+    return Calibration(fingerprint, maps[0.0], tuple(m for t, m in sorted(maps.items()) if t > 0), meta_items,
+                       fit_context_maps(samples_by_temperature[0.0], maps[0.0]))
+
+
+def fit_context_maps(greedy: dict[str, np.ndarray], pooled: ValueMap) -> tuple[ValueMap, ...]:
+    """One greedy map per context bin from the greedy samples; a bin with no samples keeps the pooled map
+    (samples without a "context" field, e.g. hand-made ones, give no context maps)."""
+    if "context" not in greedy:
+        return ()
+    maps = []
+    for c in range(len(CONTEXT_EDGES) + 1):
+        sel = greedy["context"] == c
+        maps.append(fit_map("greedy", 0.0, *(greedy[f][sel] for f in ("depth", "rank", "own_prob", "label")))
+                    if sel.any() else pooled)
+    return tuple(maps)
+
+
+def predict_values(calibration: Calibration, value_map: ValueMap, samples: dict[str, np.ndarray]) -> np.ndarray:
+    """The value the engine gives each sample: per context bin for greedy maps with context maps."""
+    if value_map.mode != "greedy" or not calibration.greedy_by_context:
+        return predict(value_map, samples["depth"], samples["rank"], map_feature(value_map, samples))
+    out = np.empty(samples["label"].shape, np.float64)
+    for c, m in enumerate(calibration.greedy_by_context):
+        sel = samples["context"] == c
+        out[sel] = predict(m, samples["depth"][sel], samples["rank"][sel], samples["own_prob"][sel])
+    return out
 
 
 def calibration_errors(calibration: Calibration, samples_by_temperature: dict[float, dict[str, np.ndarray]]
@@ -201,6 +240,9 @@ def calibration_errors(calibration: Calibration, samples_by_temperature: dict[fl
             "mean_label": float(np.mean(s["label"])),
             "samples": int(s["label"].size),
         }
+        if value_map.mode == "greedy" and calibration.greedy_by_context:  # what deep trees (S >= 8) rank by
+            by_context = predict_values(calibration, value_map, s)
+            out[f"T={t:g}"]["ece_per_context"] = expected_calibration_error(by_context, s["label"])
     return out
 
 
@@ -225,7 +267,10 @@ def plot_reliability(calibration: Calibration, heldout: dict[float, dict[str, np
     for ax, t in zip(axes[0], temps, strict=True):
         s, value_map = heldout[t], maps[t]
         fitted = predict(value_map, s["depth"], s["rank"], map_feature(value_map, s))
-        for name, pred, style in (("raw draft prob", s["own_prob"], "o--"), ("calibrated", fitted, "s-")):
+        curves = [("raw draft prob", s["own_prob"], "o--"), ("calibrated", fitted, "s-")]
+        if value_map.mode == "greedy" and calibration.greedy_by_context:
+            curves.append(("per context", predict_values(calibration, value_map, s), "^:"))
+        for name, pred, style in curves:
             x, y, n = reliability_points(pred, s["label"])
             ece = expected_calibration_error(pred, s["label"])
             ax.plot(x, y, style, label=f"{name} (ECE {ece:.3f})")

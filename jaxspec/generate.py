@@ -28,7 +28,7 @@ from jaxspec.sharding.rules import check_mesh
 from jaxspec.tree.commit import commit_accepted_path
 from jaxspec.tree.plan import build_plan, verify_context
 from jaxspec.tree.rules import accept_tree, choose_rule, draft_and_prune
-from jaxspec.tree.values import Calibration, draft_fingerprint, resolve_scores
+from jaxspec.tree.values import CONTEXT_CAP, Calibration, context_bins, draft_fingerprint, resolve_scores
 from jaxspec.tuning import NO_SPECULATION, auto_spec, registered_tuning
 
 MAX_BATCH_BUCKET = 64
@@ -351,10 +351,12 @@ def draft_and_verify(
     cycle: jax.Array | None = None,  # [B] int32 per-sequence cycle counter (folds sampling.key)
     accept: str = "target",  # "target" | "residual" (jaxspec.tree.rules)
     values: Calibration | None = None,  # node values to rank by; None = raw draft log-probs
+    context: jax.Array | None = None,  # [B] int32 context bin of each sequence (`loop_context`), None = pooled
 ):
     """draft -> prune -> plan -> verify -> accept, nothing committed yet; -> (tree, verify_out, acceptance).
     The verify scratch (`verify_out.rows`) holds every node's rows; the commit keeps the accepted path's."""
-    tree = draft_and_prune(params, cfg, spec, state, root, last_hidden, accept, sampling, cycle, values=values)
+    tree = draft_and_prune(params, cfg, spec, state, root, last_hidden, accept, sampling, cycle, values=values,
+                           context=context)
     plan = build_plan(tree.parent, state.length, spec.num_steps)
     verify_out = forward(params, cfg, state, tree.tokens, verify_context(plan, state.length))
     return tree, verify_out, accept_tree(spec, tree, verify_out.logits, sampling, cycle)
@@ -372,14 +374,28 @@ def speculative_cycle(
     cycle: jax.Array | None = None,  # [B] int32 per-sequence cycle counter (folds sampling.key)
     accept: str = "target",  # "target" | "residual" (jaxspec.tree.rules)
     values: Calibration | None = None,  # node values to rank by; None = raw draft log-probs
+    context: jax.Array | None = None,  # [B] int32 context bin of each sequence (`loop_context`), None = pooled
 ):
     """draft -> prune -> plan -> verify -> accept -> commit; -> (state, last_hidden, tree, acceptance)."""
     tree, verify_out, acc = draft_and_verify(params, cfg, spec, state, root, last_hidden, sampling, cycle, accept,
-                                             values)
+                                             values, context)
     state, last_hidden = commit_accepted_path(
         params, cfg, state, tree.tokens, verify_out, acc, last_hidden, active
     )
     return state, last_hidden, tree, acc
+
+
+def loop_context(
+    spec: SpecConfig,
+    values: Calibration | None,
+    stats: dict[str, jax.Array],  # the loop's per-sequence stats so far
+) -> jax.Array | None:
+    """-> [B] int32 context bin of each sequence from its own cycles so far (tree/values.py), or None
+    (pooled values) when there are no context maps or the tree is too shallow to count min(accepted, 8)."""
+    if spec.num_steps < CONTEXT_CAP or values is None or not values.greedy_by_context:
+        return None
+    capped = jnp.sum(stats["depth_hits"][:, :CONTEXT_CAP], axis=1)  # sum of min(accepted, 8) per cycle
+    return context_bins(capped, stats["cycles"])
 
 
 def speculative_compile_count() -> int:
@@ -426,7 +442,7 @@ def _speculative_loop(
         active = ~done
         state, last_hidden, tree, acc = speculative_cycle(
             params, cfg, spec, state, root, last_hidden, active, sampling=sampling, cycle=stats["cycles"],
-            accept=accept, values=values,
+            accept=accept, values=values, context=loop_context(spec, values, stats),
         )
         # Emitted this cycle: the accepted drafts, then the bonus token.
         path_tokens = jnp.take_along_axis(tree.tokens, acc.path_nodes, axis=1)  # [B, S+1]

@@ -49,12 +49,13 @@ def _children(
     depth: int = 1,  # of the children
     values: Calibration | None = None,
     temperature: jax.Array | None = None,
+    context: jax.Array | None = None,  # [B] int32 context bin (tree/values.py), None = pooled
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The top-K children of each slot, as pool columns -> token, parent, score, rank [B, n*K];
     score = the slot's + the child's log node value (tree/values.py)."""
     b, n = score.shape
     top_logp, top_token = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)  # [B, n, K]
-    log_value = node_log_values(values, depth, top_logp, temperature)
+    log_value = node_log_values(values, depth, top_logp, temperature, context)
     return (
         top_token.reshape(b, n * k).astype(jnp.int32),
         jnp.repeat(pool_index, k, axis=1),
@@ -73,6 +74,7 @@ def draft_tree(
     values: Calibration | None = None,  # node values to rank by; None = raw draft log-probs
     temperature: jax.Array | None = None,  # [] traced, picks the sampling map when > 0
     sampler: SampledDraft | None = None,
+    context: jax.Array | None = None,  # [B] int32 context bin of each sequence (greedy values), None = pooled
 ) -> DraftPool:
     """Top-K beam of S MTP steps, each running the MTP block and the head over its new slots only
     (1 at step one, K after): O(S*K) token-forwards.
@@ -114,7 +116,7 @@ def draft_tree(
         logits, z, rows = mtp_forward(params, cfg, state, new_hidden, new_token, ctx)
         scratch_kv = scratch_kv.at[:, new_slots].set(rows.kv.astype(scratch_kv.dtype))
         scratch_pos = scratch_pos.at[:, new_slots].set(positions)
-        children = _children(logits, new_score, new_pool_index, k, step, values, temperature)
+        children = _children(logits, new_score, new_pool_index, k, step, values, temperature, context)
         if sampler is not None:
             children, logq = sampled_children(logits, new_score, new_slots, step, sampler, children)
             slot_q.append(logq)
@@ -156,11 +158,12 @@ def draft(
     values: Calibration | None = None,  # node values to rank by; None = raw draft log-probs
     sampling: Sampling | None = None,  # its temperature picks the sampling map (> 0) or the greedy one
     sampler: SampledDraft | None = None,  # children sampled from the draft (tree/sampled.py), else top-K
+    context: jax.Array | None = None,  # [B] int32 context bin of each sequence (greedy values), None = pooled
 ) -> Tree:
     """The one drafting entry point of a cycle: the spec's tree of D nodes (a new tree family
     changes this function only)."""
     temperature = None if sampling is None else sampling.temperature
-    pool = draft_tree(params, cfg, spec, state, root, root_hidden, values, temperature, sampler)
+    pool = draft_tree(params, cfg, spec, state, root, root_hidden, values, temperature, sampler, context)
     return prune_to_budget(pool, root, spec.num_draft_tokens)
 
 

@@ -46,13 +46,15 @@ def draft_and_prune(
     cycle: jax.Array | None,  # [B] int32
     log_value: jax.Array | None = None,  # [S, K] value hook for sampled drafts (tree/sampled.py)
     values: Calibration | None = None,  # calibrated node values of top-K drafts (tree/values.py)
+    context: jax.Array | None = None,  # [B] int32 context bin (tree/values.py `context_bins`), None = pooled
 ) -> Tree:
     """`draft.draft` with the children the rule needs: sampled at temperature > 0 under "residual"."""
     sampler = None
     if accept == "residual" and sampling is not None:
         residual = values.residual if values is not None else ()  # calibrated values, else the prior
         sampler = make_sampled_draft(spec, sampling, cycle, log_value, residual)
-    return draft(params, cfg, spec, state, root, last_hidden, values=values, sampling=sampling, sampler=sampler)
+    return draft(params, cfg, spec, state, root, last_hidden, values=values, sampling=sampling, sampler=sampler,
+                 context=context)
 
 
 def accept_tree(

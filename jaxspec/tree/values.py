@@ -13,6 +13,13 @@ Two maps, one event each:
   token or probability, so a sampled-draft verifier stays exact whatever the children drawn
   (rank 0 nondecreasing, later ranks nonincreasing in the parent's top-1 probability).
 
+Greedy values may also depend on the sequence's context: how much its own drafts have been accepted
+so far (mean min(accepted, CONTEXT_CAP) per cycle, `context_bins`). The same draft probability is
+accepted more often in a sequence the draft predicts well (docs/calibration.md, "The context
+feature"); one greedy map per context bin (`Calibration.greedy_by_context`) ranks by that, the pooled
+greedy map stays the value of trees too shallow to measure it (S < CONTEXT_CAP) and of callers that
+pass no context.
+
 A `Calibration` is a frozen, hashable table (static in jit). `fit_map` bins and smooths the
 counts and makes each row monotone with pool-adjacent-violators: simple and inspectable.
 """
@@ -39,6 +46,9 @@ NUM_RANKS = 4  # ranks 0, 1, 2, 3+
 PRIOR_STRENGTH = 20.0  # pseudo-counts pulling a sparse cell towards its all-depth pool
 VALUE_RANGE = (1e-4, 1.0 - 1e-4)  # log-values stay finite and strictly negative along a path
 FORMAT = "jaxspec-calibration-v1"
+CONTEXT_CAP = 8  # a cycle counts min(accepted, 8) towards its sequence's context
+CONTEXT_EDGES = (3.5, 5.5)  # context bins of the mean: < 3.5, 3.5-5.5, >= 5.5
+CONTEXT_START = 4.5  # the mean assumed before a sequence's first cycle (the middle bin)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +74,7 @@ class Calibration:
     greedy: ValueMap
     sampling: tuple[ValueMap, ...]  # ascending temperature
     meta: tuple[tuple[str, str], ...] = ()  # provenance (datasets, prompts, spec, ...) as strings
+    greedy_by_context: tuple[ValueMap, ...] = ()  # one greedy map per context bin (CONTEXT_EDGES), or none
     residual: tuple[ValueMap, ...] = ()  # sampled drafts' values (tree/sampled.py), ascending temperature
 
     def to_json(self) -> dict[str, Any]:
@@ -75,6 +86,9 @@ class Calibration:
             "num_ranks": NUM_RANKS,
             "maps": [dataclasses.asdict(m) for m in (self.greedy, *self.sampling, *self.residual)],
             "meta": dict(self.meta),
+            **({"context": {"cap": CONTEXT_CAP, "edges": list(CONTEXT_EDGES),
+                            "maps": [dataclasses.asdict(m) for m in self.greedy_by_context]}}
+               if self.greedy_by_context else {}),
         }
 
     @classmethod
@@ -86,21 +100,33 @@ class Calibration:
         ):
             raise ValueError(f"{source} uses other bins than this jaxspec version; re-run `jaxspec calibrate`")
         size = (len(DEPTH_EDGES) + 1) * NUM_RANKS * (len(PROB_EDGES) + 1)
+        def value_map(m: Any) -> ValueMap:
+            return ValueMap(str(m["mode"]), float(m["temperature"]), tuple(float(x) for x in m["table"]),
+                            tuple(int(x) for x in m["counts"]))
+
         try:
-            maps = [ValueMap(str(m["mode"]), float(m["temperature"]), tuple(float(x) for x in m["table"]),
-                             tuple(int(x) for x in m["counts"])) for m in data["maps"]]
+            maps = [value_map(m) for m in data["maps"]]
             fingerprint = str(data["fingerprint"])
             meta = tuple(sorted((str(k), str(v)) for k, v in dict(data.get("meta", {})).items()))
+            context = data.get("context")
+            by_context = [] if context is None else [value_map(m) for m in context["maps"]]
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{source} has a missing or malformed field: {e}") from None
         if not maps or maps[0].mode != "greedy" or any(m.mode not in ("sampling", "residual") for m in maps[1:]):
             raise ValueError(f"{source} must hold the greedy map first, then sampling (and residual) maps")
-        if any(len(m.table) != size or not all(0.0 < x < 1.0 for x in m.table) for m in maps):
+        if context is not None and (
+            (context.get("cap"), tuple(context.get("edges", ()))) != (CONTEXT_CAP, CONTEXT_EDGES)
+            or len(by_context) != len(CONTEXT_EDGES) + 1 or any(m.mode != "greedy" for m in by_context)
+        ):
+            raise ValueError(f"{source}: its context maps use other bins than this jaxspec version "
+                             f"(cap {CONTEXT_CAP}, edges {list(CONTEXT_EDGES)}, greedy maps); "
+                             "re-run `jaxspec calibrate`")
+        if any(len(m.table) != size or not all(0.0 < x < 1.0 for x in m.table) for m in (*maps, *by_context)):
             raise ValueError(f"{source}: every map needs {size} values in (0, 1)")
         by_mode = {mode: tuple(sorted((m for m in maps[1:] if m.mode == mode), key=lambda m: m.temperature))
                    for mode in ("sampling", "residual")}
         return cls(fingerprint=fingerprint, greedy=maps[0], sampling=by_mode["sampling"], meta=meta,
-                   residual=by_mode["residual"])
+                   greedy_by_context=tuple(by_context), residual=by_mode["residual"])
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -214,11 +240,21 @@ def _lookup(table: np.ndarray, depth: int, rank: jax.Array, prob: jax.Array) -> 
     return rows[jnp.minimum(rank, NUM_RANKS - 1), prob_index]
 
 
+def context_bins(
+    capped_accepted: jax.Array,  # [B] sum over the sequence's cycles so far of min(accepted, CONTEXT_CAP)
+    cycles: jax.Array,  # [B] int32 cycles so far
+) -> jax.Array:
+    """-> [B] int32 context bin of each sequence (CONTEXT_EDGES over its mean; CONTEXT_START before any cycle)."""
+    mean = jnp.where(cycles > 0, capped_accepted.astype(jnp.float32) / jnp.maximum(cycles, 1), CONTEXT_START)
+    return jnp.searchsorted(jnp.asarray(CONTEXT_EDGES, jnp.float32), mean, side="right").astype(jnp.int32)
+
+
 def node_log_values(
     calibration: Calibration | None,
     depth: int,  # static: the depth of the children (1 = the root's)
     top_logp: jax.Array,  # [B, n, K] draft log-probs of each slot's top-K children, descending
     temperature: jax.Array | None = None,  # [] traced; > 0 uses the sampling map nearest in temperature
+    context: jax.Array | None = None,  # [B] int32 context bin (`context_bins`); None = the pooled greedy map
 ) -> jax.Array:
     """-> [B, n, K] log P(child accepted | slot accepted): the raw draft log-probs without a calibration."""
     if calibration is None:
@@ -226,7 +262,11 @@ def node_log_values(
     k = top_logp.shape[-1]
     rank = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), top_logp.shape)
     own = jnp.exp(top_logp)
-    value = _lookup(calibration.greedy.array(), depth, rank, own)
+    if context is not None and calibration.greedy_by_context:
+        per_context = jnp.stack([_lookup(m.array(), depth, rank, own) for m in calibration.greedy_by_context])
+        value = jnp.take_along_axis(per_context, context[None, :, None, None], axis=0)[0]  # [B, n, K]
+    else:
+        value = _lookup(calibration.greedy.array(), depth, rank, own)
     if calibration.sampling and temperature is not None:
         parent_top1 = jnp.broadcast_to(own[..., :1], own.shape)  # siblings share it
         temps = jnp.asarray([m.temperature for m in calibration.sampling], jnp.float32)

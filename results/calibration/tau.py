@@ -13,6 +13,7 @@ import jaxspec as js
 from jaxspec.cli.common import load_model
 from jaxspec.data import HELDOUT_SPLITS, load_dataset
 from jaxspec.eval import encode_prompts
+from jaxspec.tree.values import CONTEXT_CAP
 
 DATASETS = ("gsm8k", "mbpp", "sharegpt")
 
@@ -56,6 +57,8 @@ def main():
         spec = js.SpecConfig(s.num_steps, s.topk, s.num_draft_tokens, scores)
         rec = {"spec": spec_name, "D": s.num_draft_tokens, "prompts_per_dataset": n, "new_tokens": new,
                **measure(m, prompts, names, spec, new)}
+        if rec["scores"] == "calibrated":  # which greedy values ranked it (generate.loop_context)
+            rec["values"] = "per-context" if s.num_steps >= CONTEXT_CAP else "pooled"
         print(json.dumps(rec), flush=True)
         with open(out_path, "a") as f:
             f.write(json.dumps(rec) + "\n")
