@@ -54,7 +54,16 @@ def as_array(prompts: list[list[int]], rows: int, width: int) -> tuple[np.ndarra
     return tokens, lengths
 
 
-def measure_tau(params, cfg, prompts, spec, rule, temperature, top_p, new_tokens, batch, seed=0) -> dict:
+def tau_and_error(accepted: np.ndarray, cycles: np.ndarray) -> tuple[float, float]:
+    """-> (tau, its standard error over prompts): the ratio estimator's linearised variance."""
+    tau = float((accepted.sum() + cycles.sum()) / max(cycles.sum(), 1))
+    resid = accepted + cycles - tau * cycles
+    n = len(cycles)
+    return tau, float(np.sqrt(n / max(n - 1, 1) * np.sum(resid**2)) / max(cycles.sum(), 1))
+
+
+def measure_tau(params, cfg, prompts, spec, rule, temperature, top_p, new_tokens, batch, seed=0,
+                calibration=None) -> dict:
     import jax
 
     import jaxspec as js
@@ -62,20 +71,31 @@ def measure_tau(params, cfg, prompts, spec, rule, temperature, top_p, new_tokens
     width = max(len(p) for p in prompts)
     accepted = cycles = 0
     hits, ranks, start = None, None, time.perf_counter()
+    per_acc, per_cyc = [], []
     for i in range(0, len(prompts), batch):
         chunk = prompts[i : i + batch]
         tokens, lengths = as_array(chunk, batch, width)
         out = js.speculative_generate(
             params, cfg, tokens, spec, max_new_tokens=new_tokens, temperature=temperature,
             top_p=None if top_p >= 1.0 else top_p, rng=jax.random.key(seed + i), prompt_lengths=lengths, accept=rule,
+            calibration=calibration,
         )
         per = {k: np.asarray(v)[: len(chunk)] for k, v in out.stats["per_sequence"].items()}
         accepted += int(per["accepted"].sum())
         cycles += int(per["cycles"].sum())
+        per_acc.append(per["accepted"])
+        per_cyc.append(per["cycles"])
         h, r = per["depth_hits"].sum(0), per["rank_hist"].sum(0)
         hits = h if hits is None else hits + h
         ranks = r if ranks is None else ranks + r
+    per_acc, per_cyc = np.concatenate(per_acc), np.concatenate(per_cyc)
+    tau, se = tau_and_error(per_acc, per_cyc)
+    third = len(prompts) // len(DATASETS)  # `load` takes the same count from each dataset, in order
+    by_dataset = {name: tau_and_error(per_acc[j * third:(j + 1) * third], per_cyc[j * third:(j + 1) * third])[0]
+                  for j, name in enumerate(DATASETS)}
     return {
+        "tau_se": se, "tau_by_dataset": by_dataset, "seed": seed,
+        "per_sequence": {"accepted": per_acc.tolist(), "cycles": per_cyc.tolist()},
         "spec": spec, "rule": rule, "temperature": temperature, "top_p": top_p, "prompts": len(prompts),
         "new_tokens": new_tokens, "batch": batch, "tau": (accepted + cycles) / max(cycles, 1),
         "per_depth_acceptance": (hits / max(cycles, 1)).tolist(), "rank_histogram": ranks.tolist(),
@@ -158,6 +178,9 @@ def main() -> None:
     p.add_argument("--out", default="results/rsd/tau.jsonl")
     p.add_argument("--speed", action="store_true", help="batch-1 tokens/s vs generate instead of tau")
     p.add_argument("--plot", default=None, metavar="JSONL", help="only draw the figure of a finished file")
+    p.add_argument("--calibration", default=None, metavar="JSON",
+                   help="node values file (e.g. results/rsd/residual_values.json); default: the checkpoint's")
+    p.add_argument("--seeds", default="0", help="comma-separated rng seeds; tau of each is a record")
     args = p.parse_args()
     if args.plot:
         print(plot(Path(args.plot)))
@@ -168,19 +191,28 @@ def main() -> None:
     if out.exists():
         for line in out.read_text().splitlines():
             r = json.loads(line)
-            done.add((r["spec"], r["rule"], r["temperature"], r["top_p"], "tau" in r))
+            done.add((r["spec"], r["rule"], r["temperature"], r["top_p"], "tau" in r, r.get("calibration"),
+                      r.get("seed", 0)))
     cfg, params, prompts = load(args.checkpoint, args.prompts)
-    for spec in args.specs.split(","):
+    calibration = None
+    if args.calibration:
+        from jaxspec.tree.values import load_calibration
+
+        calibration = load_calibration(args.calibration, params, cfg)
+    for spec, seed in ((s, int(x)) for s in args.specs.split(",") for x in args.seeds.split(",")):
         for rule in args.rules.split(","):
             for t in map(float, args.temperatures.split(",")):
                 for top_p in map(float, args.top_ps.split(",")):
-                    if (spec, rule, t, top_p, not args.speed) in done:
+                    if (spec, rule, t, top_p, not args.speed, args.calibration, seed) in done:
                         continue
                     if args.speed:
-                        r = measure_speed(params, cfg, prompts, spec, rule, t, top_p, args.new_tokens)
+                        r = measure_speed(params, cfg, prompts, spec, rule, t, top_p, args.new_tokens, seed)
                     else:
-                        r = measure_tau(params, cfg, prompts, spec, rule, t, top_p, args.new_tokens, args.batch)
-                    print(json.dumps({k: v for k, v in r.items() if k not in ("rank_histogram",)}), flush=True)
+                        r = measure_tau(params, cfg, prompts, spec, rule, t, top_p, args.new_tokens, args.batch, seed,
+                                        calibration)
+                    r["calibration"] = args.calibration
+                    print(json.dumps({k: v for k, v in r.items() if k not in ("rank_histogram", "per_sequence")}),
+                          flush=True)
                     with open(out, "a") as f:
                         f.write(json.dumps(r) + "\n")
 

@@ -31,7 +31,7 @@ RANKS = [
     # What runs the model: loading and measuring below, the loops that drive them above.
     ("jaxspec.checkpoint", "jaxspec.stages", "jaxspec.report", "jaxspec.packing", "jaxspec.costmodel"),
     ("jaxspec.cost", "jaxspec.eval", "jaxspec.train"),
-    ("jaxspec.tune", "jaxspec.distill", "jaxspec.calibration"),
+    ("jaxspec.tune", "jaxspec.distill", "jaxspec.calibration", "jaxspec.calibration_residual"),
     ("jaxspec.cli",),
     ("jaxspec", "jaxspec.__main__"),
 ]

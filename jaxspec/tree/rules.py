@@ -51,7 +51,8 @@ def draft_and_prune(
     """`draft.draft` with the children the rule needs: sampled at temperature > 0 under "residual"."""
     sampler = None
     if accept == "residual" and sampling is not None:
-        sampler = make_sampled_draft(spec, sampling, cycle, log_value)
+        residual = values.residual if values is not None else ()  # calibrated values, else the prior
+        sampler = make_sampled_draft(spec, sampling, cycle, log_value, residual)
     return draft(params, cfg, spec, state, root, last_hidden, values=values, sampling=sampling, sampler=sampler,
                  context=context)
 

@@ -17,6 +17,12 @@ are a prefix of its sampling order and their number does not depend on their own
 that falls with the rank and ignores the token gives exactly that (ties go to the lower rank, the
 lower pool index). `log_value` is the hook for a calibrated estimate; `prior_log_values` is the
 default.
+
+With a calibration's residual maps (`Calibration.residual`, one per temperature) the value also reads
+the parent's processed draft distribution: log f(depth, rank, top-1 of the parent's q), a table
+[S, K, prob bins] (`residual_table`). It is known before the parent's children are drawn, so a node's
+kept children stay a prefix of its sampling order whose length does not depend on their own tokens
+(it may depend on earlier siblings' subtrees, which are tried or discarded first; docs/sampling_values.md).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from flax import struct
 
 from jaxspec.config import SpecConfig
 from jaxspec.sampling import Sampling, processed_logprobs
+from jaxspec.tree.values import NUM_RANKS, PROB_EDGES, ValueMap, depth_bin
 from jaxspec.tree.verify import node_keys
 
 # A-priori P(the accepted child has rank r | its parent was reached), for the residual rule on a good
@@ -42,6 +49,9 @@ class SampledDraft:
     sampling: Sampling
     keys: jax.Array  # [B, slots] typed keys, one per draft slot (sequence, cycle, slot)
     log_value: jax.Array  # [S, K] float32: log acceptance estimate of a child at depth d + 1, rank r
+    # [S, K, P] float32 or None: the same per bin of the parent's processed top-1 draft probability
+    # (PROB_EDGES); when given it replaces log_value
+    residual: jax.Array | None = None
 
 
 def prior_log_values(spec: SpecConfig) -> np.ndarray:
@@ -65,12 +75,31 @@ def draft_keys(
     return node_keys(key, cycle, d + slots)[:, d:]
 
 
+def residual_table(
+    maps: tuple[ValueMap, ...],  # "residual" maps, one per fitted temperature
+    spec: SpecConfig,
+    temperature: jax.Array,  # [] traced: the map nearest in temperature is used
+) -> jax.Array:
+    """-> [S, K, P] float32 log P(child of rank r at depth d accepted | parent reached) per bin of the
+    parent's processed top-1 draft probability, from the map nearest `temperature`; non-increasing in
+    the rank and <= 0 (what exactness needs, see `make_sampled_draft`)."""
+    depths = [depth_bin(d) for d in range(1, spec.num_steps + 1)]
+    ranks = [min(r, NUM_RANKS - 1) for r in range(spec.topk)]
+    tables = np.stack([np.log(m.array()[depths][:, ranks]) for m in maps]).astype(np.float32)  # [M, S, K, P]
+    nearest = jnp.argmin(jnp.abs(jnp.asarray([m.temperature for m in maps], jnp.float32) - temperature))
+    table = jnp.asarray(tables)[nearest]
+    return jax.lax.cummin(jnp.minimum(table, 0.0), axis=1)
+
+
 def make_sampled_draft(
     spec: SpecConfig,
     sampling: Sampling,
     cycle: jax.Array,  # [B] int32
     log_value: jax.Array | None = None,  # [S, K]; None = prior_log_values(spec)
+    residual: tuple[ValueMap, ...] = (),  # a calibration's residual maps; () = rank/depth values only
 ) -> SampledDraft:
+    if any(m.mode != "residual" for m in residual):
+        raise ValueError(f"residual must hold 'residual' maps, got modes {[m.mode for m in residual]}")
     if log_value is None:
         log_value = jnp.asarray(prior_log_values(spec))
     if log_value.shape != (spec.num_steps, spec.topk):
@@ -78,7 +107,18 @@ def make_sampled_draft(
     # Exactness needs the kept children of a node to be a prefix of its sampling order: values must not
     # rise with the rank (a noisy calibration might), and <= 0 keeps a kept node's ancestors kept.
     log_value = jax.lax.cummin(jnp.minimum(jnp.asarray(log_value, jnp.float32), 0.0), axis=1)
-    return SampledDraft(sampling, draft_keys(sampling.key, cycle, spec), log_value)
+    table = residual_table(residual, spec, sampling.temperature) if residual else None
+    return SampledDraft(sampling, draft_keys(sampling.key, cycle, spec), log_value, table)
+
+
+def _child_log_values(sampler: SampledDraft, step: int, logq: jax.Array) -> jax.Array:  # logq: [B, n, V]
+    """-> [B, n, K] (or [1, 1, K]) log value of each slot's children: by depth and rank, or with a residual
+    table also by the bin of the slot's processed top-1 draft probability (siblings share it)."""
+    if sampler.residual is None:
+        return sampler.log_value[step - 1][None, None, :]
+    top1 = jnp.exp(jnp.max(logq, axis=-1))  # [B, n]
+    prob_bin = jnp.searchsorted(jnp.asarray(PROB_EDGES, jnp.float32), top1, side="right")
+    return jnp.moveaxis(sampler.residual[step - 1][:, prob_bin], 0, -1)  # [K, B, n] -> [B, n, K]
 
 
 def sampled_children(
@@ -106,7 +146,7 @@ def sampled_children(
         noise = jax.vmap(jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32)))(keys)
         _, token = jax.lax.top_k(logq + noise, k)  # [B, n, K] sampling order, without replacement
         in_support = jnp.isfinite(jnp.take_along_axis(logq, token, axis=2))
-        value = score[:, :, None] + sampler.log_value[step - 1][None, None, :]
+        value = score[:, :, None] + _child_log_values(sampler, step, logq)
         value = jnp.where(in_support, value, -jnp.inf)
         return token.reshape(b, n * k).astype(jnp.int32), value.reshape(b, n * k), logq
 

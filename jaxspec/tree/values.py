@@ -55,7 +55,9 @@ CONTEXT_START = 4.5  # the mean assumed before a sequence's first cycle (the mid
 class ValueMap:
     """P(accepted | parent accepted) per (depth bin, rank bin, probability bin), flattened."""
 
-    mode: str  # "greedy" (feature: own draft prob) or "sampling" (feature: parent's top-1 draft prob)
+    # "greedy" (feature: own draft prob), "sampling" (feature: parent's top-1 draft prob), or "residual"
+    # (the recursive-rejection event of sampled drafts; feature: parent's processed top-1 draft prob)
+    mode: str
     temperature: float  # 0 for greedy
     table: tuple[float, ...]  # [depth bins, NUM_RANKS, prob bins] row-major
     counts: tuple[int, ...]  # samples behind each cell (same layout)
@@ -73,6 +75,7 @@ class Calibration:
     sampling: tuple[ValueMap, ...]  # ascending temperature
     meta: tuple[tuple[str, str], ...] = ()  # provenance (datasets, prompts, spec, ...) as strings
     greedy_by_context: tuple[ValueMap, ...] = ()  # one greedy map per context bin (CONTEXT_EDGES), or none
+    residual: tuple[ValueMap, ...] = ()  # sampled drafts' values (tree/sampled.py), ascending temperature
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -81,7 +84,7 @@ class Calibration:
             "prob_edges": list(PROB_EDGES),
             "depth_edges": list(DEPTH_EDGES),
             "num_ranks": NUM_RANKS,
-            "maps": [dataclasses.asdict(m) for m in (self.greedy, *self.sampling)],
+            "maps": [dataclasses.asdict(m) for m in (self.greedy, *self.sampling, *self.residual)],
             "meta": dict(self.meta),
             **({"context": {"cap": CONTEXT_CAP, "edges": list(CONTEXT_EDGES),
                             "maps": [dataclasses.asdict(m) for m in self.greedy_by_context]}}
@@ -109,8 +112,8 @@ class Calibration:
             by_context = [] if context is None else [value_map(m) for m in context["maps"]]
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{source} has a missing or malformed field: {e}") from None
-        if not maps or maps[0].mode != "greedy" or any(m.mode != "sampling" for m in maps[1:]):
-            raise ValueError(f"{source} must hold the greedy map first, then sampling maps")
+        if not maps or maps[0].mode != "greedy" or any(m.mode not in ("sampling", "residual") for m in maps[1:]):
+            raise ValueError(f"{source} must hold the greedy map first, then sampling (and residual) maps")
         if context is not None and (
             (context.get("cap"), tuple(context.get("edges", ()))) != (CONTEXT_CAP, CONTEXT_EDGES)
             or len(by_context) != len(CONTEXT_EDGES) + 1 or any(m.mode != "greedy" for m in by_context)
@@ -120,9 +123,10 @@ class Calibration:
                              "re-run `jaxspec calibrate`")
         if any(len(m.table) != size or not all(0.0 < x < 1.0 for x in m.table) for m in (*maps, *by_context)):
             raise ValueError(f"{source}: every map needs {size} values in (0, 1)")
-        sampling = tuple(sorted(maps[1:], key=lambda m: m.temperature))
-        return cls(fingerprint=fingerprint, greedy=maps[0], sampling=sampling, meta=meta,
-                   greedy_by_context=tuple(by_context))
+        by_mode = {mode: tuple(sorted((m for m in maps[1:] if m.mode == mode), key=lambda m: m.temperature))
+                   for mode in ("sampling", "residual")}
+        return cls(fingerprint=fingerprint, greedy=maps[0], sampling=by_mode["sampling"], meta=meta,
+                   greedy_by_context=tuple(by_context), residual=by_mode["residual"])
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -301,8 +305,8 @@ def fit_map(mode: str, temperature: float, depth: Sequence[int], rank: Sequence[
             label: Sequence[float]) -> ValueMap:
     """Binned, smoothed and monotone fit of E[label | depth, rank, prob]; `prob` is the node's own
     draft probability (greedy) or its parent's top-1 draft probability (sampling)."""
-    if mode not in ("greedy", "sampling"):
-        raise ValueError(f"mode must be 'greedy' or 'sampling', got {mode!r}")
+    if mode not in ("greedy", "sampling", "residual"):
+        raise ValueError(f"mode must be 'greedy', 'sampling' or 'residual', got {mode!r}")
     depth, rank, prob, label = (np.asarray(x) for x in (depth, rank, prob, label))
     if not depth.size:
         raise ValueError("no samples to fit a calibration on")
@@ -319,7 +323,9 @@ def fit_map(mode: str, temperature: float, depth: Sequence[int], rank: Sequence[
     pool = (pool_s + PRIOR_STRENGTH * rank_mean[:, None]) / (pool_n + PRIOR_STRENGTH)
     value = (s + PRIOR_STRENGTH * pool[None]) / (n + PRIOR_STRENGTH)
     weight = n + PRIOR_STRENGTH
-    for d in range(shape[0]):
+    # Residual maps stay unconstrained in the feature: under recursive rejection rank 0 is U-shaped and
+    # rank 1 peaks in the parent's top-1 probability (docs/sampling_values.md); only smoothed.
+    for d in range(shape[0] if mode != "residual" else 0):
         for r in range(shape[1]):
             increasing = mode == "greedy" or r == 0
             row, w = value[d, r], weight[d, r]

@@ -1,0 +1,210 @@
+"""Residual node values: fit P(child of rank r accepted by recursive rejection | parent reached) for
+sampled drafts (tree/sampled.py, docs/sampling_values.md).
+
+Runs *sampled* chain cycles (each chain token a draw from the draft's processed q, verified by the
+chain residual rule, as the loop's K = 1 program does), so the contexts a chain node is reached in
+follow the residual rule's accepted path. At every chain node whose parent is on that path it
+replays one level of recursive rejection at the parent, `replays` times with fresh randomness: K
+children by Gumbel-top-K from the parent's processed q, tried in sampling order against the
+target's processed p after the parent (`verify._residual_step`); label[r] = the share of replays in
+which rank r was the accepted one. Features: depth, rank, the parent's processed top-1 draft
+probability (the residual maps' feature) and the parent's q entropy (recorded for comparison).
+
+A tree also reaches nodes below rank > 0 children; their contexts are approximated by the chain's
+(rank > 0 children are accepted ~5-15% of the time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.config import ModelConfig, SpecConfig
+from jaxspec.generate import length_bucket, prefill_for_speculation, prepare_prompts
+from jaxspec.layers.attention import AttentionContext
+from jaxspec.model import ModelParams, forward, mtp_forward
+from jaxspec.programs import bounded_jit
+from jaxspec.sampling import Sampling, processed_logprobs
+from jaxspec.state import DecodeState
+from jaxspec.tree.commit import commit_accepted_path
+from jaxspec.tree.plan import build_plan, verify_context
+from jaxspec.tree.values import Calibration, ValueMap, fit_map
+from jaxspec.tree.verify import _residual_step, chain_residual_accept, node_keys
+
+FIELDS = ("depth", "rank", "parent_top1", "parent_entropy", "label")
+
+
+def draft_chain_sampled(
+    params: ModelParams,
+    cfg: ModelConfig,
+    state: DecodeState,  # committed; state.mtp_length == state.length - 1
+    root: jax.Array,  # [B] int32
+    root_hidden: jax.Array,  # [B, hc, d]
+    num_steps: int,
+    sampling: Sampling,
+    keys: jax.Array,  # [B, S] typed keys, one per chain token
+) -> tuple[jax.Array, jax.Array]:
+    """A chain whose every token is a draw from the draft's processed distribution -> (chain [B, S],
+    log q [B, S, V]: the distribution chain token j was drawn from)."""
+    b = root.shape[0]
+    scratch_kv = jnp.zeros((b, num_steps, cfg.head_dim), jnp.dtype(cfg.dtype))
+    scratch_pos = jnp.zeros((b, num_steps), jnp.int32)
+    token, hidden = root[:, None], root_hidden[:, None]
+    chain, logqs = [], []
+    for step in range(num_steps):
+        positions = state.mtp_length[:, None] + step  # [B, 1]
+        ctx = AttentionContext(
+            positions=positions,
+            committed=state.mtp_length,
+            visible=jnp.ones((b, 1, 1), bool),
+            ancestor_at_depth=jnp.zeros((b, 1, 1), jnp.int32),
+            valid=jnp.ones((b, 1), bool),
+            prior_kv=scratch_kv,
+            prior_positions=scratch_pos,
+            prior_visible=jnp.broadcast_to(jnp.arange(num_steps) < step, (b, 1, num_steps)),
+        )
+        logits, z, rows = mtp_forward(params, cfg, state, hidden, token, ctx)
+        scratch_kv = scratch_kv.at[:, step].set(rows.kv[:, 0].astype(scratch_kv.dtype))
+        scratch_pos = scratch_pos.at[:, step].set(positions[:, 0])
+        logq = processed_logprobs(logits[:, 0], sampling.temperature, sampling.top_k, sampling.top_p)  # [B, V]
+        draw = jax.vmap(lambda k, lq: jax.random.categorical(k, lq))(keys[:, step], logq).astype(jnp.int32)
+        logqs.append(logq)
+        chain.append(draw)
+        token, hidden = draw[:, None], z
+    return jnp.stack(chain, 1), jnp.stack(logqs, 1)
+
+
+def replay_labels(
+    logq: jax.Array,  # [N, V] the parent's processed draft log-probs
+    p: jax.Array,  # [N, V] the target's processed probabilities after the parent
+    key: jax.Array,  # [] typed key
+    k: int,
+    replays: int,
+) -> jax.Array:
+    """-> [N, k] float32: share of `replays` recursive-rejection levels (K = k children by
+    Gumbel-top-K from q, tried in sampling order) in which rank r was the accepted child."""
+    n, vocab = logq.shape
+    q0 = jnp.exp(logq)
+
+    def one(key):
+        noise_key, coin_key = jax.random.split(key)
+        _, children = jax.lax.top_k(logq + jax.random.gumbel(noise_key, (n, vocab)), k)  # [N, k] sampling order
+        coins = jax.random.uniform(coin_key, (n, k))
+        pi, qi, found, hits = p, q0, jnp.zeros((n,), bool), []
+        for r in range(k):
+            ok, pi, qi = _residual_step(pi, qi, children[:, r], coins[:, r], ~found)
+            hits.append(ok)
+            found = found | ok
+        return jnp.stack(hits, 1).astype(jnp.float32)
+
+    return jnp.mean(jax.vmap(one)(jax.random.split(key, replays)), axis=0)
+
+
+@functools.partial(bounded_jit, static_argnums=(1, 4, 5, 6, 7, 9))
+def _collect_residual_loop(
+    params: ModelParams,
+    cfg: ModelConfig,
+    prompt_tokens: jax.Array,  # [B, Sb] int32
+    prompt_lengths: jax.Array,  # [B] int32
+    num_steps: int,
+    k: int,
+    cycles: int,
+    max_len: int,
+    sampling: Sampling,
+    replays: int,
+):
+    """-> per cycle [C, B, S, ...]: label [.., k], parent top-1 and entropy, mask (parent on the path)."""
+    bb = prompt_tokens.shape[0]
+    state, root, last_hidden = prefill_for_speculation(params, cfg, prompt_tokens, prompt_lengths, max_len, sampling)
+    parent = jnp.broadcast_to(jnp.maximum(jnp.arange(num_steps + 1, dtype=jnp.int32) - 1, 0), (bb, num_steps + 1))
+    label_key = jax.random.fold_in(sampling.key, 0x5EED)  # apart from the loop's node keys
+
+    def body(carry, _):
+        state, root, last_hidden, cycle = carry
+        keys = node_keys(sampling.key, cycle, 2 * num_steps + 1)
+        chain, logq = draft_chain_sampled(params, cfg, state, root, last_hidden, num_steps, sampling,
+                                          keys[:, num_steps + 1:])
+        tokens = jnp.concatenate([root[:, None], chain], axis=1)  # [B, S+1]
+        plan = build_plan(parent, state.length, num_steps)
+        out = forward(params, cfg, state, tokens, verify_context(plan, state.length))
+        logp = processed_logprobs(out.logits, sampling.temperature, sampling.top_k, sampling.top_p)  # [B, S+1, V]
+        acc = chain_residual_accept(tokens, logq, logp, keys[:, : num_steps + 1])
+        state, last_hidden = commit_accepted_path(params, cfg, state, tokens, out, acc, last_hidden,
+                                                  jnp.ones((bb,), bool))
+        vocab = logq.shape[-1]
+        label = replay_labels(logq.reshape(-1, vocab), jnp.exp(logp[:, :-1]).reshape(-1, vocab),
+                              jax.random.fold_in(label_key, cycle[0]), k, replays).reshape(bb, num_steps, k)
+        q = jnp.exp(logq)
+        top1 = jnp.max(q, -1)  # [B, S]
+        entropy = -jnp.sum(jnp.where(q > 0, q * logq, 0.0), -1)
+        mask = jnp.arange(1, num_steps + 1)[None, :] <= acc.num_accepted[:, None] + 1  # parent on the path
+        return (state, acc.bonus, last_hidden, cycle + 1), (label, top1, entropy, mask)
+
+    carry = (state, root, last_hidden, jnp.zeros((bb,), jnp.int32))
+    _, records = jax.lax.scan(body, carry, None, length=cycles)
+    return records
+
+
+def collect_residual(
+    params: ModelParams,
+    cfg: ModelConfig,
+    prompts: Sequence[Sequence[int]],
+    temperature: float,
+    cycles: int = 12,
+    batch_size: int = 48,
+    num_steps: int = 10,
+    topk: int = 4,
+    replays: int = 8,
+    top_p: float | None = None,
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
+    """Node samples (FIELDS) of `cycles` sampled chain cycles per prompt at `temperature`."""
+    if params.mtp is None:
+        raise ValueError("calibration needs an MTP draft block; these params have none")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 for residual values, got {temperature}")
+    if not prompts:
+        raise ValueError("no prompts to calibrate on")
+    SpecConfig(num_steps, 1, num_steps + 1).validate_for(cfg)
+    generated = cycles * (num_steps + 1) + 1
+    batch = prepare_prompts(cfg, prompts, generated)
+    sb = batch.tokens.shape[1]
+    max_len = length_bucket(sb + generated, cfg.max_position_embeddings, minimum=64)
+    sampling = Sampling.create(temperature, top_p=top_p, key=jax.random.key(seed))
+    parts: dict[str, list[np.ndarray]] = {f: [] for f in FIELDS}
+    for start in range(0, batch.batch, batch_size):
+        n = min(batch_size, batch.batch - start)
+        tokens = np.zeros((batch_size, sb), np.int32)  # one program for every slice, the last one too
+        lengths = np.ones((batch_size,), np.int32)
+        tokens[:n], lengths[:n] = batch.tokens[start : start + n], batch.lengths[start : start + n]
+        label, top1, entropy, mask = (
+            np.asarray(x)[:, :n]
+            for x in _collect_residual_loop(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths), num_steps, topk,
+                                            cycles, max_len, sampling, replays)
+        )  # label [C, b, S, k]; the rest [C, b, S]
+        keep = np.broadcast_to(mask[..., None], label.shape)
+        parts["depth"].append(np.broadcast_to(np.arange(1, num_steps + 1)[:, None], label.shape)[keep])
+        parts["rank"].append(np.broadcast_to(np.arange(topk), label.shape)[keep])
+        parts["parent_top1"].append(np.broadcast_to(top1[..., None], label.shape)[keep])
+        parts["parent_entropy"].append(np.broadcast_to(entropy[..., None], label.shape)[keep])
+        parts["label"].append(label[keep])
+    return {f: np.concatenate(v) for f, v in parts.items()}
+
+
+def fit_residual(samples: dict[str, np.ndarray], temperature: float) -> ValueMap:
+    """The residual map of one temperature (feature: the parent's processed top-1 draft probability)."""
+    return fit_map("residual", temperature, samples["depth"], samples["rank"], samples["parent_top1"],
+                   samples["label"])
+
+
+def with_residual(calibration: Calibration, maps: Sequence[ValueMap]) -> Calibration:
+    """`calibration` with its residual maps replaced by `maps` (ascending temperature)."""
+    return dataclasses.replace(calibration, residual=tuple(sorted(maps, key=lambda m: m.temperature)))
+
+
+__all__ = ["collect_residual", "fit_residual", "with_residual", "draft_chain_sampled", "replay_labels"]

@@ -1,0 +1,209 @@
+"""Sampled-draft values that read the parent's processed draft distribution (Calibration.residual,
+tree/sampled.py): the tree shape then varies per row and cycle, the kept children of every node stay a
+prefix of its sampling order, and the output still follows the target exactly.
+
+CI: the synthetic Markov models of test_rsd.py (vocabulary 8, fp32) drafted by the engine's own
+`sampled_children` in draft_tree's beam (s3_k2_d5: 10 candidates, 4 kept), pruned by `prune_to_budget`,
+accepted by `residual_tree_accept`; 20k rows against the target's joint law of the first 3 tokens.
+A value that reads the child's own q(x) (forbidden) fails the same check. Long: the same through
+`speculative_generate` on the test model, and the shapes of the real draft.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_rsd import NUM_EMITTED, VOCAB, markov_model
+from test_sampling import ALPHA, assert_samples_the_target, check_end_to_end, chi_square_p
+
+import jaxspec as js
+from jaxspec.prefill import prefill_for_speculation
+from jaxspec.sampling import Sampling, processed_logprobs
+from jaxspec.tree.draft import DraftPool, _children, prune_to_budget
+from jaxspec.tree.rules import draft_and_prune
+from jaxspec.tree.sampled import make_sampled_draft, residual_table, sampled_children
+from jaxspec.tree.values import DEPTH_EDGES, NUM_RANKS, PROB_EDGES, Calibration, ValueMap
+from jaxspec.tree.verify import residual_tree_accept
+
+SHAPE = (len(DEPTH_EDGES) + 1, NUM_RANKS, len(PROB_EDGES) + 1)
+
+
+def branchy_map(temperature=1.0):
+    """A residual map that branches where the parent's draft is unsure: rank 0 worth ~its top-1
+    probability, rank 1 worth more the flatter the parent (and worth more than a deep rank-0 path)."""
+    centers = np.asarray([0.0, *PROB_EDGES]) + np.diff([0.0, *PROB_EDGES, 1.0]) / 2  # [P]
+    table = np.empty(SHAPE)
+    table[:, 0] = np.clip(centers, 0.05, 0.97)
+    table[:, 1] = np.clip(0.9 * (1 - centers), 0.02, 0.9)
+    table[:, 2:] = 0.01
+    return ValueMap("residual", temperature, tuple(table.ravel().tolist()), (0,) * table.size)
+
+
+def step_map(temperature):
+    """Unsure parent (processed top-1 < 0.4): both children worth keeping; sure: only the first."""
+    unsure = np.asarray([0.0, *PROB_EDGES]) < 0.4  # [P], by each bin's lower edge
+    table = np.empty(SHAPE)
+    table[:, 0] = np.where(unsure, 0.6, 0.95)
+    table[:, 1] = np.where(unsure, 0.5, 0.03)
+    table[:, 2:] = 0.01
+    return ValueMap("residual", temperature, tuple(table.ravel().tolist()), (0,) * table.size)
+
+
+ROOTS = (3, 0)  # the Markov draft is sure after 3 (top-1 0.59 at T = 1, 0.82 at 0.6), unsure after 0 (0.28, 0.38)
+
+
+def calibration_with(maps):
+    flat = ValueMap("greedy", 0.0, (0.5,) * int(np.prod(SHAPE)), (0,) * int(np.prod(SHAPE)))
+    return Calibration("test", flat, (), residual=tuple(sorted(maps, key=lambda m: m.temperature)))
+
+
+SPEC = js.SpecConfig.parse("s3_k2_d5")
+
+
+@functools.partial(jax.jit, static_argnums=(2, 4))
+def _synthetic_cycle(target, draft, n, sampling, values, own_prob):
+    """n rows of one cycle: draft_tree's beam over the Markov draft with `sampled_children`, pruned,
+    accepted, continued with exact target draws -> (first 3 tokens [n, 3], accepted [n], tree)."""
+    s_steps, k = SPEC.num_steps, SPEC.topk
+    cycle = jnp.zeros((n,), jnp.int32)
+    sampler = make_sampled_draft(SPEC, sampling, cycle, None, values.residual)
+    root = jnp.asarray(ROOTS, jnp.int32)[jnp.arange(n) % len(ROOTS)]
+    slots, tok, pool_index, score = jnp.zeros((1,), jnp.int32), root[:, None], jnp.full((n, 1), -1), jnp.zeros((n, 1))
+    cols, slot_q, q_slot, offset = ([], [], [], []), [], [], 0
+    for step in range(1, s_steps + 1):
+        logits = draft[step - 1][tok]  # [n, slots this step, V]: the Markov draft after depth step - 1
+        children, logq = sampled_children(logits, score, slots, step, sampler, _children(logits, score, pool_index, k))
+        # own_prob (traced: one program for both): the forbidden value, the child's own draft probability
+        own = jnp.take_along_axis(logq, children[0].reshape(n, -1, k), axis=2).reshape(n, -1)
+        value = jnp.where(own_prob, jnp.repeat(score, k, axis=1) + own, children[2])
+        children = (children[0], children[1], value, children[3])
+        for col, c in zip(cols, children, strict=True):
+            col.append(c)
+        slot_q.append(logq)
+        q_slot.append(jnp.broadcast_to(jnp.repeat(slots, k), (n, slots.shape[0] * k)))
+        if step == s_steps:
+            break
+        _, best = jax.lax.top_k(cols[2][-1], k)
+        tok = jnp.take_along_axis(cols[0][-1], best, axis=1)
+        slots = jnp.arange(1 + (step - 1) * k, 1 + step * k, dtype=jnp.int32)
+        pool_index, score = offset + best, jnp.take_along_axis(cols[2][-1], best, axis=1)
+        offset += cols[0][-1].shape[1]
+    pool = DraftPool(*(jnp.concatenate(c, axis=1) for c in cols), q=jnp.concatenate(slot_q, axis=1),
+                     q_slot=jnp.concatenate(q_slot, axis=1))
+    tree = prune_to_budget(pool, root, SPEC.num_draft_tokens)
+    depth = jnp.zeros_like(tree.parent)
+    for _ in range(s_steps):
+        depth = jnp.where(jnp.arange(depth.shape[1]) == 0, 0, jnp.take_along_axis(depth, tree.parent, axis=1) + 1)
+    acc = residual_tree_accept(tree.tokens, tree.parent, tree.rank, tree.q, target[depth, tree.tokens], s_steps, k,
+                               sampling, cycle)
+    path = jnp.take_along_axis(tree.tokens, acc.path_nodes, axis=1)
+    slot = jnp.arange(s_steps + 1)[None, :]
+    drafted = jnp.concatenate([path[:, 1:], jnp.zeros((n, 1), jnp.int32)], axis=1)
+    out = jnp.where(slot < acc.num_accepted[:, None], drafted, acc.bonus[:, None])[:, :NUM_EMITTED]
+    rest = jax.random.split(jax.random.fold_in(sampling.key, 7), NUM_EMITTED)
+    for j in range(1, NUM_EMITTED):  # past the cycle: exact target draws
+        logp = processed_logprobs(target[j, out[:, j - 1]], sampling.temperature, sampling.top_k, sampling.top_p)
+        fresh = jax.random.categorical(rest[j], logp).astype(jnp.int32)
+        out = out.at[:, j].set(jnp.where(acc.num_accepted + 1 > j, out[:, j], fresh))
+    return out, acc.num_accepted, tree
+
+
+def check_synthetic(temperature, variant="exact", n=20_480, seed=0):
+    target, draft = markov_model(seed)
+    sampling = Sampling.create(temperature, key=jax.random.key(seed + 1))
+    out, accepted, tree = _synthetic_cycle(target, draft, n, sampling, calibration_with([step_map(1.0)]),
+                                           jnp.asarray(variant == "own_prob"))
+    p = np.exp(np.asarray(processed_logprobs(target[:NUM_EMITTED], jnp.float32(temperature), jnp.int32(0),
+                                             jnp.float32(1.0)), np.float64))
+    p /= p.sum(-1, keepdims=True)
+    # rows alternate between the roots: (root, t1, t2, t3) against the half-half mixture of their laws
+    joint = np.stack([p[0, r][:, None, None] * p[1][:, :, None] * p[2][None, :, :] for r in ROOTS]) / len(ROOTS)
+    which = np.arange(n) % len(ROOTS)
+    cells = np.ravel_multi_index((which, *np.asarray(out).T), (len(ROOTS),) + (VOCAB,) * NUM_EMITTED)
+    return chi_square_p(cells, joint.reshape(-1)), float(np.mean(accepted)), tree
+
+
+def assert_prefixes(parent, rank):
+    for p, r in zip(parent, rank, strict=True):
+        for node in range(len(p)):
+            kids = np.flatnonzero(p[1:] == node) + 1
+            assert sorted(r[kids].tolist()) == list(range(len(kids))), (p, r)  # a prefix of the sampling order
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_value_driven_shapes_sample_the_target(temperature):
+    p, accepted, tree = check_synthetic(temperature)
+    parent, rank = np.asarray(tree.parent), np.asarray(tree.rank)
+    shapes = {tuple(a) + tuple(b) for a, b in zip(parent, rank, strict=True)}
+    assert len(shapes) >= 4, shapes  # the value reads the draft: the shape varies per row
+    assert set(np.sum(parent[:, 1:] == 0, axis=1).tolist()) == {1, 2}  # the root branches or not
+    assert_prefixes(parent[:2000], rank[:2000])
+    assert p > ALPHA, (p, accepted)
+    assert accepted > 0.8, accepted
+
+
+def test_value_reading_the_childs_own_probability_is_caught():
+    p, accepted, _ = check_synthetic(1.0, "own_prob")
+    assert p < ALPHA, (p, accepted)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 6))
+def _draft(params, cfg, spec, tokens, lengths, sampling, values):
+    state, root, hidden = prefill_for_speculation(params, cfg, tokens, lengths, 64, sampling)
+    cycle = jnp.zeros((tokens.shape[0],), jnp.int32)
+    return draft_and_prune(params, cfg, spec, state, root, hidden, "residual", sampling, cycle, values=values)
+
+
+@pytest.mark.long  # ~1 minute of compiling on one core; the synthetic test above checks the same in CI
+def test_residual_values_vary_the_shape_and_keep_prefixes(confident_params, test_cfg):
+    spec = js.SpecConfig.parse("s3_k2_d6")
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(1, test_cfg.vocab_size, (128, 8)), jnp.int32)
+    lengths = jnp.full((128,), 8, jnp.int32)
+    sampling = Sampling.create(1.0, key=jax.random.key(3))
+    tree = _draft(confident_params, test_cfg, spec, tokens, lengths, sampling, calibration_with([branchy_map()]))
+    parent, rank = np.asarray(tree.parent), np.asarray(tree.rank)
+    shapes = {tuple(p) + tuple(r) for p, r in zip(parent, rank, strict=True)}
+    assert len(shapes) >= 3, shapes  # the value reads the draft: the shape is not fixed
+    root_children = np.sum((parent[:, 1:] == 0), axis=1)
+    assert set(root_children.tolist()) == {1, 2}, np.bincount(root_children)  # branches at the root or not
+    assert_prefixes(parent, rank)
+    # the prior (no residual maps) keeps one shape for every row
+    prior = _draft(confident_params, test_cfg, spec, tokens, lengths, sampling, calibration_with([]))
+    assert len({tuple(p) for p in np.asarray(prior.parent)}) == 1
+
+
+def test_residual_table_is_monotone_and_nearest_in_temperature():
+    rising = np.full(SHAPE, 0.2)
+    rising[:, 1] = 0.6  # rank 1 above rank 0: must be cut to rank 0's value
+    maps = (ValueMap("residual", 0.6, tuple(rising.ravel()), (0,) * rising.size), branchy_map(1.0))
+    spec = js.SpecConfig.parse("s3_k4_d8")
+    low = np.asarray(residual_table(maps, spec, jnp.float32(0.7)))
+    assert low.shape == (3, 4, len(PROB_EDGES) + 1)
+    np.testing.assert_allclose(low[:, 1], np.log(0.2), rtol=1e-6)
+    high = np.asarray(residual_table(maps, spec, jnp.float32(0.9)))
+    np.testing.assert_allclose(high[:, 0], np.log(branchy_map().array()[:3, 0]), rtol=1e-6)
+    assert (np.diff(high, axis=1) <= 0).all() and (high <= 0).all()
+
+
+def test_residual_maps_round_trip_json():
+    cal = calibration_with([branchy_map(1.0), branchy_map(0.6)])
+    back = Calibration.from_json(cal.to_json())
+    assert [m.temperature for m in back.residual] == [0.6, 1.0] and back.sampling == ()
+    assert back.residual == cal.residual and back.greedy == cal.greedy
+    no_residual = dataclasses.replace(cal, residual=())
+    assert Calibration.from_json(no_residual.to_json()).residual == ()
+
+
+@pytest.mark.long  # ~2 minutes; test_value_driven_shapes_sample_the_target checks the rule with the same values
+@pytest.mark.parametrize("setting", ["t1"])
+def test_residual_values_sample_the_target(confident_params, test_cfg, monkeypatch, setting):
+    """The chi-square harness of test_sampling.py through a K = 2 tree ranked by the branchy values."""
+    cal = calibration_with([branchy_map(1.0)])
+    monkeypatch.setattr(js, "speculative_generate", functools.partial(js.speculative_generate, calibration=cal))
+    result = check_end_to_end(confident_params, test_cfg, "s3_k2_d6", setting)
+    assert_samples_the_target(result)
+    assert result["tau"] > 1.3, result
