@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_sampled_values import branchy_map, calibration_with
 from test_sampling import assert_samples_the_target, check_end_to_end
 
 import jaxspec as js
@@ -78,6 +79,13 @@ def test_per_cycle_widths_are_greedy_exact_and_compile_once(agreeing_params, tes
 @pytest.mark.parametrize("accept", ["residual", "target"])
 @pytest.mark.parametrize("temperature", [0.6, 1.0])
 def test_per_cycle_widths_sample_the_target(confident_params, test_cfg, accept, temperature):
-    spec = js.SpecConfig(3, 2, 6, widths=(3, 6), width_threshold=0.5)
-    result = check_end_to_end(confident_params, test_cfg, spec, (temperature, None, None), accept=accept)
+    # Top-K drafts ranked by raw draft log-probs: at 0.98 the width varies from cycle to cycle (2-4 of 6).
+    # Sampled drafts ranked by residual values that read the parent's q: this confident draft puts
+    # every row in the same bins, so at 0.9 the cycles verify 4 of the 6 nodes (a sub-tree of sampled
+    # children and their q); the switching itself is checked greedily above.
+    spec = js.SpecConfig(3, 2, 6, widths=(2, 3, 4, 6), width_threshold=0.9 if accept == "residual" else 0.98)
+    calibration = calibration_with([branchy_map(temperature)]) if accept == "residual" else None
+    result = check_end_to_end(confident_params, test_cfg, spec, (temperature, None, None), accept=accept,
+                              calibration=calibration)
     assert_samples_the_target(result)
+    assert result["mean_verified"] < 6, result
