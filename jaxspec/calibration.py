@@ -12,7 +12,7 @@ train-split prompts; the same collection on held-out prompts measures the calibr
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -46,26 +46,23 @@ COLLECT_TOPK = 4  # ranks recorded at every chain node (3+ share the last rank b
 FIELDS = ("depth", "rank", "own_prob", "parent_top1", "label", "context")
 
 
-def draft_chain_topk(
+def draft_chain(
     params: ModelParams,
     cfg: ModelConfig,
     state: DecodeState,  # committed; state.mtp_length == state.length - 1
     root: jax.Array,  # [B] int32
     root_hidden: jax.Array,  # [B, hc, d]
     num_steps: int,
-    k: int,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The top-1 chain `draft_tree` drafts for s{num_steps}_k1, plus the top-k of the draft's
-    distribution at every chain node -> chain [B, S], top_logp [B, S, k], top_token [B, S, k].
-
-    A tree node whose parent is on the accepted path sees exactly the draft state of this chain
-    (its ancestors are the accepted path), so every sibling's features and outcome can be read off
-    the chain without verifying the siblings."""
+    choose: Callable[[int, jax.Array], tuple[jax.Array, Any]],  # (step, logits [B, V]) -> (token [B], record)
+) -> tuple[jax.Array, list[Any]]:
+    """An MTP chain of `num_steps` steps from the root, each step's token picked by `choose`; each step
+    reads the committed MTP ring plus the chain's own earlier steps, as `draft_tree`'s sS_k1 chain
+    does -> (chain [B, S], the records `choose` returned, one per step)."""
     b = root.shape[0]
     scratch_kv = jnp.zeros((b, num_steps, cfg.head_dim), jnp.dtype(cfg.dtype))
     scratch_pos = jnp.zeros((b, num_steps), jnp.int32)
     token, hidden = root[:, None], root_hidden[:, None]
-    chain, top_logps, top_tokens = [], [], []
+    chain, records = [], []
     for step in range(num_steps):
         positions = state.mtp_length[:, None] + step  # [B, 1]
         ctx = AttentionContext(
@@ -81,12 +78,35 @@ def draft_chain_topk(
         logits, z, rows = mtp_forward(params, cfg, state, hidden, token, ctx)
         scratch_kv = scratch_kv.at[:, step].set(rows.kv[:, 0].astype(scratch_kv.dtype))
         scratch_pos = scratch_pos.at[:, step].set(positions[:, 0])
-        top_logp, top_token = jax.lax.top_k(jax.nn.log_softmax(logits[:, 0], axis=-1), k)  # [B, k]
-        top_logps.append(top_logp)
-        top_tokens.append(top_token.astype(jnp.int32))
-        token, hidden = top_tokens[-1][:, :1], z
-        chain.append(token[:, 0])
-    return jnp.stack(chain, 1), jnp.stack(top_logps, 1), jnp.stack(top_tokens, 1)
+        next_token, record = choose(step, logits[:, 0])
+        records.append(record)
+        chain.append(next_token)
+        token, hidden = next_token[:, None], z
+    return jnp.stack(chain, 1), records
+
+
+def draft_chain_topk(
+    params: ModelParams,
+    cfg: ModelConfig,
+    state: DecodeState,  # committed; state.mtp_length == state.length - 1
+    root: jax.Array,  # [B] int32
+    root_hidden: jax.Array,  # [B, hc, d]
+    num_steps: int,
+    k: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The top-1 chain `draft_tree` drafts for s{num_steps}_k1, plus the top-k of the draft's
+    distribution at every chain node -> chain [B, S], top_logp [B, S, k], top_token [B, S, k].
+
+    A tree node whose parent is on the accepted path sees exactly the draft state of this chain
+    (its ancestors are the accepted path), so every sibling's features and outcome can be read off
+    the chain without verifying the siblings."""
+
+    def top(step, logits):
+        top_logp, top_token = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)  # [B, k]
+        return top_token[:, 0].astype(jnp.int32), (top_logp, top_token.astype(jnp.int32))
+
+    chain, records = draft_chain(params, cfg, state, root, root_hidden, num_steps, top)
+    return chain, jnp.stack([r[0] for r in records], 1), jnp.stack([r[1] for r in records], 1)
 
 
 @functools.partial(bounded_jit, static_argnums=(1, 4, 5, 6, 7))

@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.calibration import draft_chain
 from jaxspec.config import ModelConfig, SpecConfig
 from jaxspec.generate import length_bucket, prefill_for_speculation, prepare_prompts
-from jaxspec.layers.attention import AttentionContext
-from jaxspec.model import ModelParams, forward, mtp_forward
+from jaxspec.model import ModelParams, forward
 from jaxspec.programs import bounded_jit
 from jaxspec.sampling import Sampling, processed_logprobs
 from jaxspec.state import DecodeState
@@ -51,32 +51,13 @@ def draft_chain_sampled(
 ) -> tuple[jax.Array, jax.Array]:
     """A chain whose every token is a draw from the draft's processed distribution -> (chain [B, S],
     log q [B, S, V]: the distribution chain token j was drawn from)."""
-    b = root.shape[0]
-    scratch_kv = jnp.zeros((b, num_steps, cfg.head_dim), jnp.dtype(cfg.dtype))
-    scratch_pos = jnp.zeros((b, num_steps), jnp.int32)
-    token, hidden = root[:, None], root_hidden[:, None]
-    chain, logqs = [], []
-    for step in range(num_steps):
-        positions = state.mtp_length[:, None] + step  # [B, 1]
-        ctx = AttentionContext(
-            positions=positions,
-            committed=state.mtp_length,
-            visible=jnp.ones((b, 1, 1), bool),
-            ancestor_at_depth=jnp.zeros((b, 1, 1), jnp.int32),
-            valid=jnp.ones((b, 1), bool),
-            prior_kv=scratch_kv,
-            prior_positions=scratch_pos,
-            prior_visible=jnp.broadcast_to(jnp.arange(num_steps) < step, (b, 1, num_steps)),
-        )
-        logits, z, rows = mtp_forward(params, cfg, state, hidden, token, ctx)
-        scratch_kv = scratch_kv.at[:, step].set(rows.kv[:, 0].astype(scratch_kv.dtype))
-        scratch_pos = scratch_pos.at[:, step].set(positions[:, 0])
-        logq = processed_logprobs(logits[:, 0], sampling.temperature, sampling.top_k, sampling.top_p)  # [B, V]
-        draw = jax.vmap(lambda k, lq: jax.random.categorical(k, lq))(keys[:, step], logq).astype(jnp.int32)
-        logqs.append(logq)
-        chain.append(draw)
-        token, hidden = draw[:, None], z
-    return jnp.stack(chain, 1), jnp.stack(logqs, 1)
+    def draw(step, logits):
+        logq = processed_logprobs(logits, sampling.temperature, sampling.top_k, sampling.top_p)  # [B, V]
+        token = jax.vmap(lambda key, lq: jax.random.categorical(key, lq))(keys[:, step], logq).astype(jnp.int32)
+        return token, logq
+
+    chain, logqs = draft_chain(params, cfg, state, root, root_hidden, num_steps, draw)
+    return chain, jnp.stack(logqs, 1)
 
 
 def replay_labels(

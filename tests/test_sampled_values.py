@@ -207,3 +207,18 @@ def test_residual_values_sample_the_target(confident_params, test_cfg, monkeypat
     result = check_end_to_end(confident_params, test_cfg, "s3_k2_d6", setting)
     assert_samples_the_target(result)
     assert result["tau"] > 1.3, result
+
+
+def test_residual_collection_labels_one_accepted_rank_at_most(confident_params, test_cfg):
+    """`collect_residual` (jaxspec/calibration_residual.py) on the test model: every node's labels are
+    shares in [0, 1] summing to at most 1 over its ranks (one child accepted per replay at most), and
+    a first draw is accepted more often than a second on this confident draft."""
+    from jaxspec.calibration_residual import collect_residual
+
+    samples = collect_residual(confident_params, test_cfg, [[5, 6, 7, 8, 9, 10, 11], [3, 4]], 1.0, cycles=3,
+                               batch_size=2, num_steps=3, topk=2, replays=4)
+    label, rank = samples["label"], samples["rank"]
+    assert label.size and np.all((label >= 0) & (label <= 1))
+    per_node = label.reshape(-1, 2).sum(1)  # ranks 0, 1 of one node are adjacent
+    assert np.all(per_node <= 1 + 1e-6) and np.array_equal(rank.reshape(-1, 2), np.tile([0, 1], (per_node.size, 1)))
+    assert label[rank == 0].mean() > 2 * label[rank == 1].mean(), (label[rank == 0], label[rank == 1])
