@@ -12,7 +12,7 @@ train-split prompts; the same collection on held-out prompts measures the calibr
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -158,6 +158,35 @@ def _collect_loop(
     return records
 
 
+def chain_cycles_in_slices(
+    params: ModelParams,
+    cfg: ModelConfig,
+    prompts: Sequence[Sequence[int]],
+    cycles: int,
+    num_steps: int,
+    batch_size: int,
+    run: Callable[[jax.Array, jax.Array, int], tuple[jax.Array, ...]],  # (tokens, lengths, max_len) -> records
+) -> Iterator[list[np.ndarray]]:
+    """The prompts in slices of `batch_size` rows (one program for every slice, the last one padded),
+    each through `run`, a jitted loop of `cycles` s{num_steps}_k1 chain cycles -> per slice its records
+    [C, b, ...] with the padding rows cut. Checks what `generate` checks first."""
+    if params.mtp is None:
+        raise ValueError("calibration needs an MTP draft block; these params have none")
+    if not prompts:
+        raise ValueError("no prompts to calibrate on")
+    SpecConfig(num_steps, 1, num_steps + 1).validate_for(cfg)
+    generated = cycles * (num_steps + 1) + 1
+    batch = prepare_prompts(cfg, prompts, generated)  # the checks `generate` makes, and the width bucket
+    sb = batch.tokens.shape[1]
+    max_len = length_bucket(sb + generated, cfg.max_position_embeddings, minimum=64)
+    for start in range(0, batch.batch, batch_size):
+        n = min(batch_size, batch.batch - start)
+        tokens = np.zeros((batch_size, sb), np.int32)
+        lengths = np.ones((batch_size,), np.int32)
+        tokens[:n], lengths[:n] = batch.tokens[start : start + n], batch.lengths[start : start + n]
+        yield [np.asarray(x)[:, :n] for x in run(jnp.asarray(tokens), jnp.asarray(lengths), max_len)]
+
+
 def collect(
     params: ModelParams,
     cfg: ModelConfig,
@@ -170,27 +199,13 @@ def collect(
     seed: int = 0,
 ) -> dict[str, np.ndarray]:
     """Node samples (FIELDS) of `cycles` chain cycles per prompt, greedy or sampled at `temperature`."""
-    if params.mtp is None:
-        raise ValueError("calibration needs an MTP draft block; these params have none")
-    if not prompts:
-        raise ValueError("no prompts to calibrate on")
-    SpecConfig(num_steps, 1, num_steps + 1).validate_for(cfg)
-    generated = cycles * (num_steps + 1) + 1
-    batch = prepare_prompts(cfg, prompts, generated)  # the checks `generate` makes, and the width bucket
-    sb = batch.tokens.shape[1]
-    max_len = length_bucket(sb + generated, cfg.max_position_embeddings, minimum=64)
     sampling = Sampling.create(temperature, key=jax.random.key(seed))
     parts: dict[str, list[np.ndarray]] = {f: [] for f in FIELDS}
-    for start in range(0, batch.batch, batch_size):
-        n = min(batch_size, batch.batch - start)
-        tokens = np.zeros((batch_size, sb), np.int32)  # one program for every slice, the last one too
-        lengths = np.ones((batch_size,), np.int32)
-        tokens[:n], lengths[:n] = batch.tokens[start : start + n], batch.lengths[start : start + n]
-        top_logp, label, mask, context = (
-            np.asarray(x)[:, :n]
-            for x in _collect_loop(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths), num_steps, topk, cycles,
-                                   max_len, sampling)
-        )  # [C, b, S, k]
+    for top_logp, label, mask, context in chain_cycles_in_slices(
+        params, cfg, prompts, cycles, num_steps, batch_size,
+        lambda tokens, lengths, max_len: _collect_loop(params, cfg, tokens, lengths, num_steps, topk, cycles, max_len,
+                                                       sampling),
+    ):  # [C, b, S, k]
         keep = mask.astype(bool)
         depth = np.broadcast_to(np.arange(1, num_steps + 1)[:, None], mask.shape)
         rank = np.broadcast_to(np.arange(topk), mask.shape)

@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.calibration import draft_chain
-from jaxspec.config import ModelConfig, SpecConfig
-from jaxspec.generate import length_bucket, prefill_for_speculation, prepare_prompts
+from jaxspec.calibration import chain_cycles_in_slices, draft_chain
+from jaxspec.config import ModelConfig
+from jaxspec.generate import prefill_for_speculation
 from jaxspec.model import ModelParams, forward
 from jaxspec.programs import bounded_jit
 from jaxspec.sampling import Sampling, processed_logprobs
@@ -145,29 +145,15 @@ def collect_residual(
     seed: int = 0,
 ) -> dict[str, np.ndarray]:
     """Node samples (FIELDS) of `cycles` sampled chain cycles per prompt at `temperature`."""
-    if params.mtp is None:
-        raise ValueError("calibration needs an MTP draft block; these params have none")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 for residual values, got {temperature}")
-    if not prompts:
-        raise ValueError("no prompts to calibrate on")
-    SpecConfig(num_steps, 1, num_steps + 1).validate_for(cfg)
-    generated = cycles * (num_steps + 1) + 1
-    batch = prepare_prompts(cfg, prompts, generated)
-    sb = batch.tokens.shape[1]
-    max_len = length_bucket(sb + generated, cfg.max_position_embeddings, minimum=64)
     sampling = Sampling.create(temperature, top_p=top_p, key=jax.random.key(seed))
     parts: dict[str, list[np.ndarray]] = {f: [] for f in FIELDS}
-    for start in range(0, batch.batch, batch_size):
-        n = min(batch_size, batch.batch - start)
-        tokens = np.zeros((batch_size, sb), np.int32)  # one program for every slice, the last one too
-        lengths = np.ones((batch_size,), np.int32)
-        tokens[:n], lengths[:n] = batch.tokens[start : start + n], batch.lengths[start : start + n]
-        label, top1, entropy, mask = (
-            np.asarray(x)[:, :n]
-            for x in _collect_residual_loop(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths), num_steps, topk,
-                                            cycles, max_len, sampling, replays)
-        )  # label [C, b, S, k]; the rest [C, b, S]
+    for label, top1, entropy, mask in chain_cycles_in_slices(
+        params, cfg, prompts, cycles, num_steps, batch_size,
+        lambda tokens, lengths, max_len: _collect_residual_loop(params, cfg, tokens, lengths, num_steps, topk, cycles,
+                                                                max_len, sampling, replays),
+    ):  # label [C, b, S, k]; the rest [C, b, S]
         keep = np.broadcast_to(mask[..., None], label.shape)
         parts["depth"].append(np.broadcast_to(np.arange(1, num_steps + 1)[:, None], label.shape)[keep])
         parts["rank"].append(np.broadcast_to(np.arange(topk), label.shape)[keep])

@@ -18,7 +18,7 @@ import numpy as np
 from jaxspec import state as state_lib
 from jaxspec.checks import is_int, next_power_of_two, positive_int
 from jaxspec.config import ModelConfig, SpecConfig
-from jaxspec.model import ModelParams, check_params, extend, forward
+from jaxspec.model import ModelParams, check_params, extend
 from jaxspec.prefill import chunked_prefill, prefill_for_speculation
 from jaxspec.programs import bounded_jit
 from jaxspec.runner import on_mesh, pad_batch
@@ -26,8 +26,7 @@ from jaxspec.sampling import Sampling, sample_tokens, validate_sampling
 from jaxspec.sharding.active import constrain_state
 from jaxspec.sharding.rules import check_mesh
 from jaxspec.tree.commit import commit_accepted_path
-from jaxspec.tree.plan import build_plan, verify_context
-from jaxspec.tree.rules import accept_tree, choose_rule, draft_and_prune
+from jaxspec.tree.rules import choose_rule, draft_and_prune, verify_tree
 from jaxspec.tree.values import CONTEXT_CAP, Calibration, context_bins, draft_fingerprint, resolve_scores
 from jaxspec.tree.widths import accepted_path, verify_in_width
 from jaxspec.tuning import NO_SPECULATION, auto_spec, registered_tuning
@@ -362,9 +361,7 @@ def draft_and_verify(
     The verify scratch (`verify_out.rows`) holds every node's rows; the commit keeps the accepted path's."""
     tree = draft_and_prune(params, cfg, spec, state, root, last_hidden, accept, sampling, cycle, values=values,
                            context=context)
-    plan = build_plan(tree.parent, state.length, spec.num_steps)
-    verify_out = forward(params, cfg, state, tree.tokens, verify_context(plan, state.length))
-    return tree, verify_out, accept_tree(spec, tree, verify_out.logits, sampling, cycle)
+    return tree, *verify_tree(params, cfg, spec, state, tree, sampling, cycle)
 
 
 def speculative_cycle(

@@ -13,10 +13,11 @@ from __future__ import annotations
 import jax
 
 from jaxspec.config import ModelConfig, SpecConfig
-from jaxspec.model import ModelParams
+from jaxspec.model import ModelParams, forward
 from jaxspec.sampling import Sampling
 from jaxspec.state import DecodeState
 from jaxspec.tree.draft import Tree, draft
+from jaxspec.tree.plan import build_plan, verify_context
 from jaxspec.tree.sampled import make_sampled_draft
 from jaxspec.tree.values import Calibration
 from jaxspec.tree.verify import Acceptance, residual_tree_accept, tree_accept
@@ -55,6 +56,21 @@ def draft_and_prune(
         sampler = make_sampled_draft(spec, sampling, cycle, log_value, residual)
     return draft(params, cfg, spec, state, root, last_hidden, values=values, sampling=sampling, sampler=sampler,
                  context=context)
+
+
+def verify_tree(
+    params: ModelParams,
+    cfg: ModelConfig,
+    spec: SpecConfig,
+    state: DecodeState,
+    tree: Tree,
+    sampling: Sampling | None,
+    cycle: jax.Array | None,  # [B] int32
+):
+    """plan -> target forward over the tree -> accept, nothing committed -> (verify_out, acceptance)."""
+    plan = build_plan(tree.parent, state.length, spec.num_steps)
+    verify_out = forward(params, cfg, state, tree.tokens, verify_context(plan, state.length))
+    return verify_out, accept_tree(spec, tree, verify_out.logits, sampling, cycle)
 
 
 def accept_tree(

@@ -20,13 +20,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.config import ModelConfig, SpecConfig
-from jaxspec.model import ModelParams, forward
+from jaxspec.model import ModelParams
 from jaxspec.sampling import Sampling
 from jaxspec.state import DecodeState
 from jaxspec.tree.commit import commit_accepted_path
 from jaxspec.tree.draft import DraftPool, Tree, prune_to_budget
-from jaxspec.tree.plan import build_plan, verify_context
-from jaxspec.tree.rules import accept_tree
+from jaxspec.tree.rules import verify_tree
 from jaxspec.tree.verify import Acceptance
 
 
@@ -83,9 +82,7 @@ def verify_in_width(
     def in_width(width: int):
         def run(_):
             sub = shrink(tree, width)
-            plan = build_plan(sub.parent, state.length, spec.num_steps)
-            out = forward(params, cfg, state, sub.tokens, verify_context(plan, state.length))
-            acc = accept_tree(spec, sub, out.logits, sampling, cycle)
+            out, acc = verify_tree(params, cfg, spec, state, sub, sampling, cycle)
             new_state, new_hidden = commit_accepted_path(params, cfg, state, sub.tokens, out, acc, last_hidden, active)
             return (new_state, new_hidden, *accepted_path(sub, acc), acc.num_accepted, acc.bonus)
 
