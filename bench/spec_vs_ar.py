@@ -31,7 +31,9 @@ prefill, as `_speculative_loop` does), cache sized as the end-to-end run:
   (c) verify  = target forward with verify_context (d) accept = tree_accept + commit_accepted_path
 each timed by `stages.time_stages` (block_until_ready, median over `stage-iters` calls), plus a
 1-token decode step (`stages.ar_step`, T=1, on generate's cache size) for reference. break-even
-tau = sum of stages / decode step: the mean accepted length a spec needs to match AR per cycle.
+tau = sum of stages / decode step: the mean accepted length a spec needs to match AR per cycle;
+tau for 1.2x = 1.2 x that; max tau = S + 1 (the deepest path plus the bonus token), so a spec whose
+tau for 1.2x exceeds it cannot reach 1.2x at this cycle cost whatever its acceptance.
 e2e ms/cycle = that spec's end-to-end run time / its loop cycles (prefill included; the whole cycle
 fused in the while_loop). `--fused-cycle` also times `stages.cycle` (the whole cycle in one jit, one
 more compile per spec). The AR step and the fused cycle advance the state they are timed on, so
@@ -67,6 +69,7 @@ DEFAULT_SPECS = ["s3_k1_d4", "s7_k1_d8", "s3_k2_d6", "s4_k2_d8"]
 VARIANTS = ("random", "agreeing")
 CHECKPOINT = "checkpoint"  # the one variant of a --checkpoint run
 STAGES = st.STAGES  # ("draft", "plan", "verify", "accept")
+TARGET_SPEEDUP = 1.2  # the batch-1 bar of the calibrated-trees and sampling issues
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,6 +223,10 @@ def bench_stages(params, cfg, prompts, specs, new_tokens: int, iters: int, fused
     for name in specs:
         row = _bench_one_spec(params, cfg, name, prompt_tokens, new_tokens, iters, fused)
         row["break_even_tau"] = row["sum_of_stages_ms"] / ms
+        # A cycle emits at most its deepest path plus the bonus token, whatever the draft: where even
+        # that is below the tau a target speed-up needs, no calibration or acceptance rule reaches it.
+        row["max_tau"] = js.SpecConfig.parse(name).num_steps + 1
+        row["tau_for_target"] = TARGET_SPEEDUP * row["break_even_tau"]
         result["specs"].append(row)
     return result
 
@@ -292,27 +299,31 @@ def _print_stages(con, stages, args, variants, facts) -> None:
         table = Table(title=f"one cycle, per stage, ms (% of sum): batch {b}, prompt {args.prompt_len}, "
                             f"'{variants[0]}' params ({facts['backend'].upper()})")
         table.add_column("spec", no_wrap=True)
-        names = ["draft+prune", "plan", "verify fwd", "accept+commit", "sum", "break-even tau", "e2e ms/cycle"]
+        names = ["draft+prune", "plan", "verify fwd", "accept+commit", "sum", "break-even tau",
+                 f"tau for {TARGET_SPEEDUP}x", "max tau", "e2e ms/cycle"]
         if args.fused_cycle:
             names.append("fused cycle")
         for name in names:
             table.add_column(name, justify="right", no_wrap=True)
         for r in res["specs"]:
             cells = [f"{r['stage_ms'][s]:.2f} ({r['stage_pct'][s]:.0f}%)" for s in STAGES]
+            reach = "" if r["tau_for_target"] <= r["max_tau"] else " [red](>max)[/]"
             cells += [f"{r['sum_of_stages_ms']:.2f}", f"{r['break_even_tau']:.2f}",
-                      _fmt(r["e2e_ms_per_cycle"])]
+                      f"{r['tau_for_target']:.2f}{reach}", str(r["max_tau"]), _fmt(r["e2e_ms_per_cycle"])]
             if args.fused_cycle:
                 cells.append(_fmt(r["fused_cycle_ms"]))
             table.add_row(r["spec"], *cells)
         table.add_section()
         table.add_row("AR step", "", "", f"{res['decode_step_ms']:.2f}", "", f"{res['decode_step_ms']:.2f}",
-                      "1.00", "", *([""] if args.fused_cycle else []))
+                      "1.00", "", "", "", *([""] if args.fused_cycle else []))
         con.print(table)
     con.print(
         f"Stages of jaxspec.stages jitted separately, median of {args.stage_iters} calls each "
         "(block_until_ready; one dispatch each); AR step = 1-token decode (stages.ar_step, T=1) on generate's "
-        "cache size; break-even tau = sum / AR step; e2e ms/cycle = end-to-end run time / loop cycles (prefill "
-        "included)" + ("; fused cycle = stages.cycle" if args.fused_cycle else "") + ". The AR step"
+        f"cache size; break-even tau = sum / AR step; tau for {TARGET_SPEEDUP}x = {TARGET_SPEEDUP} x break-even "
+        "(prefill aside); max tau = S + 1, the deepest path plus the bonus token (>max: no acceptance reaches that "
+        "speed-up at this cycle cost); e2e ms/cycle = end-to-end run time / loop cycles (prefill included)"
+        + ("; fused cycle = stages.cycle" if args.fused_cycle else "") + ". The AR step"
         + (" and the fused cycle carry their state forward, so they run" if args.fused_cycle
            else " carries its state forward, so it runs") + " at most as many calls as the cache holds."
     )
