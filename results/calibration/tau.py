@@ -39,7 +39,9 @@ def measure(m, prompts, names, spec, new, calibration=None):
     ps = out.stats["per_sequence"]
     acc, cyc = np.asarray(ps["accepted"]), np.asarray(ps["cycles"])
     rec = {"scores": out.stats["scores"], "tau_all": float((acc.sum() + cyc.sum()) / cyc.sum()),
-           "seconds": time.time() - t}
+           "seconds": time.time() - t,
+           # per prompt, in prompt order: what gain_ci.py resamples for a confidence interval
+           "per_sequence": {"dataset": names.tolist(), "accepted": acc.tolist(), "cycles": cyc.tolist()}}
     for ds in DATASETS:
         sel = names == ds
         rec[ds] = float((acc[sel].sum() + cyc[sel].sum()) / cyc[sel].sum())

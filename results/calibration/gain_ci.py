@@ -1,0 +1,48 @@
+"""Tree over chain, greedy tau, with a paired bootstrap 95% interval per dataset.
+
+    python results/calibration/gain_ci.py RECORDS.jsonl CHAIN_SPEC TREE_SPEC [--draws 10000]
+
+Reads two records of `tau.py` (the latest of each spec) that carry `per_sequence` (same prompts,
+same order) and resamples prompts with replacement within each dataset, the same draw for both
+specs: tau = (accepted + cycles) / cycles over the drawn prompts, gain = tree tau / chain tau - 1.
+"""
+import json
+import sys
+
+import numpy as np
+
+
+def main():
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    draws = int(sys.argv[sys.argv.index("--draws") + 1]) if "--draws" in sys.argv else 10000
+    if "--draws" in sys.argv:
+        args.remove(str(draws))
+    path, chain_spec, tree_spec = args
+    recs = {}
+    for line in open(path):
+        if line.strip():
+            r = json.loads(line)
+            if "per_sequence" in r:
+                recs[r["spec"]] = r
+    chain, tree = recs[chain_spec], recs[tree_spec]
+    names = np.asarray(chain["per_sequence"]["dataset"])
+    if names.tolist() != tree["per_sequence"]["dataset"]:
+        raise SystemExit("the two records were measured on different prompts")
+    rng = np.random.default_rng(0)
+    print(f"{tree_spec} over {chain_spec}, {chain['prompts_per_dataset']} prompts per dataset, "
+          f"{chain['new_tokens']} new tokens; paired bootstrap over prompts, {draws} draws")
+    print("| dataset | chain tau | tree tau | gain | 95% interval |\n|---|---:|---:|---:|---|")
+    for ds in [*dict.fromkeys(names.tolist()), "all"]:
+        sel = np.ones(len(names), bool) if ds == "all" else names == ds
+        a = {k: np.asarray(r["per_sequence"]["accepted"])[sel] for k, r in (("c", chain), ("t", tree))}
+        c = {k: np.asarray(r["per_sequence"]["cycles"])[sel] for k, r in (("c", chain), ("t", tree))}
+        tau = {k: (a[k].sum() + c[k].sum()) / c[k].sum() for k in "ct"}
+        idx = rng.integers(0, sel.sum(), size=(draws, sel.sum()))
+        boot = {k: (a[k][idx].sum(1) + c[k][idx].sum(1)) / c[k][idx].sum(1) for k in "ct"}
+        lo, hi = np.percentile(100 * (boot["t"] / boot["c"] - 1), [2.5, 97.5])
+        print(f"| {ds} | {tau['c']:.3f} | {tau['t']:.3f} | {100 * (tau['t'] / tau['c'] - 1):+.1f}% | "
+              f"{lo:+.1f}% .. {hi:+.1f}% |")
+
+
+if __name__ == "__main__":
+    main()
