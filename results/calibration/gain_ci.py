@@ -6,20 +6,22 @@ Reads two records of `tau.py` (the latest of each spec) that carry `per_sequence
 same order) and resamples prompts with replacement within each dataset, the same draw for both
 specs: tau = (accepted + cycles) / cycles over the drawn prompts, gain = tree tau / chain tau - 1.
 """
+import argparse
 import json
-import sys
 
 import numpy as np
 
 
 def main():
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    draws = int(sys.argv[sys.argv.index("--draws") + 1]) if "--draws" in sys.argv else 10000
-    if "--draws" in sys.argv:
-        args.remove(str(draws))
-    path, chain_spec, tree_spec = args
+    p = argparse.ArgumentParser(description="tree over chain tau with a paired bootstrap interval")
+    p.add_argument("records")
+    p.add_argument("chain_spec")
+    p.add_argument("tree_spec")
+    p.add_argument("--draws", type=int, default=10000)
+    args = p.parse_args()
+    chain_spec, tree_spec, draws = args.chain_spec, args.tree_spec, args.draws
     recs = {}
-    for line in open(path):
+    for line in open(args.records):
         if line.strip():
             r = json.loads(line)
             if "per_sequence" in r:
