@@ -192,7 +192,10 @@ def _bench_one_spec(params, cfg, name: str, prompt_tokens, new_tokens: int, iter
     max_len = length_bucket(prompt_len + new_tokens + spec.num_steps + 1, cfg.max_position_embeddings, minimum=64)
     state, root, last_hidden = _prefill(params, cfg, prompt_tokens, max_len)
     timed = st.time_stages(params, cfg, spec, state, root, last_hidden, iters, values)
-    row: dict[str, Any] = {"spec": name, "scores": spec.scores, "max_len": max_len, **timed, "fused_cycle_ms": None}
+    # A cycle emits at most its deepest path plus the bonus token, whatever the draft: where even that
+    # is below the tau a target speed-up needs, no calibration or acceptance rule reaches it.
+    row: dict[str, Any] = {"spec": name, "scores": spec.scores, "max_len": max_len, **timed, "fused_cycle_ms": None,
+                           "max_tau": spec.num_steps + 1}
     if fused:
         # Each call commits up to num_steps + 1 tokens of the carried state: as many calls as the cache holds.
         cycle_iters = max(1, min(iters, (max_len - prompt_len) // (spec.num_steps + 1) - 1))
@@ -223,9 +226,6 @@ def bench_stages(params, cfg, prompts, specs, new_tokens: int, iters: int, fused
     for name in specs:
         row = _bench_one_spec(params, cfg, name, prompt_tokens, new_tokens, iters, fused)
         row["break_even_tau"] = row["sum_of_stages_ms"] / ms
-        # A cycle emits at most its deepest path plus the bonus token, whatever the draft: where even
-        # that is below the tau a target speed-up needs, no calibration or acceptance rule reaches it.
-        row["max_tau"] = js.SpecConfig.parse(name).num_steps + 1
         row["tau_for_target"] = TARGET_SPEEDUP * row["break_even_tau"]
         result["specs"].append(row)
     return result
