@@ -18,7 +18,7 @@ import numpy as np
 from jaxspec import state as state_lib
 from jaxspec.checks import is_int, next_power_of_two, positive_int
 from jaxspec.config import ModelConfig, SpecConfig
-from jaxspec.model import ModelParams, check_params, extend
+from jaxspec.model import ModelParams, check_params, cpu_layout, extend
 from jaxspec.prefill import chunked_prefill, prefill_for_speculation
 from jaxspec.programs import bounded_jit
 from jaxspec.runner import on_mesh, pad_batch
@@ -187,6 +187,8 @@ def generate(
     check_params(params, cfg)
     batch = pad_batch(prepare_prompts(cfg, prompts, opts.max_new_tokens, prompt_lengths), opts.mesh)
     max_len = length_bucket(batch.tokens.shape[1] + opts.max_new_tokens, cfg.max_position_embeddings, minimum=64)
+    if opts.mesh is None:
+        params = cpu_layout(params, cfg)
     tokens, lengths, steps = on_mesh(_generate_loop, opts.mesh, len(batch.lengths))(
         params, cfg, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), opts.max_new_tokens, max_len,
         jnp.int32(opts.eos_id), opts.sampling,
@@ -306,6 +308,8 @@ def speculative_generate(
     batch = pad_batch(prepare_prompts(cfg, prompts, opts.max_new_tokens + extra, prompt_lengths), opts.mesh)
     max_len = length_bucket(batch.tokens.shape[1] + opts.max_new_tokens + extra, cfg.max_position_embeddings,
                             minimum=64)
+    if opts.mesh is None:
+        params = cpu_layout(params, cfg)
     tokens, lengths, stats = on_mesh(_speculative_loop, opts.mesh, len(batch.lengths))(
         params, cfg, spec, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), opts.max_new_tokens, max_len,
         jnp.int32(opts.eos_id), opts.sampling, rule, values,

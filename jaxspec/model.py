@@ -27,7 +27,7 @@ from jaxspec.layers.mhc import (
     init_hyper_conn,
     init_hyper_head,
 )
-from jaxspec.layers.moe import MoEParams, init_moe, moe
+from jaxspec.layers.moe import UNION_MAX_EXPERTS, MoEParams, init_moe, moe, unstack_experts
 from jaxspec.layers.mtp import MTPInputParams, init_mtp_input, mtp_inputs
 from jaxspec.ops.norms import rms_norm
 from jaxspec.ops.quant import abstract_block_scaled, release_layout
@@ -175,6 +175,44 @@ def head_logits(params: ModelParams, cfg: ModelConfig, streams: jax.Array, mtp: 
     hh, norm = (params.mtp.hc_head, params.mtp.norm) if mtp else (params.hc_head, params.norm)
     x = rms_norm(hc_head(hh, cfg, streams), norm, cfg.rms_norm_eps)
     return jnp.einsum("btd,dv->btv", x, params.head, preferred_element_type=jnp.float32)
+
+
+_CPU_LAYOUTS: list[tuple[tuple, ModelParams]] = []  # (the params' leaves, their CPU layout), newest last
+_CPU_LAYOUTS_KEPT = 2
+
+
+def cpu_layout(params: ModelParams, cfg: ModelConfig) -> ModelParams:
+    """`params` with every routed expert weight unstacked into per-expert leaves (`moe.unstack_experts`)
+    when they live on CPU devices, unsharded, and the CPU path reads experts in place (at most
+    UNION_MAX_EXPERTS experts, k < E); else `params` itself. The same values: outputs are bit-identical,
+    a CPU step skips one copy of every selected expert (docs/results.md, "Routed experts on the CPU").
+
+    Called outside jit by the decoding entry points; the last two results are kept (keyed by the
+    identity of the immutable leaves, which each entry holds), so repeated calls convert once."""
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    leaves = tuple(jax.tree.leaves(params))
+    if not (k < e <= UNION_MAX_EXPERTS) or not leaves or not all(_on_one_cpu(x) for x in leaves):
+        return params
+    for kept, converted in _CPU_LAYOUTS:
+        if len(kept) == len(leaves) and all(a is b for a, b in zip(kept, leaves, strict=True)):
+            return converted
+
+    def unstack(block: BlockParams) -> BlockParams:
+        return block.replace(ffn=block.ffn.replace(experts=unstack_experts(block.ffn.experts)))
+
+    mtp = params.mtp
+    converted = params.replace(layers=tuple(unstack(b) for b in params.layers),
+                               mtp=None if mtp is None else mtp.replace(block=unstack(mtp.block)))
+    _CPU_LAYOUTS.append((leaves, converted))
+    del _CPU_LAYOUTS[:-_CPU_LAYOUTS_KEPT]
+    return converted
+
+
+def _on_one_cpu(x: Any) -> bool:
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+        return False
+    devices = x.devices()
+    return len(devices) == 1 and next(iter(devices)).platform == "cpu"
 
 
 def check_params(params: Any, cfg: ModelConfig) -> None:

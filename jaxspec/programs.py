@@ -238,6 +238,31 @@ def _caller_level() -> int:
     return level
 
 
+# ---- compiler options ----------------------------------------------------------------------------
+
+# XLA:CPU hands dots, reductions and elementwise chains to YNNPACK "fusions" by default; at this
+# engine's sizes (a few rows per matmul, 16 x 64 pooling windows) each such call costs 10-70 us of
+# setup where the plain emitters take a few (a compressor's pooling reduce: 68 us as a YNN fusion).
+# Off, a batch-1 decode step and a tree cycle are 10-20% faster and prefill no slower
+# (docs/results.md, "YNN fusions off"). An XLA_FLAGS setting of the same option wins. The option is
+# read by XLA's CPU compiler only; other backends ignore it.
+YNN_OPTION = "xla_cpu_experimental_ynn_fusion_type"
+
+
+@functools.cache
+def compiler_options() -> dict[str, str]:
+    """The options every program of this module compiles with ({} where this XLA lacks the option
+    or XLA_FLAGS sets it)."""
+    if YNN_OPTION in os.environ.get("XLA_FLAGS", ""):
+        return {}
+    options = {YNN_OPTION: ""}
+    try:
+        jax.jit(lambda x: x + 1, compiler_options=options).lower(1.0).compile()
+    except Exception:  # an XLA without the option: its default programs
+        return {}
+    return options
+
+
 # ---- a bounded jax.jit ---------------------------------------------------------------------------
 
 
@@ -261,7 +286,7 @@ class BoundedJit:
     def _jitted(self, key: Hashable) -> Any:
         def build():
             jitted = jax.jit(fresh(self.__wrapped__), static_argnums=self.static_argnums,
-                             donate_argnums=self.donate_argnums)
+                             donate_argnums=self.donate_argnums, compiler_options=compiler_options())
             return jitted, jitted
 
         if self.cache is not None:

@@ -116,7 +116,8 @@ def _build_program(raw, mesh, rules, cfg, args, static, batch):
         for a in dyn_args
     )
     out_shardings = jax.tree.map(lambda sp: NamedSharding(mesh, sp), out_specs, is_leaf=lambda x: isinstance(x, P))
-    return jax.jit(body, in_shardings=in_shardings, out_shardings=out_shardings), post
+    return jax.jit(body, in_shardings=in_shardings, out_shardings=out_shardings,
+                   compiler_options=programs.compiler_options()), post
 
 
 def run_sharded(

@@ -9,13 +9,16 @@ import numpy as np
 import pytest
 
 from jaxspec.layers.moe import (
+    cpu_experts_path,
     dense_experts,
     gathered_experts,
-    gathers_on_cpu,
     grouped_experts,
     moe,
     route,
     sparse_experts,
+    stack_experts,
+    union_experts,
+    unstack_experts,
 )
 
 
@@ -33,8 +36,14 @@ def test_sparse_experts_equal_the_dense_reference(test_params, test_cfg, layer, 
     ids = jax.random.randint(jax.random.key(tokens + 1), (tokens,), 0, cfg.vocab_size)
     indices, weights = route(p, cfg, x, ids)
     want = dense_experts(p.experts, cfg, x, indices, weights)
-    for path in (gathered_experts, grouped_experts, sparse_experts):
+    for path in (gathered_experts, grouped_experts, union_experts, sparse_experts):
         assert _rel_err(path(p.experts, cfg, x, indices, weights), want) <= 1e-6, path.__name__
+    unstacked = unstack_experts(p.experts)
+    assert isinstance(unstacked.w1, tuple) and len(unstacked.w1) == cfg.n_routed_experts
+    for path in (union_experts, sparse_experts):  # per-expert leaves (model.cpu_layout): the same values
+        np.testing.assert_array_equal(path(unstacked, cfg, x, indices, weights),
+                                      path(p.experts, cfg, x, indices, weights), err_msg=path.__name__)
+    np.testing.assert_array_equal(stack_experts(unstacked).w2, p.experts.w2)
     # the whole layer (router, sparse experts, shared expert) against the dense formula
     got = moe(p, cfg, x[None], ids[None])[0]
     shared = p.shared
@@ -52,16 +61,14 @@ def test_sparse_experts_skip_assignments_held_elsewhere(test_params, test_cfg):
     local = jnp.where(indices >= 2, indices - 2, 2)
     want = dense_experts(p.experts, cfg, x, indices, jnp.where(indices >= 2, weights, 0.0))
     assert (np.asarray(local) == 2).any() and (np.asarray(local) < 2).any()
-    for path in (gathered_experts, grouped_experts):
+    for path in (gathered_experts, grouped_experts, union_experts):
         assert _rel_err(path(held, cfg, x, local, weights), want) <= 1e-6, path.__name__
 
 
-
-@pytest.mark.parametrize("tokens, gathered", [(1, True), (6, True), (7, False), (8, False)])
-def test_cpu_path_gathers_up_to_one_and_a_half_assignments_per_expert(tokens, gathered):
-    """On the CPU the selected experts are gathered while N*k <= 1.5 E (8 experts, k = 2: up to 6
-    tokens) and every expert runs on every token beyond that; the rule is read off the lowered
-    program (a dot over the whole [E, d, I] stack only on the dense path)."""
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_cpu_path_reads_only_the_selected_experts(tokens):
+    """With at most UNION_MAX_EXPERTS experts the CPU runs the union path at every token count: no dot
+    over the whole [E, d, I] stack, one conditional per expert, read off the lowered program."""
     from jaxspec.config import ModelConfig
     from jaxspec.gpu_export import expert_stack_dots
     from jaxspec.layers.moe import MLPParams
@@ -73,9 +80,31 @@ def test_cpu_path_gathers_up_to_one_and_a_half_assignments_per_expert(tokens, ga
     experts = MLPParams(w1=s((e, d, i), jnp.float32), w3=s((e, d, i), jnp.float32), w2=s((e, i, d), jnp.float32))
     args = (experts, s((tokens, d), jnp.float32), s((tokens, k), jnp.int32), s((tokens, k), jnp.float32))
     text = jax.jit(lambda ex, x, idx, w: sparse_experts(ex, cfg, x, idx, w)).lower(*args).as_text()
-    assert bool(expert_stack_dots(text, e, d, i)) is not gathered
+    assert not expert_stack_dots(text, e, d, i)
+    assert text.count("stablehlo.case") >= e  # a conditional per expert (platform_dependent adds its own)
 
 
-def test_cpu_path_is_dense_when_every_token_takes_every_expert():
-    assert gathers_on_cpu(4, 4, 2) and not gathers_on_cpu(4, 4, 4)  # k = E: nothing to skip
-    assert gathers_on_cpu(12, 8, 2) and not gathers_on_cpu(14, 8, 2)  # the 1.5 E edge
+def test_cpu_path_rules():
+    assert cpu_experts_path(4, 4, 4) == "dense"  # k = E: nothing to skip
+    assert cpu_experts_path(2, 8, 2) == cpu_experts_path(512, 8, 2) == cpu_experts_path(16, 64, 6) == "union"
+    # many experts (a branch each would bloat the program): gathered up to 1.5 E assignments, then dense
+    assert cpu_experts_path(384, 256, 8) == "gathered" and cpu_experts_path(392, 256, 8) == "dense"
+
+
+def test_cpu_layout_unstacks_experts_once_and_changes_no_output(test_params, test_cfg):
+    from jaxspec.generate import _generate_loop
+    from jaxspec.model import cpu_layout
+    from jaxspec.sampling import Sampling
+
+    converted = cpu_layout(test_params, test_cfg)
+    assert cpu_layout(test_params, test_cfg) is converted  # kept: a second call converts nothing
+    assert isinstance(converted.layers[2].ffn.experts.w1, tuple)
+    assert isinstance(converted.mtp.block.ffn.experts.w1, tuple)
+    assert not isinstance(test_params.layers[2].ffn.experts.w1, tuple)  # the caller's params untouched
+    # the loop as `generate` runs it, on the stacked and on the unstacked experts: the same tokens
+    tokens = jnp.asarray([[3, 1, 4, 1, 5, 0, 0, 0], [9, 2, 6, 0, 0, 0, 0, 0]], jnp.int32)
+    lengths = jnp.asarray([5, 3], jnp.int32)
+    sampling = Sampling(jnp.float32(0), jnp.int32(0), jnp.float32(1), jax.random.key(0))
+    stacked = _generate_loop(test_params, test_cfg, tokens, lengths, 24, 64, jnp.int32(-1), sampling)
+    unstacked = _generate_loop(converted, test_cfg, tokens, lengths, 24, 64, jnp.int32(-1), sampling)
+    np.testing.assert_array_equal(stacked[0], unstacked[0])

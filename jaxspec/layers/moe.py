@@ -90,9 +90,8 @@ def dense_experts(
     """Every expert on every token, unselected ones weighted 0 -> [N, d] fp32: ~E/k times the work a
     token needs. The reference the sparse paths are tested against; the model runs it only where the
     backend has no grouped matmul (see `sparse_experts`)."""
-    n, num_experts = x.shape[0], experts.w1.shape[0]
-    combine = jnp.zeros((n, num_experts + 1), jnp.float32)
-    combine = combine.at[jnp.arange(n)[:, None], jnp.minimum(indices, num_experts)].add(weights)[:, :num_experts]
+    num_experts = experts.w1.shape[0]
+    combine = _combine(indices, weights, num_experts)
     # One matmul per expert (the expert axis as the batch axis) reads each weight in its stored
     # [E, d, I] layout; a single [N, d] x [d, E*I] matmul would copy every weight transposed first.
     per_expert = (((2,), (1,)), ((0,), (0,)))  # contract the feature axis, batch over experts
@@ -189,21 +188,104 @@ def _kernel_experts_bwd(cfg, interpret, res, g):
 kernel_experts.defvjp(_kernel_experts_fwd, _kernel_experts_bwd)
 
 
-def gathers_on_cpu(assignments: int, num_experts: int, top_k: int) -> bool:
-    """The CPU's path for `assignments` (N*k) over `num_experts` held here: gathered while N*k <= 1.5 E,
-    else dense (measured by bench/experts_cpu.py, docs/results.md "Routed experts on the CPU"); dense
-    also when each token takes every expert held here (k >= E): there is nothing to skip, and
-    the gathered copies would only add traffic."""
-    return top_k < num_experts and 2 * assignments <= 3 * num_experts
+UNION_MAX_EXPERTS = 64  # beyond this many experts a branch per expert would bloat the CPU program
+
+
+def _expert(w: Weight | tuple[Weight, ...], e: int) -> Weight:
+    """Expert `e` of a stacked weight (a static slice) or of an unstacked one (its own leaf)."""
+    if isinstance(w, tuple):
+        return w[e]
+    if isinstance(w, quant.BlockScaled):
+        return w.replace(data=w.data[e], scale=w.scale[e])
+    return w[e]
+
+
+def num_experts_of(experts: MLPParams) -> int:
+    return len(experts.w1) if isinstance(experts.w1, tuple) else experts.w1.shape[0]
+
+
+def unstack_experts(experts: MLPParams) -> MLPParams:
+    """The same experts with each weight a tuple of E per-expert leaves ([d, I] / [I, d]): what
+    `union_experts` reads on a CPU, where a static slice of a stacked [E, d, I] weight is copied
+    before XLA's dot reads it (one extra read and write of every selected expert) but a leaf of its
+    own is read in place. Run outside jit, once per params (`model.cpu_layout`)."""
+    if isinstance(experts.w1, tuple):
+        return experts
+    e = experts.w1.shape[0]
+    return MLPParams(*(tuple(_expert(w, i) for i in range(e)) for w in (experts.w1, experts.w3, experts.w2)))
+
+
+def stack_experts(experts: MLPParams) -> MLPParams:
+    """The inverse of `unstack_experts` (the paths other than `union_experts` read stacked weights)."""
+    if not isinstance(experts.w1, tuple):
+        return experts
+
+    def stack(ws):
+        if isinstance(ws[0], quant.BlockScaled):
+            return ws[0].replace(data=jnp.stack([w.data for w in ws]), scale=jnp.stack([w.scale for w in ws]))
+        return jnp.stack(ws)
+
+    return MLPParams(stack(experts.w1), stack(experts.w3), stack(experts.w2))
+
+
+def union_experts(
+    experts: MLPParams, cfg: ModelConfig, x: jax.Array, indices: jax.Array, weights: jax.Array
+) -> jax.Array:
+    """Every expert some assignment selected runs on all N tokens (rows it was not selected for weighted
+    0); the others are skipped by a `lax.cond` -> [N, d] fp32. Each branch's weights are a static
+    slice that XLA's CPU dot reads in place, so a step reads the union of the selected experts once
+    (the floor) where the gathered path copies every assignment's expert first and the dense path
+    reads all E. At few tokens per expert the N-row matmul costs what a 1-row one does (memory-bound).
+    Stacked weights work too, but a static slice of them is copied first (`unstack_experts`)."""
+    n, d = x.shape
+    num_experts = num_experts_of(experts)
+    combine = _combine(indices, weights, num_experts)  # [N, E]
+    used = jnp.zeros((num_experts + 1,), bool).at[jnp.minimum(indices, num_experts).reshape(-1)].set(True)
+    out = jnp.zeros((n, d), jnp.float32)
+    for e in range(num_experts):
+        def run(acc, e=e):
+            w1, w3, w2 = (_expert(w, e) for w in (experts.w1, experts.w3, experts.w2))
+            hidden = clamped_swiglu(quant.matmul(x, w1), quant.matmul(x, w3), cfg.swiglu_limit)
+            hidden = hidden * combine[:, e : e + 1].astype(x.dtype)
+            return acc + jnp.matmul(hidden, quant.dequantize(w2), preferred_element_type=jnp.float32)
+
+        out = jax.lax.cond(used[e], run, lambda acc: acc, out)
+    return out
+
+
+def _combine(indices: jax.Array, weights: jax.Array, num_experts: int) -> jax.Array:
+    """[N, k] assignments -> [N, E] fp32 routing weight of each expert (0: not selected; indices >= E,
+    held elsewhere, dropped)."""
+    n = indices.shape[0]
+    combine = jnp.zeros((n, num_experts + 1), jnp.float32)
+    return combine.at[jnp.arange(n)[:, None], jnp.minimum(indices, num_experts)].add(weights)[:, :num_experts]
+
+
+def cpu_experts_path(assignments: int, num_experts: int, top_k: int) -> str:
+    """The CPU's path for `assignments` (N*k) over `num_experts` held here: "union" (each selected
+    expert once, in place) up to UNION_MAX_EXPERTS experts, at every N: on real text the tokens of a
+    verify share experts, and where all E are selected the E branches cost what one fused call over
+    all E does (docs/results.md, "Routed experts on the CPU"); "dense" when each token takes every
+    expert held (k >= E: nothing to skip). With more experts than that: "gathered" while
+    N*k <= 1.5 E, else "dense" (bench/experts_cpu.py)."""
+    if top_k >= num_experts:
+        return "dense"
+    if num_experts <= UNION_MAX_EXPERTS:
+        return "union"
+    return "gathered" if 2 * assignments <= 3 * num_experts else "dense"
+
+
+CPU_PATHS = {"union": union_experts, "gathered": gathered_experts, "dense": dense_experts}
 
 
 def sparse_experts(
     experts: MLPParams, cfg: ModelConfig, x: jax.Array, indices: jax.Array, weights: jax.Array
 ) -> jax.Array:
     """The routed experts each token selected, and nothing else -> [N, d] fp32. Off CUDA the path is
-    chosen from the static sizes (`gathers_on_cpu`): the gathered path copies each assignment's
-    weights, the dense one multiplies every token by every expert, and which costs less depends on
-    the assignments per expert (docs/results.md, "Routed experts on the CPU").
+    chosen from the static sizes (`cpu_experts_path`): the union path reads each selected expert in
+    place, the gathered path copies each assignment's weights, the dense one multiplies every token by
+    every expert, and which costs least depends on the assignments per expert (docs/results.md,
+    "Routed experts on the CPU").
 
     Takes any slice of the experts (and of their hidden width) with indices relative to the slice,
     which is how `sharding.active.routed_experts` runs it per device before summing the outputs.
@@ -213,19 +295,21 @@ def sparse_experts(
     * CUDA: `kernel_experts`, the Pallas grouped matmul, at every size (it reads each selected
       expert once, where the gathered path moves it three times). XLA's GPU backend rewrites
       `ragged_dot` into every group on every row unless cuDNN's ragged-dot fusion is on.
-    * CPU: `gathered_experts` or `dense_experts` as above (`gathers_on_cpu`). XLA's CPU backend
-      runs `ragged_dot` as every group on every row, plus the sort and scatter around it (slower
-      than every expert on every token; docs/results.md, "The engine").
+    * CPU: as above (`cpu_experts_path`). XLA's CPU backend runs `ragged_dot` as every group on
+      every row, plus the sort and scatter around it (slower than every expert on every token;
+      docs/results.md, "The engine").
     * elsewhere (TPU, ROCm): the CPU path. Every branch is traced whatever the platform, and
       `ragged_dot` has no sharding rule under an explicit mesh, so no branch may use it.
     """
-    gathered = gathers_on_cpu(indices.size, experts.w1.shape[0], indices.shape[1])
+    path = CPU_PATHS[cpu_experts_path(indices.size, num_experts_of(experts), indices.shape[1])]
+    if path is not union_experts:
+        experts = stack_experts(experts)
     args = (experts, x, indices, weights)
     return jax.lax.platform_dependent(
         *args,
-        cpu=lambda *a: (gathered_experts if gathered else dense_experts)(a[0], cfg, *a[1:]),
-        cuda=lambda *a: kernel_experts(a[0], cfg, *a[1:]),
-        default=lambda *a: (gathered_experts if gathered else dense_experts)(a[0], cfg, *a[1:]),
+        cpu=lambda *a: path(a[0], cfg, *a[1:]),
+        cuda=lambda *a: kernel_experts(stack_experts(a[0]), cfg, *a[1:]),
+        default=lambda *a: path(a[0], cfg, *a[1:]),
     )
 
 

@@ -1,0 +1,251 @@
+"""Each stage of a speculative cycle against its roofline floor on this machine.
+
+    python bench/roofline.py [--checkpoint PATH | --preset tiny] [--batch 1] [--prompt-len 32]
+                             [--specs s3_k1_d4 s7_k1_d8] [--verify-tokens 1 2 4 8 16] [--calls 20]
+                             [--rounds 5] [--overlap RHO | --measure-overlap] [--core N] [--json PATH]
+
+Floor = max(bytes / bandwidth, FLOPs / matmul rate): the bytes a stage must read and write and
+the FLOPs it must do, from the analytic stage table (`jaxspec.costmodel.terms`: every weight of
+the units it runs once, the routed experts at the expected union of its tokens' selections under
+routing overlap rho, the state rows it reads and writes), over this core's bandwidth and fp32
+matmul rate measured by `jaxspec.measure` just before (a 64 MB read: the checkpoint's weights
+also stream from the shared L3; the matmul rate at the stage's rows, interpolated between 8 and
+512). docs/results.md ("Roofline") writes the AR step's bytes out by hand.
+
+Measured = device time of the stage as the loop runs it: each stage is jitted inside a
+`fori_loop` of `--calls` calls (the state carried where the stage advances it, an artificial
+dependence otherwise, so XLA cannot hoist it), with the compiler options the engine's programs
+use and the CPU layout of the params (`model.cpu_layout`), so no Python dispatch is counted.
+The loops are timed round-robin, `--rounds` rounds, min and median per call; the `jaxspec.measure`
+verdict says whether the machine was quiet. Stages:
+  ar           one greedy decode step (extend, T = 1), state carried
+  verify T     the target forward over a T-token chain (a tree's plan), against the prefilled state
+  draft        draft_tree + prune_to_budget of a spec (S MTP steps); "draft step" = draft / S
+  accept       greedy acceptance + commit of the accepted path
+  cycle        the whole speculative cycle (draft .. commit), state carried
+The floor of the cycle is the sum of its stages' floors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+from _common import check_positive, console, parser, write_json
+
+from jaxspec import measure
+
+STAGE_NAMES = ("ar", "verify", "draft", "draft step", "accept", "cycle")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = parser(__doc__, preset="tiny")
+    p.add_argument("--checkpoint", metavar="PATH", help="a trained checkpoint folder instead of a random-init preset")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--specs", nargs="+", default=["s3_k1_d4", "s7_k1_d8"])
+    p.add_argument("--verify-tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--calls", type=int, default=20, help="calls per jitted loop")
+    p.add_argument("--rounds", type=int, default=5, help="round-robin rounds")
+    p.add_argument("--overlap", type=float, default=None, help="routing overlap rho for the floors (default: "
+                   "measured on GSM8K test prompts with a checkpoint, else 0)")
+    p.add_argument("--core", type=int, default=None, help="the core to pin to (default: the last allowed)")
+    args = p.parse_args(argv)
+    check_positive(p, args, ("batch", "prompt_len", "calls", "rounds", "verify_tokens"))
+    if args.overlap is not None and not 0 <= args.overlap < 1:
+        p.error("--overlap must be in [0, 1)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    pinned = measure.pin(args.core)  # before the first computation: XLA reads its flags then
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from rich.table import Table
+    from spec_vs_ar import gsm8k_prompts, load_model
+
+    import jaxspec as js
+    from jaxspec.costmodel import terms
+    from jaxspec.generate import length_bucket, speculative_cycle
+    from jaxspec.model import cpu_layout, extend, forward
+    from jaxspec.programs import compiler_options
+    from jaxspec.stages import prefill
+    from jaxspec.tree.commit import commit_accepted_path
+    from jaxspec.tree.draft import draft_tree, prune_to_budget
+    from jaxspec.tree.plan import build_plan, verify_context
+    from jaxspec.tree.values import resolve_scores
+    from jaxspec.tree.verify import tree_accept
+
+    con = console()
+    specs = [js.SpecConfig.parse(s) for s in args.specs]
+    if args.checkpoint:
+        cfg, params, tok, note = load_model(args.checkpoint)
+    else:
+        cfg = js.ModelConfig.preset(args.preset).replace(dtype="float32")
+        params, tok, note = js.init_params(cfg, jax.random.key(0)), None, ""
+    params = cpu_layout(params, cfg)
+    b, r = args.batch, args.calls
+    data = gsm8k_prompts(tok, b, args.prompt_len)
+    prompts = (jnp.asarray(data) if data is not None else
+               jax.random.randint(jax.random.key(args.seed), (b, args.prompt_len), 0, cfg.vocab_size))
+    overlap = args.overlap
+    if overlap is None:
+        overlap = 0.0
+        if data is not None:
+            from jaxspec.costmodel.overlap import measure as measure_overlap
+            overlap = measure_overlap(params, cfg, [list(map(int, row)) for row in np.asarray(prompts)], 2)["overlap"]
+    max_steps = max(s.num_steps for s in specs)
+    max_len = length_bucket(args.prompt_len + r * (max_steps + 1) + max_steps + 1, cfg.max_position_embeddings,
+                            minimum=64)
+    lengths = jnp.full((b,), args.prompt_len, jnp.int32)
+    state, root, hidden = prefill(params, cfg, prompts, lengths, max_len)
+    opts = compiler_options()
+
+    def loop(body, carry):
+        """jit of a fori_loop of `r` calls of body(carry) -> carry."""
+        return jax.jit(lambda p, c: jax.lax.fori_loop(0, r, lambda i, c: body(p, c), c), compiler_options=opts)
+
+    def bump(tokens, x):  # a dependence on the last call's output that never changes the tokens
+        return tokens + (jnp.sum(x) > 3e38).astype(tokens.dtype)
+
+    def bumped(tree, x):  # every leaf made to depend on x (adds 0), so XLA hoists nothing out of the loop
+        zero = jnp.sum(x) > 3e38
+        return jax.tree.map(lambda a: a + zero.astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.number) else a, tree)
+
+    calls: dict[str, tuple[Any, Any]] = {}
+    ones = jnp.ones((b, 1), bool)
+
+    def ar_body(p, c):
+        s, last = c
+        out, s = extend(p, cfg, s, last[:, None], ones)
+        return s, jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32)
+
+    calls["ar"] = (loop(ar_body, None), (state, root))
+    # A verify reads the experts its tokens route to: verify the root and the target's own greedy
+    # continuation (what a fully accepted chain verifies), not a repeated token.
+    continuation = jnp.asarray(js.generate(params, cfg, np.asarray(prompts), max_new_tokens=max(args.verify_tokens)
+                                           ).tokens)
+    for t in args.verify_tokens:
+        parent = jnp.broadcast_to(jnp.arange(-1, t - 1, dtype=jnp.int32), (b, t))
+        tokens = continuation[:, :t]
+
+        def verify_body(p, c, parent=parent, t=t):
+            toks, acc = c
+            st = bumped(state, acc)
+            ctx = verify_context(build_plan(bump(parent, acc), st.length, t), st.length)
+            out = forward(p, cfg, st, bump(toks, acc), ctx)
+            return toks, out.logits[:, :, 0]
+
+        calls[f"verify {t}"] = (loop(verify_body, None), (tokens, jnp.zeros((b, t), jnp.float32)))
+    resolved = {}
+    active = jnp.ones((b,), bool)
+    for spec in specs:
+        spec, values = resolve_scores(params, cfg, spec)
+        resolved[spec.name] = (spec, values)
+
+        def draft_body(p, c, spec=spec, values=values):
+            rt, acc = c
+            pool = draft_tree(p, cfg, spec, bumped(state, acc), bump(rt, acc), bumped(hidden, acc), values=values)
+            tree = prune_to_budget(pool, rt, spec.num_draft_tokens)
+            return rt, tree.tokens.astype(jnp.float32)
+
+        calls[f"draft {spec.name}"] = (loop(draft_body, None), (root, jnp.zeros((b, spec.num_draft_tokens))))
+        tree = prune_to_budget(draft_tree(params, cfg, spec, state, root, hidden, values=values), root,
+                               spec.num_draft_tokens)
+        verify_out = forward(params, cfg, state, tree.tokens,
+                             verify_context(build_plan(tree.parent, state.length, spec.num_steps), state.length))
+
+        def accept_body(p, c, spec=spec, tree=tree, verify_out=verify_out):
+            toks, acc = c
+            toks = bump(toks, acc)  # every input of the commit depends on the last call's output
+            out = verify_out.replace(hidden=verify_out.hidden + (toks[:, :, None, None] > 2**30))
+            acceptance = tree_accept(toks, tree.parent, out.logits, spec.num_steps)
+            s, lh = commit_accepted_path(p, cfg, bumped(state, acc), toks, out, acceptance, hidden, active)
+            return toks, lh[:, 0, :1] + s.layers[0].swa_kv[:, :1, 0].astype(jnp.float32)
+
+        calls[f"accept {spec.name}"] = (loop(accept_body, None), (tree.tokens, jnp.zeros((b, 1))))
+
+        def cycle_body(p, c, spec=spec, values=values):
+            s, rt, lh = c
+            s, lh, _, acc = speculative_cycle(p, cfg, spec, s, rt, lh, active, values=values)
+            return s, acc.bonus, lh
+
+        calls[f"cycle {spec.name}"] = (loop(cycle_body, None), (state, root, hidden))
+
+    with con.status("compiling the stage loops..."):
+        runs = {}
+        for name, (fn, carry) in calls.items():
+            jax.block_until_ready(fn(params, carry))
+            runs[name] = (lambda fn=fn, carry=carry: fn(params, carry))
+    with con.status("measuring this core..."):
+        rates = measure.machine_rates()
+    with measure.Watch() as watch, con.status("timing..."):
+        timings = measure.round_robin(runs, args.rounds)
+    verdict = watch.verdict(timings["ar"], "AR loop")
+
+    def floor(costs: terms.Costs, rows: int) -> dict[str, float]:
+        mem = costs.total_bytes / (rates.bandwidth_gbs * 1e9)
+        flop = costs.total_flops / (rates.matmul_gflops(rows) * 1e9)
+        return {"bytes": costs.total_bytes, "flops": costs.total_flops, "memory_s": mem, "compute_s": flop,
+                "floor_s": max(mem, flop), "bound": "memory" if mem >= flop else "compute"}
+
+    context = args.prompt_len + r // 2  # the AR loop's mean context; the others read the prefilled state
+    setup = terms.Setup(cfg, (1, 1, 1), b, max(context, 2), overlap=overlap)
+    rows: list[dict[str, Any]] = []
+
+    def add(stage: str, name: str, measured_s: float, median_s: float, costs: terms.Costs, rows_: int, per=1.0):
+        f = floor(costs, rows_)
+        rows.append({"stage": stage, "name": name, "measured_ms": 1e3 * measured_s / per,
+                     "median_ms": 1e3 * median_s / per, **{k: (v / per if k != "bound" else v) for k, v in f.items()},
+                     "ratio": measured_s / f["floor_s"]})
+
+    def per_call(name):
+        t = timings[name]
+        return min(t.seconds) / r, t.median / r
+
+    add("ar", "AR step", *per_call("ar"), terms.stage_table(setup, None)["ar"], b)
+    for t in args.verify_tokens:
+        spec_t = js.SpecConfig(num_steps=max(t - 1, 1), topk=1, num_draft_tokens=t) if t > 1 else None
+        costs = (terms.stage_table(setup, spec_t)["verify"] if spec_t else terms.main_pass(setup, 1, commit=0))
+        add("verify", f"verify {t}", *per_call(f"verify {t}"), costs, b * t)
+    for name, (spec, _) in resolved.items():
+        table = terms.stage_table(setup, spec)
+        add("draft", f"draft {name}", *per_call(f"draft {name}"), table["draft"], b * spec.topk)
+        m, med = per_call(f"draft {name}")
+        add("draft step", f"draft step {name}", m, med, table["draft"], b * spec.topk, per=spec.num_steps)
+        add("accept", f"accept+commit {name}", *per_call(f"accept {name}"), table["commit"], b * (spec.num_steps + 1))
+        cycle = table["draft"] + table["plan"] + table["verify"] + table["commit"]
+        add("cycle", f"cycle {name}", *per_call(f"cycle {name}"), cycle, b * spec.num_draft_tokens)
+
+    table = Table(title=f"roofline: {'checkpoint ' + args.checkpoint if args.checkpoint else args.preset}{note}, "
+                        f"batch {b}, prompt {args.prompt_len}, rho {overlap:.2f}")
+    for col in ("stage", "measured ms (min / median)", "MB", "MFLOP", "floor ms", "bound", "measured / floor"):
+        table.add_column(col, justify="left" if col in ("stage", "bound") else "right", no_wrap=True)
+    for row in rows:
+        ratio = row["ratio"]
+        colour = "green" if ratio <= (1.5 if row["stage"] == "ar" else 2.0) else "red"
+        table.add_row(row["name"], f"{row['measured_ms']:.3f} / {row['median_ms']:.3f}", f"{row['bytes'] / 1e6:.2f}",
+                      f"{row['flops'] / 1e6:.1f}", f"{1e3 * row['floor_s']:.3f}", row["bound"],
+                      f"[{colour}]{ratio:.2f}[/]")
+    con.print(table)
+    con.print(f"this core: {rates.bandwidth_gbs:.1f} GB/s read ({measure.PROBE_MB} MB), matmul "
+              f"{rates.matmul_gflops_8:.0f} / {rates.matmul_gflops_512:.0f} GFLOP/s at 8 / 512 rows; measured = min "
+              f"over {args.rounds} rounds of a {r}-call jitted loop, per call; bars: AR <= 1.5x, every other stage "
+              "<= 2x its floor")
+    con.print(measure.verdict_line(verdict))
+    result = {"checkpoint": args.checkpoint, "preset": None if args.checkpoint else args.preset, "batch": b,
+              "prompt_len": args.prompt_len, "overlap": overlap, "calls": r, "rounds": args.rounds,
+              "rates": rates.__dict__, "rows": rows, "verdict": verdict, "pinned": pinned,
+              "jax_version": jax.__version__, "time": time.strftime("%Y-%m-%d %H:%M")}
+    write_json(args.json, result, con)
+    return result
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    main()
