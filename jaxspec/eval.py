@@ -14,13 +14,14 @@ import dataclasses
 import functools
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
+from jaxspec import measure
 from jaxspec.config import ModelConfig, SpecConfig
 from jaxspec.data import DATASETS, HELDOUT_SPLITS, load_dataset
 from jaxspec.generate import batch_bucket, generate, speculative_generate, summarize_stats
@@ -98,6 +99,54 @@ def run_batch(
     }
 
 
+def timed_methods(
+    params: ModelParams,
+    cfg: ModelConfig,
+    methods: Mapping[str, SpecConfig | None],  # name -> spec (None: `generate`, the AR reference)
+    batches: Sequence[list[list[int]]],
+    max_new_tokens: int,
+    repeats: int,
+    longest_prompt: int,
+    pad_batch_to: int,
+    devices: Sequence[jax.Device] | None = None,
+    describe: Callable[[str], None] | None = None,
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Every method over every prompt batch, timed as the measurement discipline says (`jaxspec.measure`).
+
+    A first pass runs each method on each batch once: it compiles, and its outputs give the
+    statistics (greedy runs are deterministic). Then `repeats` rounds run every (batch, method)
+    round-robin inside a `measure.Watch`; a method's seconds are the sum over batches of its median
+    over rounds, its spread that of its per-round totals. -> (name -> {"seconds", "spread",
+    "round_seconds", "generated", "tokens_per_s", "outputs": the first pass's `run_batch` results},
+    the Watch's verdict, with the first method as the reference)."""
+    run = {name: functools.partial(run_batch, params, cfg, spec, max_new_tokens=max_new_tokens, devices=devices,
+                                   longest_prompt=longest_prompt, pad_batch_to=pad_batch_to)
+           for name, spec in methods.items()}
+    first = {}
+    for name, call in run.items():
+        if describe is not None:
+            describe(f"{name}: compile + first pass")
+        first[name] = [call(chunk) for chunk in batches]
+    times = {name: np.zeros((repeats, len(batches))) for name in run}
+    with measure.Watch() as watch:
+        for r in range(repeats):
+            for i, chunk in enumerate(batches):
+                for name, call in run.items():
+                    if describe is not None:
+                        describe(f"round {r + 1}/{repeats}, batch {i + 1}/{len(batches)}: {name}")
+                    times[name][r, i] = call(chunk)["seconds"]
+    out = {}
+    for name in run:
+        generated = int(sum(int(res["lengths"].sum()) for res in first[name]))
+        seconds = float(np.median(times[name], axis=0).sum())
+        rounds = measure.Timing(tuple(float(x) for x in times[name].sum(axis=1)))
+        out[name] = {"seconds": seconds, "spread": rounds.spread, "round_seconds": list(rounds.seconds),
+                     "generated": generated, "tokens_per_s": generated / seconds, "outputs": first[name]}
+    reference = next(iter(run))
+    verdict = watch.verdict(measure.Timing(tuple(out[reference]["round_seconds"])), reference)
+    return out, verdict
+
+
 def measure_rank_acceptance(
     params: ModelParams, cfg: ModelConfig, prompts: list[list[int]], width: int = 4, max_new_tokens: int = 64,
     batch_size: int = 16,
@@ -146,6 +195,7 @@ class SweepConfig:
     max_new_tokens: int = 128
     max_prompt_tokens: int = 192
     rank_width: int = 4
+    repeats: int = 3  # timed rounds per (dataset, batch size) group, every method round-robin (jaxspec.measure)
 
     def __post_init__(self):
         bad = [d for d in self.datasets if d not in DATASETS]
@@ -155,9 +205,24 @@ class SweepConfig:
             SpecConfig.parse(name)
         if not self.batch_sizes or any(int(b) < 1 for b in self.batch_sizes):
             raise ValueError(f"batch sizes must be >= 1, got {list(self.batch_sizes)}")
-        for field in ("num_prompts", "max_new_tokens", "max_prompt_tokens", "rank_width"):
+        for field in ("num_prompts", "max_new_tokens", "max_prompt_tokens", "rank_width", "repeats"):
             if int(getattr(self, field)) < 1:
                 raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
+
+
+def tuning_prompts(tokenizer: Any, num_prompts: int, max_prompt_tokens: int, datasets: Sequence[str] = DATASETS,
+                   data_root: str | Path | None = None) -> dict[str, list[list[int]]]:
+    """Held-out prompts for choosing a spec, disjoint from the ones its figures are reported on: MBPP's
+    validation split (task ids 511-600), and the last `num_prompts` of GSM8K's and ShareGPT's test
+    splits (sweeps and benchmarks take the first ones)."""
+    out = {}
+    for name in datasets:
+        if name == "mbpp":
+            examples = load_dataset(name, "validation", root=data_root)[:num_prompts]
+        else:
+            examples = load_dataset(name, HELDOUT_SPLITS[name], root=data_root)[-num_prompts:]
+        out[name] = encode_prompts(tokenizer, examples, max_prompt_tokens)
+    return out
 
 
 def encode_prompts(tokenizer: Any, examples: Sequence[Any], max_prompt_tokens: int) -> list[list[int]]:
@@ -217,55 +282,55 @@ def run_sweep(
             acceptance = measure_rank_acceptance(params, cfg, prompts, sweep.rank_width)
             for batch_size in batches_left[name]:
                 batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
-                baseline = None
-                for spec in [None, *specs]:
-                    bar.update(task, description=f"{name} b={batch_size} {spec.name if spec else 'AR'}")
-                    run = functools.partial(
-                        run_batch, params, cfg, spec, max_new_tokens=sweep.max_new_tokens, devices=devices,
-                        longest_prompt=longest, pad_batch_to=batch_size,
-                    )
-                    run(batches[0])  # compile
-                    seconds, generated, per_prompt_tau, accepted, cycles, depth = 0.0, 0, [], 0, 0, None
-                    continuations = []
-                    for chunk in batches:
-                        res = run(chunk)
-                        seconds += res["seconds"]
-                        generated += int(res["lengths"].sum())
-                        continuations += list(zip(res["tokens"], res["lengths"], strict=True))
-                        if spec is not None:
-                            st = res["stats"]
-                            per_prompt_tau += st["per_sequence"]["mean_accepted_length"]
-                            accepted += int(sum(st["per_sequence"]["accepted"]))
-                            cycles += st["cycles"]
-                            hits = np.asarray(st["per_depth_acceptance"]) * st["cycles"]
-                            depth = hits if depth is None else depth + hits
-                    record = {
-                        "dataset": name, "batch_size": batch_size, "spec": spec.name if spec else "ar",
-                        "num_prompts": len(prompts), "max_new_tokens": sweep.max_new_tokens,
-                        "tokens_per_s": generated / seconds, "seconds": seconds, "generated": generated,
-                        "devices": res["devices"],
-                    }
-                    if spec is None:
-                        baseline = record
-                        rows, lengths = zip(*continuations, strict=True)
-                        record["distinct_4gram"] = distinct_ngram_ratio(np.stack(rows), np.asarray(lengths), 4)
-                    else:
-                        record.update({
-                            "kind": "linear" if spec.topk == 1 else "tree",
-                            "num_draft_tokens": spec.num_draft_tokens,
-                            "tau": (accepted + cycles) / max(cycles, 1),
-                            "per_prompt_tau": per_prompt_tau,
-                            "per_depth_acceptance": (depth / max(cycles, 1)).tolist(),
-                            "speedup_vs_ar": record["tokens_per_s"] / baseline["tokens_per_s"],
-                            "tau_star": sequoia_optimum(acceptance, spec.num_draft_tokens, spec.num_steps),
-                            "rank_acceptance": acceptance.tolist(),
-                        })
+                methods = {"ar": None, **{spec.name: spec for spec in specs}}
+                timed, verdict = timed_methods(
+                    params, cfg, methods, batches, sweep.max_new_tokens, sweep.repeats, longest, batch_size, devices,
+                    lambda text, name=name, b=batch_size: bar.update(task, description=f"{name} b={b} {text}"))
+                for method, spec in methods.items():
+                    record = _sweep_record(name, batch_size, spec, len(prompts), sweep, timed[method], verdict,
+                                           acceptance, timed["ar"]["tokens_per_s"])
                     records.append(record)
                     sink.write(json.dumps(record) + "\n")
                     sink.flush()
                     bar.advance(task)
     write_report(records, out_dir)
     return records
+
+
+def _sweep_record(dataset: str, batch_size: int, spec: SpecConfig | None, num_prompts: int, sweep: SweepConfig,
+                  timed: dict[str, Any], verdict: dict[str, Any], acceptance: np.ndarray,
+                  ar_tokens_per_s: float) -> dict[str, Any]:
+    """One runs.jsonl record: a method's timing over a (dataset, batch size) group and its statistics."""
+    outputs = timed["outputs"]
+    record = {
+        "dataset": dataset, "batch_size": batch_size, "spec": spec.name if spec else "ar", "num_prompts": num_prompts,
+        "max_new_tokens": sweep.max_new_tokens, "tokens_per_s": timed["tokens_per_s"], "seconds": timed["seconds"],
+        "generated": timed["generated"], "spread": timed["spread"], "repeats": sweep.repeats,
+        "devices": outputs[0]["devices"], "measurement": verdict,
+    }
+    if spec is None:
+        rows = np.concatenate([res["tokens"] for res in outputs])
+        lengths = np.concatenate([res["lengths"] for res in outputs])
+        record["distinct_4gram"] = distinct_ngram_ratio(rows, lengths, 4)
+        return record
+    per_prompt_tau, accepted, cycles, depth = [], 0, 0, 0.0
+    for res in outputs:
+        st = res["stats"]
+        per_prompt_tau += st["per_sequence"]["mean_accepted_length"]
+        accepted += int(sum(st["per_sequence"]["accepted"]))
+        cycles += st["cycles"]
+        depth = depth + np.asarray(st["per_depth_acceptance"]) * st["cycles"]
+    record.update({
+        "kind": "linear" if spec.topk == 1 else "tree",
+        "num_draft_tokens": spec.num_draft_tokens,
+        "tau": (accepted + cycles) / max(cycles, 1),
+        "per_prompt_tau": per_prompt_tau,
+        "per_depth_acceptance": (np.asarray(depth) / max(cycles, 1)).tolist(),
+        "speedup_vs_ar": timed["tokens_per_s"] / ar_tokens_per_s,
+        "tau_star": sequoia_optimum(acceptance, spec.num_draft_tokens, spec.num_steps),
+        "rank_acceptance": acceptance.tolist(),
+    })
+    return record
 
 
 def load_runs(path: str | Path) -> list[dict[str, Any]]:

@@ -61,6 +61,21 @@ def pin(core: int | None = None) -> dict[str, Any]:
     return done
 
 
+def pin_unless_gpu(core: int | None = None) -> dict[str, Any]:
+    """`pin(core)` unless this process may drive a GPU (JAX_PLATFORMS names one, or a CUDA / ROCm
+    plugin is installed): a GPU's speed is not the host core's, and a GPU driver wants its threads.
+    -> what was done ({} when nothing)."""
+    import importlib.util
+
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if any(p in platforms for p in ("cuda", "gpu", "rocm", "tpu")):
+        return {}
+    if not platforms and any(importlib.util.find_spec(m) is not None
+                             for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "libtpu")):
+        return {}
+    return pin(core)
+
+
 def pinned_core() -> int | None:
     """The one core this process runs on, or None when it may run on several."""
     if not hasattr(os, "sched_getaffinity"):
@@ -281,5 +296,6 @@ def require_clean(verdict: Mapping[str, Any], what: str) -> None:
 
 __all__: Sequence[str] = (
     "MachineRates", "Timing", "Watch", "bandwidth_gbs", "load_average", "machine_rates", "matmul_gflops",
-    "pin", "pinned_core", "require_clean", "round_robin", "single_threaded", "spreads", "verdict_line",
+    "pin", "pin_unless_gpu", "pinned_core", "require_clean", "round_robin", "single_threaded", "spreads",
+    "verdict_line",
 )

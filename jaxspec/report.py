@@ -222,25 +222,25 @@ def comparison_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def tuning_table(tuning: Tuning) -> str:
-    """Per bucket: predicted tokens/s of every candidate, the winner marked."""
+    """Per bucket: every candidate's end-to-end tokens/s pooled over the datasets, x AR, tau and the
+    spread over repeats, the winner marked; then each (bucket, dataset) group's measurement verdict."""
+    projected = tuning.estimator == "projected"
+    source = f"the cost model's projection onto {tuning.projected}" if projected else "end-to-end timings"
     lines = [
-        f"Per-rank acceptance: {', '.join(f'{p:.3f}' for p in tuning.acceptance)}; estimator: {tuning.estimator}",
-        *([f"AR and cycle ms are projected by the cost model ({tuning.projected}), not measured; draft ms is "
-           "measured here"] if tuning.projected else []),
+        f"Chosen from {source} of {tuning.max_new_tokens}-token generations.",
         "",
-        "| batch | spec | draft ms | cycle ms | tau (sequoia) | tau (measured) | predicted tok/s | chosen |",
-        "|---:|---|---:|---:|---:|---:|---:|:---:|",
+        "| batch | spec | tok/s | x AR | tau | spread |" + (" projected tok/s |" if projected else "") + " chosen |",
+        "|---:|---|---:|---:|---:|---:|" + ("---:|" if projected else "") + ":---:|",
     ]
-    for m in tuning.measurements:
+    for m in sorted(tuning.measurements, key=lambda m: (m["batch"], m["spec"] != NO_SPECULATION, -m["tokens_per_s"])):
         mark = "x" if tuning.choices.get(m["batch"]) == m["spec"] else ""
-        if m["spec"] == NO_SPECULATION:
-            lines.append(
-                f"| {m['batch']} | ar | | {1e3 * m['step_seconds']:.2f} | 1 | 1 | {m['tokens_per_s']:.1f} | {mark} |"
-            )
-        else:
-            lines.append(
-                f"| {m['batch']} | {m['spec']} | {1e3 * m['draft_seconds']:.2f} | {1e3 * m['cycle_seconds']:.2f} | "
-                f"{m['tau']['sequoia']:.2f} | {m['tau']['measured']:.2f} | "
-                f"{m['predicted_tokens_per_s'][tuning.estimator]:.1f} | {mark} |"
-            )
+        tau = "1" if m["spec"] == NO_SPECULATION else f"{m['tau']:.2f}"
+        extra = f" {m['projected_tokens_per_s']:.1f} |" if projected else ""
+        lines.append(f"| {m['batch']} | {m['spec']} | {m['tokens_per_s']:.1f} | {m['ratio_vs_ar']:.2f} | {tau} | "
+                     f"{100 * m['spread']:.0f}% |{extra} {mark} |")
+    if tuning.verdicts:
+        lines += ["", "| batch | dataset | measurement |", "|---:|---|---|"]
+        for v in tuning.verdicts:
+            state = "clean" if v["clean"] else "LOADED: " + "; ".join(v["reasons"])
+            lines.append(f"| {v['batch']} | {v['dataset']} | {state} |")
     return "\n".join(lines) + "\n"

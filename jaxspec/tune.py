@@ -1,246 +1,219 @@
-"""The budget chooser: which tree (S, K, D), linear chain, or no speculation at all gives the most
-tokens per second at each batch bucket.
+"""The budget chooser: which tree (S, K, D), linear chain, per-cycle-width tree or no speculation at
+all gives the most tokens per second at each batch bucket, chosen from end-to-end timings of the
+loops a user runs.
 
-Sequoia's objective (Chen et al. 2024): expected accepted tokens per cycle over the time of one
-cycle. A short calibration run measures what that needs on this machine and model:
-- expected tokens per cycle of each candidate, two ways: from the accepted length the real engine
-  reaches on each calibration prompt, with a batch taking as many cycles as its slowest row
-  (`batch_tokens_per_cycle`; `estimator="measured"`, the default), and Sequoia's dynamic
-  program over the draft's per-rank acceptance vector (a one-level tree of width max K,
-  `eval.measure_rank_acceptance`, `tree.budget`; `estimator="sequoia"`). Sequoia assumes every depth accepts
-  independently; on repetitive text acceptance along a path is correlated and the DP
-  under-estimates chains (docs/results.md), so the measured mean is the default and both are kept in
-  tune.json;
-- per batch bucket, the time of one autoregressive step and of the draft and of a whole cycle
-  (draft -> prune -> plan -> verify -> accept -> commit) of every candidate, each a jitted call on a
-  state prefilled with real prompts, so the verify cost grows with D and the bucket as it really does
-  (`jaxspec.stages`).
+Per batch bucket and dataset, `generate` (AR) and `speculative_generate` of every candidate run over
+the same prompt batches, round-robin in one process under the measurement discipline of
+`jaxspec.measure` (`eval.timed_methods`: a first pass that compiles and records tau, then `repeats`
+timed rounds, a bandwidth probe before and after, the busy share of the other cores). A method's
+tokens/s pools the datasets (tokens generated / seconds); the best per bucket is the choice ("ar"
+where nothing beats plain decoding). A group measured on a loaded machine is measured again up to
+`retries` times, and a bucket that stays loaded is refused (a ValueError naming why) unless
+`allow_loaded`: a choice made from a loaded run is what shipped "ar" everywhere before
+(docs/results.md, "Measuring speed").
 
-The winner per bucket (or "ar" where no speculation is fastest) is saved as JSON beside the
-checkpoint (`jaxspec.tuning`) and read back by `tuning.auto_spec` / `speculative_generate(spec="auto")`.
+Earlier versions chose from the sum of separately jitted stages and a predicted tau; the fused loop
+costs 1.2-1.5x that sum and the prediction hid it, so the loop itself is what is timed now.
+
+With `projected` (an accelerator of `jaxspec.costmodel`, e.g. "h200") the choice instead takes the
+cost model's projected AR-step and cycle times for `projected_cfg` on `projected_mesh` with the tau
+measured here: a choice for a machine that is not at hand (the measured figures are kept beside).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import costmodel, stages
+from jaxspec import costmodel
 from jaxspec.checks import is_int
 from jaxspec.config import ModelConfig, SpecConfig
-from jaxspec.eval import measure_rank_acceptance
+from jaxspec.eval import timed_methods
 from jaxspec.generate import batch_bucket, length_bucket, prepare_prompts
-from jaxspec.model import ModelParams, check_params
-from jaxspec.tree.budget import expected_tokens_per_cycle
-from jaxspec.tree.values import resolve_scores
+from jaxspec.model import ModelParams, check_params, cpu_layout
 from jaxspec.tuning import NO_SPECULATION, Tuning
 
-ESTIMATORS = ("sequoia", "measured")
-# The DeepSeek-V4 report's linear chains and K = 2 trees at D = 5..8, plus shorter chains and small trees,
-# which are what pays where verifying many tokens is expensive (large batches, CPUs).
+# Chains from 1 to 15 draft steps, the report's K = 2 trees, and per-cycle widths: what can pay on a
+# CPU at batch 1 (long chains: a cycle costs less than its tokens' AR steps) and at large batches
+# (short chains: a verify reads every expert once for the whole batch).
 DEFAULT_CANDIDATES = (
-    "s1_k1_d2", "s2_k1_d3", "s3_k1_d4", "s4_k1_d5", "s5_k1_d6", "s6_k1_d7", "s7_k1_d8",
-    "s2_k2_d4", "s3_k2_d5", "s3_k2_d6", "s4_k2_d6", "s4_k2_d7", "s4_k2_d8", "s3_k4_d8",
+    "s1_k1_d2", "s2_k1_d3", "s3_k1_d4", "s5_k1_d6", "s7_k1_d8", "s11_k1_d12", "s15_k1_d16",
+    "s3_k2_d6", "s4_k2_d8", "s7_k2_d8_w4", "s15_k2_d16_w4.8",
 )
+MIN_PROMPTS = 8  # prompts per dataset and bucket: a batch-1 figure averages 8 prompts, a batch-64 one holds 64
 
 
-# ---- expected tokens per cycle --------------------------------------------------------------
-
-
-def batch_tokens_per_cycle(per_prompt_tau: Sequence[float], batch: int, draws: int = 256) -> float:
-    """Tokens per row per cycle of a batch generating a fixed length: the loop runs until its
-    slowest row is done, so a batch takes E[max over its rows of length / tau] cycles. For batch 1
-    this is the harmonic mean of tau, not the mean: low-acceptance prompts take the most cycles.
-    Estimated by drawing batches from the calibration prompts (fixed seed)."""
-    cycles_per_token = 1.0 / np.asarray(per_prompt_tau, np.float64)
-    if cycles_per_token.size == 0 or np.any(~np.isfinite(cycles_per_token)):
-        raise ValueError(f"need per-prompt accepted lengths >= 1, got {per_prompt_tau!r}")
-    rows = np.random.default_rng(0).integers(0, cycles_per_token.size, (draws, batch))
-    return float(1.0 / np.mean(cycles_per_token[rows].max(axis=1)))
-
-
-def choose(measurements: Sequence[dict[str, Any]], estimator: str) -> dict[int, str]:
-    """Per bucket, the candidate with the highest predicted tokens/s ("ar" included)."""
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
-    best: dict[int, tuple[float, str]] = {}
-    for m in measurements:
-        rate = m["predicted_tokens_per_s"][estimator] if m["spec"] != NO_SPECULATION else m["tokens_per_s"]
-        if m["batch"] not in best or rate > best[m["batch"]][0]:
-            best[m["batch"]] = (rate, m["spec"])
-    return {b: name for b, (_, name) in sorted(best.items())}
-
-
-def project_measurements(measurements: Sequence[dict[str, Any]], cfg: ModelConfig, context: int,
-                         accelerator: str, mesh: tuple[int, int, int] = (1, 1, 1)) -> None:
-    """Replace each measurement's AR-step / cycle seconds by the analytic cost model's projection for
-    `cfg` on `mesh` of `accelerator` (in place); the measured ones stay as measured_step_seconds /
-    measured_cycle_seconds."""
-    for m in measurements:
-        spec = None if m["spec"] == NO_SPECULATION else SpecConfig.parse(m["spec"])
-        seconds = costmodel.projected_seconds(cfg, spec, m["batch"], context, accelerator, tuple(mesh))
-        if spec is None:
-            m.update(measured_step_seconds=m["step_seconds"], step_seconds=seconds, tokens_per_s=m["batch"] / seconds)
-        else:
-            m.update(measured_cycle_seconds=m["cycle_seconds"], cycle_seconds=seconds)
-
-
-def _prompt_rows(prompts: Sequence[Sequence[int]], batch: int, width: int) -> tuple[jax.Array, jax.Array]:
-    tokens = np.zeros((batch, width), np.int32)
-    lengths = np.zeros((batch,), np.int32)
-    for row in range(batch):
-        p = prompts[row % len(prompts)]
-        tokens[row, : len(p)] = p
-        lengths[row] = len(p)
-    return jnp.asarray(tokens), jnp.asarray(lengths)
-
-
-def calibrate(
-    params: ModelParams,
-    cfg: ModelConfig,
-    prompts: Sequence[Sequence[int]],
-    batch_sizes: Sequence[int] = (1, 4, 16, 64),
-    candidates: Sequence[str] = DEFAULT_CANDIDATES,
-    max_new_tokens: int = 128,
-    iters: int = 16,
-    estimator: str = "measured",
-    progress: bool = True,
-    projected: str | None = None,
-    projected_cfg: ModelConfig | None = None,
-    projected_mesh: tuple[int, int, int] = (1, 1, 1),
-    resume: str | Path | None = None,
-) -> Tuning:
-    """Measure acceptance and step times on `prompts`, then choose a spec (or none) per batch bucket.
-
-    With `projected` (an accelerator of `jaxspec.costmodel`, e.g. "h200") the choice uses the analytic
-    cost model's projected AR-step and cycle times on `projected_mesh` of that accelerator instead of
-    this machine's (of `projected_cfg`, default the checkpoint's own config) with the acceptance measured here: a
-    choice for a machine that is not at hand. The measured times are kept beside them.
-
-    With `resume` (a JSON-lines file) each finished batch bucket is appended there, and a bucket a
-    file already holds for the same model, prompts, candidates and lengths is not measured again: a
-    stopped calibration continues where it stopped (ratios still compare runs of one process: a
-    bucket is measured whole or not at all).
-    """
-    from rich.progress import Progress, TimeElapsedColumn
-
+def _check(cfg: ModelConfig, params: ModelParams, batch_sizes: Sequence[int], candidates: Sequence[Any],
+           repeats: int) -> list[SpecConfig]:
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
     check_params(params, cfg)
     if params.mtp is None:
         raise ValueError("tuning speculation needs an MTP draft block; these params have none")
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
     if not batch_sizes or any(not is_int(b) or b < 1 for b in batch_sizes):
         raise ValueError(f"batch sizes must be ints >= 1, got {list(batch_sizes)}")
-    if iters < 1:
-        raise ValueError(f"iters must be >= 1, got {iters}")
-    if projected is not None:
-        costmodel.hardware(projected)  # a ValueError naming the known ones
+    if not is_int(repeats) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     specs = [SpecConfig.parse(c) if isinstance(c, str) else c for c in candidates]
     if not specs:
         raise ValueError("need at least one candidate spec")
     for spec in specs:
         spec.validate_for(cfg)
-    max_steps = max(s.num_steps for s in specs)
-    batch = prepare_prompts(cfg, prompts, max_new_tokens + max_steps + 1)  # the checks `generate` makes
-    prompts = [batch.tokens[i, : int(batch.lengths[i])].tolist() for i in range(batch.batch)]
-    width = length_bucket(max(len(p) for p in prompts), cfg.max_position_embeddings)
-    max_len = length_bucket(width + max_new_tokens + max_steps + 1, cfg.max_position_embeddings, minimum=64)
-    # Cycles per candidate: as many as fit in max_new_tokens (at most `iters`), so the measured
-    # accepted length covers the generation length the choice is for, not only its first cycles.
-    cycles = max(1, min(iters, max_new_tokens // (max_steps + 1)))
+    return specs
 
-    width_k = max(s.topk for s in specs)
-    acceptance = measure_rank_acceptance(params, cfg, prompts, width=max(width_k, 2), max_new_tokens=64)
-    buckets = sorted({batch_bucket(int(b)) for b in batch_sizes})
-    signature = _signature(cfg, prompts, specs, max_new_tokens, iters)
-    finished = _finished_buckets(resume, signature, buckets)
-    measurements: list[dict[str, Any]] = []
-    accepted: dict[str, dict[int, list[int]]] = {}  # spec -> prompt -> accepted drafts per cycle
-    with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), disable=not progress) as bar:
-        task = bar.add_task("calibrating", total=len(buckets) * (len(specs) + 1))
-        for b in buckets:
-            if b in finished:
-                record = finished[b]
-                bar.advance(task, len(specs) + 1)
-            else:
-                record = _measure_bucket(params, cfg, specs, prompts, b, width, max_len, cycles,
-                                         lambda text: bar.update(task, description=text), lambda: bar.advance(task))
-                if resume is not None:  # a bucket at a time: a stopped run keeps what it finished
-                    _append_line(resume, json.dumps({"signature": signature, "bucket": b, **record}))
-            measurements += record["measurements"]
-            for spec_name, rows in record["accepted"].items():
-                for row, values in rows.items():
-                    accepted.setdefault(spec_name, {}).setdefault(int(row), []).extend(values)
+
+def tune(
+    params: ModelParams,
+    cfg: ModelConfig,
+    prompts: Mapping[str, Sequence[Sequence[int]]],  # dataset -> prompts (held-out, not the evaluation's)
+    batch_sizes: Sequence[int] = (1, 4, 16, 64),
+    candidates: Sequence[str | SpecConfig] = DEFAULT_CANDIDATES,
+    max_new_tokens: int = 128,
+    repeats: int = 3,
+    retries: int = 2,
+    allow_loaded: bool = False,
+    progress: bool = True,
+    resume: str | Path | None = None,
+    projected: str | None = None,
+    projected_cfg: ModelConfig | None = None,
+    projected_mesh: tuple[int, int, int] = (1, 1, 1),
+) -> Tuning:
+    """Time AR and every candidate end to end per batch bucket and dataset; choose per bucket.
+
+    With `resume` (a JSON-lines file) each finished (bucket, dataset) group is appended there and a
+    group the file already holds for the same model, prompts, candidates and lengths is not measured
+    again: a stopped run continues where it stopped (a group is measured whole or not at all, so its
+    ratios still compare runs of one process).
+    """
+    from rich.progress import Progress, TimeElapsedColumn
+
+    specs = _check(cfg, params, batch_sizes, candidates, repeats)
+    if not prompts or any(not p for p in prompts.values()):
+        raise ValueError("need at least one prompt per dataset")
     if projected is not None:
-        project_measurements(measurements, projected_cfg or cfg, max_len, projected, projected_mesh)
-    # A prompt's accepted length does not depend on the batch (greedy rows are independent): pool
-    # every bucket's cycles per prompt.
-    for m in measurements:
-        if m["spec"] != NO_SPECULATION:
-            per_prompt = np.asarray([np.mean(v) + 1.0 for v in accepted[m["spec"]].values()])
-            sequoia = expected_tokens_per_cycle(acceptance, SpecConfig.parse(m["spec"]))
-            m["tau"] = {"sequoia": sequoia, "measured": float(np.mean(per_prompt))}
-            m["predicted_tokens_per_s"] = {
-                "sequoia": m["batch"] * sequoia / m["cycle_seconds"],
-                "measured": m["batch"] * batch_tokens_per_cycle(per_prompt, m["batch"]) / m["cycle_seconds"],
-            }
+        costmodel.hardware(projected)  # a ValueError naming the known ones
+    params = cpu_layout(params, cfg)
+    max_steps = max(s.num_steps for s in specs)
+    rows = {name: _checked_prompts(cfg, p, max_new_tokens + max_steps + 1) for name, p in prompts.items()}
+    longest = max(len(p) for ps in rows.values() for p in ps)
+    buckets = sorted({batch_bucket(int(b)) for b in batch_sizes})
+    signature = _signature(cfg, rows, specs, max_new_tokens, repeats)
+    finished = _finished_groups(resume, signature)
+    methods = {NO_SPECULATION: None, **{s.name: s for s in specs}}
+    records: list[dict[str, Any]] = []
+    verdicts: list[dict[str, Any]] = []
+    with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), disable=not progress) as bar:
+        task = bar.add_task("tuning", total=len(buckets) * len(rows))
+        for b in buckets:
+            for name, ps in rows.items():
+                key = f"{b}:{name}"
+                if key not in finished:
+                    group = _measure_group(params, cfg, methods, ps, b, max_new_tokens, repeats, retries, longest,
+                                           lambda text, k=key: bar.update(task, description=f"{k} {text}"))
+                    if not group["verdict"]["clean"] and not allow_loaded:
+                        raise ValueError(f"batch {b}, {name}: the machine stayed loaded over {retries + 1} tries ("
+                                         f"{'; '.join(group['verdict']['reasons'])}); tune on a quiet machine "
+                                         "(docs/results.md, 'Measuring speed') or pass allow_loaded")
+                    finished[key] = group
+                    if resume is not None:
+                        _append_line(resume, json.dumps({"signature": signature, "group": key, **group}))
+                records += finished[key]["records"]
+                verdicts.append({"batch": b, "dataset": name, **finished[key]["verdict"]})
+                bar.advance(task)
+    pooled = pooled_measurements(records)
+    if projected is not None:
+        context = length_bucket(longest + max_new_tokens + max_steps + 1, cfg.max_position_embeddings, minimum=64)
+        project_measurements(pooled, projected_cfg or cfg, context, projected, tuple(projected_mesh))
     return Tuning(
-        acceptance=tuple(float(x) for x in acceptance),
-        choices=choose(measurements, estimator),
-        estimator=estimator,
-        measurements=tuple(measurements),
+        choices=choose(pooled, "projected_tokens_per_s" if projected is not None else "tokens_per_s"),
+        measurements=tuple(pooled),
         max_new_tokens=int(max_new_tokens),
+        estimator="end-to-end" if projected is None else "projected",
         projected=None if projected is None else f"{projected}:{(projected_cfg or cfg).num_layers}-layer model",
+        groups=tuple(records),
+        verdicts=tuple(verdicts),
     )
 
 
-def _measure_bucket(params, cfg, specs, prompts, b, width, max_len, cycles, describe, advance) -> dict[str, Any]:
-    """AR step, draft and whole-cycle times of every candidate at batch bucket b, and the accepted
-    drafts per calibration prompt -> {"measurements": [...], "accepted": {spec: {prompt: [...]}}}."""
-    tokens, lengths = _prompt_rows(prompts, b, width)
-    start_state, root0, hidden0 = stages.prefill(params, cfg, tokens, lengths, max_len)
-    describe(f"b={b} ar")
-    _, seconds, _ = stages.median_seconds(lambda c: stages.ar_step(params, cfg, *c), (start_state, root0), cycles)
-    measurements = [{"batch": b, "spec": NO_SPECULATION, "step_seconds": seconds, "tokens_per_s": b / seconds}]
-    accepted: dict[str, dict[int, list[int]]] = {}
-    advance()
-    for spec in specs:
-        describe(f"b={b} {spec.name}")
-        # ranked as speculative_generate ranks it: by the checkpoint's calibration where it has one
-        spec, values = resolve_scores(params, cfg, spec)
-        _, draft_seconds, _ = stages.median_seconds(
-            lambda c, spec=spec, s=start_state, r=root0, h=hidden0, v=values: stages.draft(params, cfg, spec, s, r, h,
-                                                                                          v),
-            None, cycles,
-        )
-        _, cycle_seconds, seen = stages.median_seconds(
-            lambda c, spec=spec, v=values: stages.cycle(params, cfg, spec, c[0], c[1], c[2], v),
-            (start_state, root0, hidden0, jnp.zeros_like(root0)), cycles,
-        )
-        per_row = np.stack([np.asarray(c[3]) for c in seen])  # [cycles, b] accepted drafts
-        for row in range(b):
-            accepted.setdefault(spec.name, {}).setdefault(row % len(prompts), []).extend(
-                int(x) for x in per_row[:, row])
-        measurements.append({
-            "batch": b, "spec": spec.name, "draft_seconds": draft_seconds,
-            "verify_commit_seconds": max(cycle_seconds - draft_seconds, 0.0), "cycle_seconds": cycle_seconds,
-        })
-        advance()
-    return {"measurements": measurements, "accepted": accepted}
+def _checked_prompts(cfg: ModelConfig, prompts: Sequence[Sequence[int]], room: int) -> list[list[int]]:
+    batch = prepare_prompts(cfg, list(prompts), room)  # the checks `generate` makes
+    return [batch.tokens[i, : int(batch.lengths[i])].tolist() for i in range(batch.batch)]
 
 
-def _signature(cfg: ModelConfig, prompts, specs, max_new_tokens: int, iters: int) -> str:
-    """What a finished bucket's measurements depend on: a resumed run reuses only matching ones."""
-    what = json.dumps([repr(cfg), prompts, [s.name for s in specs], max_new_tokens, iters,
+def _measure_group(params, cfg, methods, prompts, b, max_new_tokens, repeats, retries, longest, describe):
+    """AR and every candidate over max(b, MIN_PROMPTS) prompts (cycled if too few) in batches of b, timed
+    round-robin; retried while the machine is loaded -> {"records": [...], "verdict": ...}."""
+    count = max(b, MIN_PROMPTS)
+    chosen = [list(prompts[i % len(prompts)]) for i in range(count)]
+    batches = [chosen[i : i + b] for i in range(0, count, b)]
+    for attempt in range(retries + 1):
+        timed, verdict = timed_methods(params, cfg, methods, batches, max_new_tokens, repeats, longest, b,
+                                       describe=describe)
+        if verdict["clean"]:
+            break
+        describe(f"loaded ({'; '.join(verdict['reasons'])}): measuring again ({attempt + 1}/{retries})")
+    ar = timed[NO_SPECULATION]
+    records = []
+    for name, t in timed.items():
+        record = {"batch": b, "spec": name, "seconds": t["seconds"], "generated": t["generated"],
+                  "tokens_per_s": t["tokens_per_s"], "ratio_vs_ar": t["tokens_per_s"] / ar["tokens_per_s"],
+                  "spread": t["spread"], "prompts": count}
+        if methods[name] is not None:
+            accepted = sum(int(np.sum(res["stats"]["per_sequence"]["accepted"])) for res in t["outputs"])
+            cycles = sum(int(res["stats"]["cycles"]) for res in t["outputs"])
+            record.update(tau=(accepted + cycles) / max(cycles, 1), cycles=cycles)
+        records.append(record)
+    return {"records": records, "verdict": verdict}
+
+
+def choose(measurements: Sequence[dict[str, Any]], rate: str = "tokens_per_s") -> dict[int, str]:
+    """Per bucket, the spec with the highest `rate` ("ar" included: where nothing beats it, no speculation)."""
+    best: dict[int, dict[str, Any]] = {}
+    for m in measurements:
+        if m["batch"] not in best or m[rate] > best[m["batch"]][rate]:
+            best[m["batch"]] = m
+    return {b: m["spec"] for b, m in sorted(best.items())}
+
+
+def pooled_measurements(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (bucket, spec): tokens generated / seconds summed over the datasets, tau over their cycles."""
+    groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for r in records:
+        groups.setdefault((r["batch"], r["spec"]), []).append(r)
+    ar = {b: sum(r["generated"] for r in rs) / sum(r["seconds"] for r in rs)
+          for (b, spec), rs in groups.items() if spec == NO_SPECULATION}
+    out = []
+    for (b, spec), rs in groups.items():
+        m = {"batch": b, "spec": spec, "datasets": len(rs), "generated": sum(r["generated"] for r in rs),
+             "seconds": sum(r["seconds"] for r in rs), "spread": max(r["spread"] for r in rs)}
+        m["tokens_per_s"] = m["generated"] / m["seconds"]
+        m["ratio_vs_ar"] = m["tokens_per_s"] / ar[b]
+        if spec != NO_SPECULATION:
+            cycles = sum(r["cycles"] for r in rs)
+            m["tau"] = sum(r["tau"] * r["cycles"] for r in rs) / max(cycles, 1)
+        out.append(m)
+    return out
+
+
+def project_measurements(measurements: list[dict[str, Any]], cfg: ModelConfig, context: int, accelerator: str,
+                         mesh: tuple[int, int, int] = (1, 1, 1)) -> None:
+    """Add the cost model's projected tokens/s on `mesh` of `accelerator` (with the measured tau) in place."""
+    for m in measurements:
+        spec = None if m["spec"] == NO_SPECULATION else SpecConfig.parse(m["spec"])
+        seconds = costmodel.projected_seconds(cfg, spec, m["batch"], context, accelerator, mesh)
+        m["projected_seconds"] = seconds
+        m["projected_tokens_per_s"] = m["batch"] * (1.0 if spec is None else m["tau"]) / seconds
+
+
+def _signature(cfg: ModelConfig, prompts, specs, max_new_tokens: int, repeats: int) -> str:
+    """What a finished group's measurements depend on: a resumed run reuses only matching ones."""
+    what = json.dumps([repr(cfg), prompts, [s.name for s in specs], max_new_tokens, repeats,
                        [d.device_kind for d in jax.local_devices()]])
     return hashlib.sha256(what.encode()).hexdigest()[:16]
 
@@ -251,14 +224,14 @@ def _append_line(path: str | Path, line: str) -> None:
     path = Path(path)
     cut_off = False
     if path.is_file() and path.stat().st_size > 0:
-        with open(path, "rb") as f:  # only the last byte: the file grows with every bucket
+        with open(path, "rb") as f:  # only the last byte: the file grows with every group
             f.seek(-1, 2)
             cut_off = f.read(1) != b"\n"
     with open(path, "a") as sink:
         sink.write(("\n" if cut_off else "") + line + "\n")
 
 
-def _finished_buckets(resume: str | Path | None, signature: str, buckets: Sequence[int]) -> dict[int, dict[str, Any]]:
+def _finished_groups(resume: str | Path | None, signature: str) -> dict[str, dict[str, Any]]:
     if resume is None or not Path(resume).is_file():
         return {}
     finished = {}
@@ -267,8 +240,8 @@ def _finished_buckets(resume: str | Path | None, signature: str, buckets: Sequen
             record = json.loads(line)
         except json.JSONDecodeError:  # a line cut off by a stopped run
             continue
-        if isinstance(record, dict) and record.get("signature") == signature and record.get("bucket") in buckets:
-            finished[record["bucket"]] = record
+        if isinstance(record, dict) and record.get("signature") == signature and "group" in record:
+            finished[record["group"]] = {"records": record["records"], "verdict": record["verdict"]}
     return finished
 
 

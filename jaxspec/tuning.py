@@ -1,5 +1,5 @@
 """The chooser's result, `tune.json`: the spec (or no speculation) per batch bucket and every
-measurement behind it. Written by `jaxspec tune` (`jaxspec.tune.calibrate`), read here by
+measurement behind it. Written by `jaxspec tune` (`jaxspec.tune.tune`), read here by
 `speculative_generate(spec="auto", tuning=...)`; this module needs nothing but the configs.
 """
 
@@ -20,14 +20,15 @@ TUNING_FILE = "tune.json"
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    """Calibration result: the chosen spec per batch bucket and every measurement behind it."""
+    """The chosen spec per batch bucket and every measurement behind it (`jaxspec.tune.tune`)."""
 
-    acceptance: tuple[float, ...]  # P(k-th ranked draft child is the accepted one)
     choices: dict[int, str]  # batch bucket -> spec name, or "ar" for no speculation
-    estimator: str  # how expected tokens per cycle were estimated ("sequoia" or "measured")
-    measurements: tuple[dict[str, Any], ...]  # one per (bucket, candidate), "ar" included
+    measurements: tuple[dict[str, Any], ...]  # per (bucket, spec), pooled over datasets: tokens/s, tau, ratio
     max_new_tokens: int
-    projected: str | None = None  # times projected by the cost model onto this accelerator, not measured
+    estimator: str = "end-to-end"  # "end-to-end" (the loops timed here) or "projected" (the cost model's times)
+    projected: str | None = None  # the accelerator the times were projected onto, when not measured
+    groups: tuple[dict[str, Any], ...] = ()  # per (bucket, dataset, spec): the timing each pooled row sums
+    verdicts: tuple[dict[str, Any], ...] = ()  # per (bucket, dataset): the measurement verdict (jaxspec.measure)
 
     def spec_for(self, batch_size: int) -> SpecConfig | None:
         """The choice for `batch_size` (the nearest calibrated bucket in log scale); None = no speculation."""
@@ -47,14 +48,15 @@ class Tuning:
         try:
             choices = {int(b): str(name) for b, name in data["choices"].items()}
             tuning = cls(
-                acceptance=tuple(float(x) for x in data["acceptance"]),
                 choices=choices,
-                estimator=str(data["estimator"]),
                 measurements=tuple(data["measurements"]),
                 max_new_tokens=int(data["max_new_tokens"]),
+                estimator=str(data.get("estimator", "end-to-end")),
                 projected=data.get("projected"),
+                groups=tuple(data.get("groups", ())),
+                verdicts=tuple(data.get("verdicts", ())),
             )
-        except (KeyError, TypeError, AttributeError) as e:
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ValueError(f"not a jaxspec tuning file (missing or malformed field: {e})") from e
         if not choices:
             raise ValueError("tuning has no choices")

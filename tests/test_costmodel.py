@@ -231,15 +231,14 @@ def test_tune_projects_onto_a_mesh(test_cfg):
     from jaxspec.costmodel import projected_seconds
     from jaxspec.tune import project_measurements
 
-    rows = [{"spec": "ar", "batch": 2, "step_seconds": 1.0, "tokens_per_s": 2.0},
-            {"spec": "s2_k2_d4", "batch": 2, "cycle_seconds": 1.0}]
+    rows = [{"spec": "ar", "batch": 2}, {"spec": "s2_k2_d4", "batch": 2, "tau": 2.0}]
     project_measurements(rows, test_cfg, 64, "h200", (1, 2, 1))
     spec = js.SpecConfig.parse("s2_k2_d4")
-    assert rows[0]["step_seconds"] == pytest.approx(projected_seconds(test_cfg, None, 2, 64, "h200", (1, 2, 1)))
-    assert rows[1]["cycle_seconds"] == pytest.approx(projected_seconds(test_cfg, spec, 2, 64, "h200", (1, 2, 1)))
-    assert rows[0]["measured_step_seconds"] == 1.0
+    assert rows[0]["projected_seconds"] == pytest.approx(projected_seconds(test_cfg, None, 2, 64, "h200", (1, 2, 1)))
+    assert rows[1]["projected_seconds"] == pytest.approx(projected_seconds(test_cfg, spec, 2, 64, "h200", (1, 2, 1)))
+    assert rows[1]["projected_tokens_per_s"] == pytest.approx(2 * 2.0 / rows[1]["projected_seconds"])
     # two tensor devices split the weights: faster than one
-    assert rows[0]["step_seconds"] != projected_seconds(test_cfg, None, 2, 64, "h200")
+    assert rows[0]["projected_seconds"] != projected_seconds(test_cfg, None, 2, 64, "h200")
     with pytest.raises(ValueError, match="must divide num_heads"):
         project_measurements([dict(rows[0])], test_cfg, 64, "h200", (1, 3, 1))
 

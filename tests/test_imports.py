@@ -15,7 +15,7 @@ RANKS = [
     ("jaxspec.checks",),  # plain-int checks: below everything
     # The safetensors reader, the FP8 / FP4 formats and the damaged-file errors need numpy only (the
     # checkpoint package's __init__ is higher, so only checkpoint modules may import them).
-    ("jaxspec.config", "jaxspec.tokenizer", "jaxspec.data", "jaxspec.tuning", "jaxspec.programs",
+    ("jaxspec.config", "jaxspec.tokenizer", "jaxspec.data", "jaxspec.tuning", "jaxspec.programs", "jaxspec.measure",
      "jaxspec.optim", "jaxspec.gpu_export",
      "jaxspec.checkpoint.safetensors_io", "jaxspec.checkpoint.quant", "jaxspec.checkpoint.errors"),
     ("jaxspec.ops", "jaxspec.sharding.rules"),

@@ -10,58 +10,51 @@ import pytest
 import jaxspec as js
 from jaxspec.costmodel import projected_seconds
 from jaxspec.report import comparison_table, tuning_table
-from jaxspec.tree.budget import expected_tokens_per_cycle, sequoia_optimum
-from jaxspec.tune import batch_tokens_per_cycle, calibrate, choose, compare_with_sweep, project_measurements
+from jaxspec.tune import choose, compare_with_sweep, pooled_measurements, project_measurements, tune
 from jaxspec.tuning import NO_SPECULATION, Tuning, auto_spec, load_tuning
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
 
 
-def _measurement(batch, spec, cycle_seconds, tau):
-    return {
-        "batch": batch, "spec": spec, "cycle_seconds": cycle_seconds, "draft_seconds": cycle_seconds / 3,
-        "tau": {"sequoia": tau, "measured": tau},
-        "predicted_tokens_per_s": {"sequoia": batch * tau / cycle_seconds, "measured": batch * tau / cycle_seconds},
-    }
+def _record(batch, spec, dataset, generated, seconds, tau=None, cycles=None):
+    r = {"batch": batch, "spec": spec, "dataset": dataset, "generated": generated, "seconds": seconds,
+         "tokens_per_s": generated / seconds, "spread": 0.02}
+    if spec != NO_SPECULATION:
+        r.update(tau=tau, cycles=cycles)
+    return r
 
 
-def test_choose_maximises_predicted_throughput_and_falls_back_to_no_speculation():
-    ms = [
-        {"batch": 1, "spec": NO_SPECULATION, "step_seconds": 0.01, "tokens_per_s": 100.0},
-        _measurement(1, "s3_k2_d6", 0.02, 3.0),  # 150 tok/s: wins at batch 1
-        _measurement(1, "s4_k1_d5", 0.02, 2.5),  # 125
-        {"batch": 16, "spec": NO_SPECULATION, "step_seconds": 0.04, "tokens_per_s": 400.0},
-        _measurement(16, "s3_k2_d6", 0.2, 3.0),  # 240: slower than no speculation
-        _measurement(16, "s4_k1_d5", 0.15, 2.5),  # 266
+def test_pooled_rates_and_the_choice_fall_back_to_no_speculation():
+    records = [
+        _record(1, NO_SPECULATION, "gsm8k", 100, 1.0), _record(1, NO_SPECULATION, "mbpp", 100, 2.0),
+        _record(1, "s3_k1_d4", "gsm8k", 100, 0.5, 3.0, 40), _record(1, "s3_k1_d4", "mbpp", 100, 2.5, 2.0, 60),
+        _record(16, NO_SPECULATION, "gsm8k", 1600, 4.0), _record(16, "s3_k1_d4", "gsm8k", 1600, 5.0, 2.0, 800),
     ]
-    assert choose(ms, "sequoia") == {1: "s3_k2_d6", 16: NO_SPECULATION}
-    with pytest.raises(ValueError, match="estimator"):
-        choose(ms, "guess")
+    pooled = {(m["batch"], m["spec"]): m for m in pooled_measurements(records)}
+    # pooled over datasets: tokens / seconds summed, not a mean of rates
+    assert pooled[(1, NO_SPECULATION)]["tokens_per_s"] == pytest.approx(200 / 3.0)
+    assert pooled[(1, "s3_k1_d4")]["tokens_per_s"] == pytest.approx(200 / 3.0)
+    assert pooled[(1, "s3_k1_d4")]["tau"] == pytest.approx((3.0 * 40 + 2.0 * 60) / 100)
+    assert pooled[(16, "s3_k1_d4")]["ratio_vs_ar"] == pytest.approx(0.8)
+    assert choose(list(pooled.values())) == {1: NO_SPECULATION, 16: NO_SPECULATION}  # a tie keeps AR (listed first)
+    records[2] = _record(1, "s3_k1_d4", "gsm8k", 100, 0.4, 3.0, 40)
+    assert choose(pooled_measurements(records)) == {1: "s3_k1_d4", 16: NO_SPECULATION}
 
 
-def test_expected_tokens_per_cycle_is_sequoia_restricted_to_topk():
-    acceptance = [0.6, 0.2, 0.1, 0.05]
-    spec = js.SpecConfig.parse("s3_k2_d6")
-    assert expected_tokens_per_cycle(acceptance, spec) == pytest.approx(sequoia_optimum([0.6, 0.2], 6, 3))
-    chain = js.SpecConfig.parse("s3_k1_d4")
-    assert expected_tokens_per_cycle(acceptance, chain) == pytest.approx(1 + 0.6 + 0.36 + 0.216)
-    # A wider tree than the measured ranks: missing ranks count as never accepted.
-    wide = js.SpecConfig.parse("s1_k4_d5")
-    assert expected_tokens_per_cycle([0.5, 0.3], wide) == pytest.approx(1.8)
-
-
-def test_batch_tokens_per_cycle_waits_for_the_slowest_row():
-    # Batch 1: harmonic mean over prompts (a tau-1 prompt costs 4x the cycles of a tau-4 one).
-    assert batch_tokens_per_cycle([1.0, 4.0], 1, draws=4096) == pytest.approx(1 / (0.5 * 1 + 0.5 * 0.25), rel=0.03)
-    # A large batch almost surely holds a tau-1 row: it runs as many cycles as autoregressive decoding.
-    assert batch_tokens_per_cycle([1.0, 4.0], 64) == pytest.approx(1.0)
-    assert batch_tokens_per_cycle([3.0, 3.0, 3.0], 8) == pytest.approx(3.0)
-    with pytest.raises(ValueError):
-        batch_tokens_per_cycle([], 1)
+def test_projection_uses_the_measured_tau_and_the_cost_models_times(test_cfg):
+    pooled = pooled_measurements([_record(2, NO_SPECULATION, "gsm8k", 10, 1.0),
+                                  _record(2, "s2_k2_d4", "gsm8k", 10, 1.0, 2.5, 8)])
+    project_measurements(pooled, test_cfg, 64, "h200")
+    ar, spec = pooled
+    seconds = projected_seconds(test_cfg, js.SpecConfig.parse("s2_k2_d4"), 2, 64, "h200")
+    assert spec["projected_tokens_per_s"] == pytest.approx(2 * 2.5 / seconds)
+    assert ar["projected_tokens_per_s"] == pytest.approx(2 / projected_seconds(test_cfg, None, 2, 64, "h200"))
+    with pytest.raises(ValueError, match="unknown accelerator"):
+        project_measurements(pooled, test_cfg, 64, "tpu9")
 
 
 def test_tuning_round_trip_nearest_bucket_and_bad_files(tmp_path):
-    tuning = Tuning((0.7, 0.1), {1: "s3_k2_d6", 16: NO_SPECULATION}, "sequoia", (), 64)
+    tuning = Tuning({1: "s3_k2_d6", 16: NO_SPECULATION}, (), 64)
     path = tuning.save(tmp_path)
     assert path.name == "tune.json"
     back = load_tuning(tmp_path)
@@ -80,7 +73,7 @@ def test_tuning_round_trip_nearest_bucket_and_bad_files(tmp_path):
 
 
 def test_compare_with_sweep_reports_ratios():
-    tuning = Tuning((0.7,), {1: "s4_k1_d5", 4: NO_SPECULATION}, "sequoia", (), 64)
+    tuning = Tuning({1: "s4_k1_d5", 4: NO_SPECULATION}, (), 64)
     records = []
     for dataset, scale in (("gsm8k", 1.0), ("mbpp", 2.0)):
         for batch, rates in ((1, {"ar": 100, "s4_k1_d5": 120, "s4_k2_d8": 125}), (4, {"ar": 300, "s4_k1_d5": 250})):
@@ -96,49 +89,38 @@ def test_compare_with_sweep_reports_ratios():
     assert by[("all", 1)]["chosen_tokens_per_s"] == pytest.approx(2000 / (1000 / 120 + 1000 / 240))
     assert "s4_k2_d8" in comparison_table(rows)
     with pytest.raises(ValueError, match="no run"):
-        compare_with_sweep(Tuning((0.7,), {1: "s2_k1_d3"}, "sequoia", (), 64), records)
+        compare_with_sweep(Tuning({1: "s2_k1_d3"}, (), 64), records)
 
 
-@pytest.mark.long  # ~100 s; the CLI test below calibrates on the shipped checkpoint end to end
-def test_calibrate_measures_every_candidate_per_bucket(agreeing_params, test_cfg):
-    candidates = ("s2_k1_d3", "s2_k2_d4")
-    tuning = calibrate(agreeing_params, test_cfg, PROMPTS, (1, 3), candidates, max_new_tokens=24, iters=2,
-                       progress=False)
-    assert sorted(tuning.choices) == [1, 4]  # buckets
-    assert set(tuning.choices.values()) <= {NO_SPECULATION, *candidates}
-    assert len(tuning.acceptance) == 2 and 0 < tuning.acceptance[0] <= 1 and sum(tuning.acceptance) <= 1 + 1e-6
-    specs = [m for m in tuning.measurements if m["spec"] != NO_SPECULATION]
-    assert len(specs) == 4 and len(tuning.measurements) == 6
-    for m in specs:
-        spec = js.SpecConfig.parse(m["spec"])
-        assert 0 < m["draft_seconds"] and m["verify_commit_seconds"] >= 0
-        assert 1.0 <= m["tau"]["measured"] <= spec.num_steps + 1
-        assert m["tau"]["sequoia"] == pytest.approx(expected_tokens_per_cycle(tuning.acceptance, spec))
-    assert tuning.estimator == "measured" and tuning.choices == choose(tuning.measurements, "measured")
-    assert "predicted tok/s" in tuning_table(tuning)
+def test_tune_times_every_candidate_end_to_end_and_refuses_a_loaded_machine(agreeing_params, test_cfg,
+                                                                             monkeypatch):
+    """One bucket, one candidate, tiny lengths: the records say what was timed. An unpinned process
+    (as a pytest worker is) gets a verdict that is not clean, and tune refuses unless allow_loaded."""
+    from jaxspec import measure
+
+    monkeypatch.setattr(measure, "pinned_core", lambda: None)
+    prompts = {"a": PROMPTS[:2], "b": PROMPTS[2:]}
+    args = dict(batch_sizes=(2,), candidates=("s2_k1_d3",), max_new_tokens=8, repeats=1, retries=0, progress=False)
+    with pytest.raises(ValueError, match="stayed loaded"):  # not pinned here, or the other core busy
+        tune(agreeing_params, test_cfg, prompts, **args)
+    tuning = tune(agreeing_params, test_cfg, prompts, allow_loaded=True, **args)
+    assert tuning.choices.keys() == {2} and tuning.choices[2] in (NO_SPECULATION, "s2_k1_d3")
+    assert tuning.estimator == "end-to-end"
+    assert {(g["spec"], g["prompts"]) for g in tuning.groups} == {(NO_SPECULATION, 8), ("s2_k1_d3", 8)}
+    assert len(tuning.groups) == 4 and len(tuning.verdicts) == 2  # (spec, dataset) x 2; a verdict per dataset
+    spec = next(m for m in tuning.measurements if m["spec"] == "s2_k1_d3")
+    assert 1.0 <= spec["tau"] <= 3.0 and spec["generated"] == 2 * 8 * 8 and spec["seconds"] > 0
+    assert tuning.choices == choose(tuning.measurements)
+    assert "x AR" in tuning_table(tuning) and "LOADED" in tuning_table(tuning)
     with pytest.raises(ValueError, match="allowed 1.."):
-        calibrate(agreeing_params, test_cfg, PROMPTS, (1,), ("s9_k1_d10",), progress=False)
+        tune(agreeing_params, test_cfg, prompts, batch_sizes=(1,), candidates=("s9_k1_d10",), progress=False)
     with pytest.raises(ValueError, match="batch sizes"):
-        calibrate(agreeing_params, test_cfg, PROMPTS, (0,), candidates, progress=False)
-
-
-def test_projected_times_replace_the_measured_ones(test_cfg):
-    measurements = [_measurement(2, "s2_k2_d4", 0.5, 2.0), {"batch": 2, "spec": NO_SPECULATION, "step_seconds": 0.1,
-                                                            "tokens_per_s": 20.0}]
-    project_measurements(measurements, test_cfg, 64, "h200")
-    cycle, ar = measurements
-    assert cycle["measured_cycle_seconds"] == 0.5 and ar["measured_step_seconds"] == 0.1
-    spec = js.SpecConfig.parse("s2_k2_d4")
-    assert cycle["cycle_seconds"] == pytest.approx(projected_seconds(test_cfg, spec, 2, 64, "h200"))
-    assert ar["tokens_per_s"] == pytest.approx(2 / projected_seconds(test_cfg, None, 2, 64, "h200"))
-    assert cycle["cycle_seconds"] > ar["step_seconds"]  # a cycle has more passes than a step
-    with pytest.raises(ValueError, match="unknown accelerator"):
-        project_measurements(measurements, test_cfg, 64, "tpu9")
+        tune(agreeing_params, test_cfg, prompts, batch_sizes=(0,), progress=False)
 
 
 @pytest.mark.parametrize("choice", [NO_SPECULATION, "s3_k2_d6"])
 def test_auto_spec_runs_the_choice_and_stays_exact(agreeing_params, test_cfg, choice):
-    tuning = Tuning((0.7, 0.1), {4: choice}, "sequoia", (), 32)
+    tuning = Tuning({4: choice}, (), 32)
     ref = js.generate(agreeing_params, test_cfg, PROMPTS, max_new_tokens=32)
     out = js.speculative_generate(agreeing_params, test_cfg, PROMPTS, "auto", max_new_tokens=32, tuning=tuning)
     np.testing.assert_array_equal(out.tokens, ref.tokens)
@@ -157,7 +139,8 @@ def test_cli_tune_on_the_shipped_checkpoint(tmp_path, capsys):
         pytest.skip("needs the shipped checkpoint and ../shared/data")
     out = tmp_path / "tune.json"
     argv = ["tune", "--checkpoint", "checkpoints/tiny-v4", "--datasets", "gsm8k", "--num-prompts", "2",
-            "--batch-sizes", "2", "--candidates", "s2_k1_d3", "--new-tokens", "16", "--iters", "1", "--out", str(out)]
+            "--batch-sizes", "2", "--candidates", "s2_k1_d3", "--new-tokens", "16", "--repeats", "1", "--no-pin",
+            "--allow-loaded", "--out", str(out)]
     assert main(argv) == 0
     assert load_tuning(out).spec_for(2) in (None, js.SpecConfig(2, 1, 3))
     assert "chosen: batch 2:" in capsys.readouterr().out
@@ -165,31 +148,30 @@ def test_cli_tune_on_the_shipped_checkpoint(tmp_path, capsys):
         main(["tune", "--checkpoint", str(tmp_path / "none")])
 
 
-def test_calibrate_resumes_from_the_buckets_it_finished(agreeing_params, test_cfg, tmp_path, monkeypatch):
-    """A stopped calibration keeps each finished bucket in its progress file; the rerun measures only
-    the buckets that file lacks, and a file of other candidates is not reused."""
+def test_tune_resumes_from_the_groups_it_finished(agreeing_params, test_cfg, tmp_path, monkeypatch):
+    """A stopped tune keeps each finished (bucket, dataset) group in its progress file; the rerun
+    measures only the groups that file lacks, and a file of other candidates is not reused."""
     import jaxspec.tune as tune_lib
 
     measured = []
-    real = tune_lib._measure_bucket
-    monkeypatch.setattr(tune_lib, "_measure_bucket", lambda *a, **k: measured.append(a[4]) or real(*a, **k))
+    real = tune_lib._measure_group
+    monkeypatch.setattr(tune_lib, "_measure_group", lambda *a, **k: measured.append(a[4]) or real(*a, **k))
     progress = tmp_path / "tune.progress.jsonl"
-    args = dict(max_new_tokens=8, iters=1, progress=False, resume=progress)
-    first = calibrate(agreeing_params, test_cfg, PROMPTS[:2], (1,), ("s2_k1_d3",), **args)
+    args = dict(max_new_tokens=8, repeats=1, retries=0, allow_loaded=True, progress=False, resume=progress)
+    prompts = {"a": PROMPTS[:2]}
+    first = tune(agreeing_params, test_cfg, prompts, (1,), ("s2_k1_d3",), **args)
     assert measured == [1] and len(progress.read_text().splitlines()) == 1
     with open(progress, "a") as f:
         f.write('{"signature": "cut off by a kill')  # a stopped run's last line
-    second = calibrate(agreeing_params, test_cfg, PROMPTS[:2], (1, 2), ("s2_k1_d3",), **args)
+    second = tune(agreeing_params, test_cfg, prompts, (1, 2), ("s2_k1_d3",), **args)
     assert measured == [1, 2]  # bucket 1 came from the file
-    reused = [m for m in second.measurements if m["batch"] == 1]
-    assert [m["cycle_seconds"] for m in reused if "cycle_seconds" in m] == \
-        [m["cycle_seconds"] for m in first.measurements if "cycle_seconds" in m]
+    assert [g["seconds"] for g in second.groups if g["batch"] == 1] == [g["seconds"] for g in first.groups]
     # Other candidates (or prompts, or lengths) make another signature: such a file is not reused.
     specs = [js.SpecConfig.parse("s2_k1_d3")]
-    same = tune_lib._signature(test_cfg, PROMPTS[:2], specs, 8, 1)
-    assert tune_lib._signature(test_cfg, PROMPTS[:2], [js.SpecConfig.parse("s2_k2_d4")], 8, 1) != same
-    assert tune_lib._signature(test_cfg, PROMPTS[:1], specs, 8, 1) != same
-    assert tune_lib._finished_buckets(progress, same, [1, 2]).keys() == {1, 2}
+    same = tune_lib._signature(test_cfg, prompts, specs, 8, 1)
+    assert tune_lib._signature(test_cfg, prompts, [js.SpecConfig.parse("s2_k2_d4")], 8, 1) != same
+    assert tune_lib._signature(test_cfg, {"a": PROMPTS[:1]}, specs, 8, 1) != same
+    assert tune_lib._finished_groups(progress, same).keys() == {"1:a", "2:a"}
 
 
 def test_load_checkpoint_registers_its_tune_json_for_spec_auto(tmp_path, agreeing_params, test_params, test_cfg):
@@ -198,7 +180,7 @@ def test_load_checkpoint_registers_its_tune_json_for_spec_auto(tmp_path, agreein
     from jaxspec.checkpoint import load_checkpoint, save_checkpoint
 
     save_checkpoint(tmp_path, test_cfg, agreeing_params)
-    Tuning((0.7, 0.1), {4: "s3_k2_d6"}, "sequoia", (), 32).save(tmp_path)
+    Tuning({4: "s3_k2_d6"}, (), 32).save(tmp_path)
     tuning_lib._LOADED.clear()
     cfg, params, _ = load_checkpoint(tmp_path)
     out = js.speculative_generate(params, cfg, PROMPTS, "auto", max_new_tokens=16)

@@ -103,6 +103,29 @@ def train_prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
     return prompts
 
 
+def add_measure_arguments(p: argparse.ArgumentParser, repeats: int = 3) -> None:
+    """The measurement discipline's flags (`jaxspec.measure`): pinning, repeats, loaded runs."""
+    p.add_argument("--repeats", type=int, default=repeats, help=f"timed rounds, every method round-robin (default "
+                   f"{repeats})")
+    p.add_argument("--core", type=int, default=None,
+                   help="the core to pin to, single-threaded XLA (default: the last allowed; not on a GPU machine)")
+    p.add_argument("--no-pin", action="store_true", help="run on every allowed core (the verdict will say so)")
+    p.add_argument("--allow-loaded", action="store_true",
+                   help="keep figures measured on a loaded machine (they are marked LOADED) instead of refusing")
+
+
+def pin_from_args(args: argparse.Namespace, console: Console | None = None) -> None:
+    """Pin before the first computation, as the flags say (call it before loading the model)."""
+    from jaxspec import measure
+
+    positive("repeats", args.repeats)
+    if args.no_pin:
+        return
+    done = measure.pin_unless_gpu(args.core)
+    if console is not None and done:
+        console.print(f"measuring on core {done.get('core')}, single-threaded XLA (jaxspec.measure.pin)")
+
+
 def add_mesh_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mesh", default=None, metavar="D,T,E",
                    help="shard over a data,tensor,expert mesh, e.g. 1,8,1 (default: one device)")

@@ -9,7 +9,7 @@ from typing import Any
 
 from rich.console import Console
 
-from jaxspec.cli.common import add_data_arguments, csv, load_model, positive
+from jaxspec.cli.common import add_data_arguments, add_measure_arguments, csv, load_model, pin_from_args, positive
 
 
 def add_parser(subparsers: Any) -> None:
@@ -28,6 +28,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--batch-sizes", type=csv(int), default=(1, 4, 16, 64))
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--out", default="runs/sweep", help="output folder")
+    add_measure_arguments(p)
     p.add_argument("--resume", action="store_true",
                    help="keep the (dataset, batch) groups --out/runs.jsonl already finished and run the rest "
                         "(the default; kept for old command lines)")
@@ -42,6 +43,8 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
+    if not args.merge:
+        pin_from_args(args, console)  # before the first computation
     import jax
 
     from jaxspec.eval import SweepConfig, merge_runs, run_sweep
@@ -76,6 +79,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     sweep = SweepConfig(
         datasets=args.datasets, specs=tuple(s for s in args.specs if s != "ar"), batch_sizes=args.batch_sizes,
         num_prompts=args.num_prompts, max_new_tokens=args.new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+        repeats=args.repeats,
     )
     model = load_model(args, console, need_tokenizer="the sweep")
     console.print(f"sweep on {len(jax.local_devices())} device(s): {sweep}")
@@ -86,5 +90,13 @@ def run(args: argparse.Namespace, console: Console) -> int:
     records = run_sweep(model.params, model.cfg, model.tokenizer, sweep, args.out, resume=not args.fresh,
                         data_root=args.data_root)
     console.print((Path(args.out) / "table.md").read_text())
+    loaded = {(r["dataset"], r["batch_size"]): r["measurement"]["reasons"] for r in records
+              if r.get("measurement") and not r["measurement"]["clean"]}
+    for (dataset, batch), reasons in sorted(loaded.items()):
+        console.print(f"[bold red]LOADED[/] {dataset} batch {batch}: {'; '.join(reasons)}: its tokens/s are not a "
+                      "clean figure")
+    if loaded and not args.allow_loaded:
+        raise ValueError(f"{len(loaded)} group(s) were measured on a loaded machine (above); their tau stands, their "
+                         "speed does not: rerun on a quiet machine, or pass --allow-loaded to keep them")
     console.print(f"{len(records)} runs written to {args.out}/runs.jsonl")
     return 0

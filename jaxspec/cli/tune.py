@@ -1,4 +1,4 @@
-"""`jaxspec tune`: choose the speculation config (or none) per batch bucket from a calibration run."""
+"""`jaxspec tune`: choose the speculation config (or none) per batch bucket from end-to-end timings."""
 
 from __future__ import annotations
 
@@ -10,39 +10,37 @@ from typing import Any
 
 from rich.console import Console
 
-from jaxspec.cli.common import add_data_arguments, csv, load_model, positive, train_prompts
+from jaxspec.cli.common import add_data_arguments, add_measure_arguments, csv, load_model, pin_from_args, positive
 
 
 def add_parser(subparsers: Any) -> None:
-    from jaxspec.tune import DEFAULT_CANDIDATES, ESTIMATORS
+    from jaxspec.tune import DEFAULT_CANDIDATES
 
     p = subparsers.add_parser(
         "tune",
-        help="choose the speculation config (or none) per batch size from a calibration run",
-        description="Measure the draft's per-rank acceptance and the step times of every candidate per batch "
-        "bucket on calibration prompts (train splits), pick the config with the most expected tokens/s per "
-        "bucket (Sequoia's objective; 'ar' = no speculation) and save it as tune.json beside the checkpoint, "
-        "where speculative_generate(spec='auto', tuning=FOLDER) reads it.",
+        help="choose the speculation config (or none) per batch size from end-to-end timings",
+        description="Time plain decoding and every candidate's speculative_generate end to end, round-robin on one "
+        "pinned core (jaxspec.measure), per batch bucket over held-out tuning prompts of each dataset (MBPP's "
+        "validation split, the last test prompts of GSM8K / ShareGPT: disjoint from what sweeps report on); pick "
+        "the most tokens/s per bucket ('ar' = no speculation) and save tune.json beside the checkpoint, where "
+        "speculative_generate(spec='auto') reads it. A run on a loaded machine is measured again, then refused.",
     )
     p.add_argument("--checkpoint", required=True, help="checkpoint folder (with tokenizer)")
-    add_data_arguments(p, 8, "calibration prompts")
+    add_data_arguments(p, 8, "tuning prompts (a bucket of batch b uses max(b, 8), cycled)")
     p.add_argument("--batch-sizes", type=csv(int), default=(1, 4, 16, 64))
     p.add_argument("--candidates", type=csv(str), default=DEFAULT_CANDIDATES, help="specs to choose from")
     p.add_argument("--new-tokens", type=int, default=128, help="generation length the choice is for")
-    p.add_argument("--iters", type=int, default=16, help="timed cycles per measurement (median)")
-    p.add_argument("--estimator", choices=ESTIMATORS, default="measured",
-                   help="expected tokens per cycle: Sequoia's optimum from the per-rank acceptance, or the "
-                   "mean accepted length measured on the calibration prompts")
+    add_measure_arguments(p)
     p.add_argument("--projected", default=None, metavar="ACCELERATOR",
                    help="choose with the analytic cost model's projected step times on this accelerator (e.g. "
-                   "h200) and the acceptance measured here, instead of this machine's times")
+                   "h200) and the tau measured here, instead of this machine's times")
     p.add_argument("--projected-preset", default=None, metavar="PRESET",
                    help="with --projected: project the times of this preset (default: the checkpoint's model)")
     p.add_argument("--projected-mesh", default="1,1,1", metavar="D,T,E",
                    help="with --projected: the mesh (data,tensor,expert) the projection is for (default 1,1,1)")
     p.add_argument("--out", default=None, help="tuning file (default CHECKPOINT/tune.json)")
     p.add_argument("--fresh", action="store_true",
-                   help="measure every bucket again (by default a rerun reuses the buckets OUT.progress.jsonl holds "
+                   help="measure every group again (by default a rerun reuses the groups OUT.progress.jsonl holds "
                         "for the same model, prompts and candidates)")
     p.add_argument("--compare", default=None, metavar="RUNS_JSONL",
                    help="a `jaxspec sweep` runs.jsonl: report the choice's measured tokens/s against the best")
@@ -50,11 +48,13 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
+    pin_from_args(args, console)  # before the first computation
+    from jaxspec.eval import tuning_prompts
     from jaxspec.report import comparison_table, tuning_table
-    from jaxspec.tune import calibrate, compare_with_sweep
+    from jaxspec.tune import compare_with_sweep, tune
     from jaxspec.tuning import load_tuning
 
-    for name in ("num_prompts", "new_tokens", "max_prompt_tokens", "iters"):
+    for name in ("num_prompts", "new_tokens", "max_prompt_tokens"):
         positive(name.replace("_", "-"), getattr(args, name))
     for b in args.batch_sizes:
         positive("batch-sizes", b)
@@ -75,18 +75,18 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
     projected_mesh = parse_mesh(args.projected_mesh)
     model = load_model(args, console, need_tokenizer="tuning")
-    prompts = train_prompts(args, model.tokenizer)
-    console.print(f"calibrating on {len(prompts)} train-split prompts, {len(args.candidates)} candidates, "
-                  f"batch sizes {list(args.batch_sizes)}")
+    prompts = tuning_prompts(model.tokenizer, args.num_prompts, args.max_prompt_tokens, args.datasets, args.data_root)
+    console.print(f"tuning on {', '.join(f'{len(p)} {name}' for name, p in prompts.items())} held-out tuning prompts, "
+                  f"{len(args.candidates)} candidates, batch sizes {list(args.batch_sizes)}, {args.repeats} rounds")
     out = Path(args.out or os.path.expanduser(args.checkpoint))
     progress = (out.with_suffix("") if out.suffix == ".json" else out / "tune").with_suffix(".progress.jsonl")
     if args.fresh and progress.exists():
         progress.unlink()
     progress.parent.mkdir(parents=True, exist_ok=True)
-    args.resume_hint = f"finished buckets are kept in {progress}: rerun the same command to continue"
-    tuning = calibrate(model.params, model.cfg, prompts, args.batch_sizes, args.candidates, args.new_tokens,
-                       args.iters, args.estimator, projected=args.projected, projected_cfg=projected_cfg,
-                       projected_mesh=projected_mesh, resume=progress)
+    args.resume_hint = f"finished groups are kept in {progress}: rerun the same command to continue"
+    tuning = tune(model.params, model.cfg, prompts, args.batch_sizes, args.candidates, args.new_tokens,
+                  repeats=args.repeats, allow_loaded=args.allow_loaded, projected=args.projected,
+                  projected_cfg=projected_cfg, projected_mesh=projected_mesh, resume=progress)
     out = tuning.save(out)
     console.print(tuning_table(tuning))
     console.print("chosen: " + ", ".join(f"batch {b}: {name}" for b, name in tuning.choices.items()))
