@@ -59,6 +59,7 @@ from _common import check_positive, console, machine_facts, machine_header, pars
 from rich.table import Table
 
 import jaxspec as js
+from jaxspec import measure
 from jaxspec import stages as st
 from jaxspec.generate import compile_count, length_bucket, speculative_compile_count
 from jaxspec.testing import high_acceptance
@@ -131,7 +132,8 @@ def _timed(fn: Callable[[], js.GenerateOutput]) -> tuple[float, js.GenerateOutpu
 
 
 def bench_end_to_end(params, cfg, prompts, specs, new_tokens: int, repeats: int) -> list[dict[str, Any]]:
-    """Warm up AR and every spec (compile + reference output), then time them round-robin, `repeats` rounds."""
+    """Warm up AR and every spec (compile + reference output), then time them round-robin, `repeats` rounds,
+    inside a `measure.Watch` (its verdict goes into the AR row)."""
     batch = prompts.shape[0]
     runs: dict[str, Callable[[], js.GenerateOutput]] = {
         "AR": lambda: js.generate(params, cfg, prompts, max_new_tokens=new_tokens)
@@ -143,10 +145,9 @@ def bench_end_to_end(params, cfg, prompts, specs, new_tokens: int, repeats: int)
     for name, fn in runs.items():
         warm[name], outs[name] = _timed(fn)
     c1, s1 = compile_count(), speculative_compile_count()
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, fn in runs.items():
-            times[name].append(_timed(fn)[0])
+    with measure.Watch() as watch:
+        timings = measure.round_robin(runs, repeats)
+    times = {name: list(t.seconds) for name, t in timings.items()}
     if (compile_count(), speculative_compile_count()) != (c1, s1):
         print("warning: recompiled during the timed runs", file=sys.stderr)
     ar = outs["AR"]
@@ -171,6 +172,9 @@ def bench_end_to_end(params, cfg, prompts, specs, new_tokens: int, repeats: int)
             "rank_histogram": out.stats["rank_histogram"],
         })
     rows[0]["new_compiles"] = {"generate": c1 - c0, "speculative": s1 - s0}
+    rows[0]["measurement"] = watch.verdict(timings["AR"])
+    for r in rows:
+        r["spread"] = timings["AR" if r["spec"] is None else r["spec"]].spread
     return rows
 
 
@@ -251,6 +255,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stage-iters", type=int, default=10, help="timed calls per stage (median)")
     p.add_argument("--no-stages", action="store_true", help="skip the per-stage split")
     p.add_argument("--fused-cycle", action="store_true", help="also time the whole cycle in one jit")
+    p.add_argument("--core", type=int, default=None, help="pin to this core (default: the last allowed)")
+    p.add_argument("--no-pin", action="store_true", help="do not pin (the verdict will say so)")
     args = p.parse_args(argv)
     check_positive(p, args, ("prompt_len", "new_tokens", "repeats", "stage_iters", "batch"))
     for s in args.specs:
@@ -269,7 +275,8 @@ def _fmt(x, spec: str = ".2f") -> str:
 
 def _print_end_to_end(con, e2e, model, args, facts) -> None:
     table = Table(title=f"end-to-end decode: {model}, {args.new_tokens} new tokens ({facts['backend'].upper()})")
-    for name in ("variant", "batch", "method", "tok/s", "x AR", "tau", "cycles", "check", "run s", "warm-up s"):
+    for name in ("variant", "batch", "method", "tok/s", "x AR", "spread", "tau", "cycles", "check", "run s",
+                 "warm-up s"):
         table.add_column(name, justify="left" if name in ("variant", "method", "check") else "right", no_wrap=True)
     last_group = None
     for r in e2e:
@@ -281,14 +288,18 @@ def _print_end_to_end(con, e2e, model, args, facts) -> None:
         check_str = "-" if check is None else ("[green]OK[/]" if check == "OK" else "[red]MISMATCH[/]")
         table.add_row(
             r["variant"], str(r["batch"]), "AR" if r["spec"] is None else r["spec"],
-            f"{r['tokens_per_s']:.1f}", f"{r['ratio_vs_ar']:.2f}", f"{r['tau']:.2f}",
+            f"{r['tokens_per_s']:.1f}", f"{r['ratio_vs_ar']:.2f}", f"{100 * r['spread']:.0f}%", f"{r['tau']:.2f}",
             _fmt(r["cycles"], "d") if r["cycles"] is not None else str(r["decode_steps"]) + " steps",
             check_str, f"{r['time_s']:.3f}", f"{r['warmup_s']:.1f}",
         )
     con.print(table)
+    for r in e2e:
+        if r.get("measurement"):
+            con.print(f"{r['variant']}, batch {r['batch']}: " + measure.verdict_line(r["measurement"]))
     con.print(
         "tok/s = batch*new_tokens / median run time (prefill included, compile excluded); x AR = spec tok/s / AR "
-        "tok/s (same variant, batch); tau = mean accepted length (accepted drafts + bonus per cycle); cycles summed "
+        "tok/s (same variant, batch); spread = (max - min) / median over the rounds; tau = mean accepted length "
+        "(accepted drafts + bonus per cycle); cycles summed "
         "over the batch (AR: decode steps); check = greedy spec tokens == generate's; warm-up s = first call "
         "(compile, when the shape is new, + one run)."
     )
@@ -331,6 +342,8 @@ def _print_stages(con, stages, args, variants, facts) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if not args.no_pin:
+        measure.pin(args.core)  # before the first computation: XLA reads its flags then
     con = console()
     tok, load_note = None, ""
     t0 = time.perf_counter()

@@ -56,6 +56,57 @@ def kernel_calls(text: str) -> Counter:
     return names
 
 
+# Primitives XLA:GPU launches a kernel around (elementwise ops fuse into them or into one loop fusion
+# between them): an estimate of launches, not XLA's fusion decisions, which need a GPU to compile.
+KERNEL_PRIMITIVES = {
+    "dot_general", "pallas_call", "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
+    "reduce_or", "argmax", "argmin", "cumsum", "cummax", "cumlogsumexp", "sort", "top_k", "scatter",
+    "scatter-add", "scatter_add", "dynamic_update_slice", "conv_general_dilated", "ragged_dot", "all_reduce",
+    "psum", "all_to_all", "all_gather",
+}
+
+
+def launch_estimate(fn: Callable, *args: Any, platform: str = "cuda") -> Counter:
+    """Kernel launches of one call of `fn(*args)` as lowered for `platform`, estimated from its jaxpr:
+    one per primitive in KERNEL_PRIMITIVES, the branches of `platform_dependent` resolved to
+    `platform`'s, loop bodies (`scan`) counted `length` times, `while` bodies once (their trip count
+    is not static). -> Counter by primitive name ("pallas_call:<kernel>" for kernels)."""
+    return _launches(jax.make_jaxpr(fn)(*args).jaxpr, platform)
+
+
+def _launches(jaxpr: Any, platform: str) -> Counter:
+    counts: Counter = Counter()
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        params = eqn.params
+        if name == "cond":
+            branches, chosen = params["branches"], None
+            platforms = params.get("branches_platforms")
+            if platforms:
+                chosen = next((i for i, p in enumerate(platforms) if p is not None and platform in p), None)
+                if chosen is None:
+                    chosen = next(i for i, p in enumerate(platforms) if p is None)  # the default branch
+            taken = [branches[chosen]] if chosen is not None else branches
+            for branch in taken:  # a data-dependent cond: every branch counts (an upper bound)
+                counts += _launches(branch.jaxpr, platform)
+            continue
+        if name == "scan":
+            body = _launches(params["jaxpr"].jaxpr, platform)
+            counts += Counter({k: v * int(params["length"]) for k, v in body.items()})
+            continue
+        if name == "pallas_call":
+            kernel = getattr(params.get("name_and_src_info"), "name", None) or params.get("name", "kernel")
+            counts[f"pallas_call:{kernel}"] += 1
+            continue
+        if name in KERNEL_PRIMITIVES:
+            counts[name] += 1
+        for key in ("jaxpr", "call_jaxpr", "body_jaxpr", "cond_jaxpr"):  # pjit, custom_vjp, while, ...
+            inner = params.get(key)
+            if inner is not None:
+                counts += _launches(getattr(inner, "jaxpr", inner), platform)
+    return counts
+
+
 def expert_stack_dots(text: str, num_experts: int, hidden: int, inter: int) -> list[str]:
     """dot_general / ragged_dot lines (not Pallas calls) with a whole [E, d, I] or [E, I, d] expert
     stack as an operand: the 3-D type exactly, its element type right after the dims."""

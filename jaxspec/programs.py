@@ -295,7 +295,14 @@ class BoundedJit:
 
     def __call__(self, *args: Any) -> Any:
         key = self._key(args)
-        out = self._jitted(key)(*args)
+        try:
+            out = self._jitted(key)(*args)
+        except ValueError as e:
+            if "compiler_options" not in str(e):
+                raise
+            # Called inside another trace (jit, eval_shape): jax takes compiler options from the
+            # top-level jit only, so this call is traced inline, as an inner jax.jit would be.
+            return self.__wrapped__(*args)
         (self.cache or CACHE).called(key)
         return out
 

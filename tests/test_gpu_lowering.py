@@ -166,3 +166,11 @@ def test_sharded_cycle_on_8_devices_for_cuda_holds_the_kernels(tmp_path):
         assert r["kernels"].get("grouped_matmul_plain", 0) > 0 and r["kernels"].get("chain_compress", 0) > 0, r
         assert any(k.startswith("tree_attention_") for k in r["kernels"]), r
         assert not r["dense_expert_dots"], (mesh, r["dense_expert_dots"])
+
+
+@pytest.mark.gpu_lowering
+def test_sinkhorn_lowers_to_one_triton_kernel_for_cuda():
+    from jaxspec.pallas.sinkhorn import sinkhorn
+
+    text = export_for_cuda(lambda c: sinkhorn(c, 19, 1e-6), jax.ShapeDtypeStruct((8, 4, 4), jnp.float32))
+    assert kernel_calls(text) == {"sinkhorn": 1} and "stablehlo.while" not in text

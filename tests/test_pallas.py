@@ -244,3 +244,20 @@ def test_bench_kernels_smoke(capsys):
     assert bench.main(["--smoke", "--budget", "600"]) == 0
     out = capsys.readouterr().out
     assert "6 cases, 0 failed, 0 skipped" in out, out
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 4, 4), (3, 5, 4, 4), (2, 70, 4, 4), (7, 2, 2)])
+def test_sinkhorn_kernel_equals_the_loop(shape):
+    """The fused Sinkhorn (interpret mode) equals the loop hc_pre runs, over token counts that are not
+    block multiples (padded and cut), and leaves doubly-stochastic matrices."""
+    from jaxspec.pallas.sinkhorn import sinkhorn, sinkhorn_kernel, sinkhorn_reference
+
+    comb = jax.nn.softmax(jax.random.normal(jax.random.key(len(shape)), shape), axis=-1) + 1e-6
+    want = sinkhorn_reference(comb, 19, 1e-6)
+    np.testing.assert_allclose(sinkhorn_kernel(comb, 19, 1e-6, interpret=True), want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(jax.jit(lambda c: sinkhorn(c, 19, 1e-6))(comb), want)  # CPU: the loop itself
+    np.testing.assert_allclose(np.asarray(want).sum(-1), 1.0, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(want).sum(-2), 1.0, atol=1e-3)
+    with pytest.raises(ValueError, match="square"):
+        sinkhorn_kernel(jnp.ones((2, 4, 3)), 19, 1e-6, interpret=True)
+

@@ -40,8 +40,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--launch-us", type=float, default=None, help="analytic: per kernel launch (default: the H200 fit)")
     p.add_argument("--collective-us", type=float, default=None,
                    help="analytic: latency of one collective (default: the H200 fit)")
-    p.add_argument("--kernels", default=None, metavar="KIND=N,...",
-                   help="analytic: kernels per pass of a unit kind (sliding, hca, csa, head, mtp_kv), e.g. csa=40")
+    p.add_argument("--kernels", default=None, metavar="KIND=N,...|counted",
+                   help="analytic: kernels per pass of a unit kind (sliding, hca, csa, head, mtp_kv), e.g. csa=40; "
+                   "'counted': the launches of each layer kind's CUDA program (jaxspec.costmodel.kernels)")
     p.add_argument("--layout", choices=("even", "rules"), default="even",
                    help="analytic: weights split evenly over the devices (default; the serving stacks behind the "
                    "calibration points) or as jaxspec's sharding rules place them (some leaves replicated)")

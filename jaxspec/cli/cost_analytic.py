@@ -22,7 +22,7 @@ ASSUMPTIONS = (
 )
 
 
-def _latency(args: argparse.Namespace) -> Any:
+def _latency(args: argparse.Namespace, cfg: Any = None) -> Any:
     from jaxspec.costmodel import latency
 
     lat = latency.H200
@@ -31,7 +31,13 @@ def _latency(args: argparse.Namespace) -> Any:
     for name, value in changes.items():
         if value < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
-    if args.kernels:
+    if args.kernels == "counted":  # launches counted from the CUDA program of each layer kind
+        from jaxspec.costmodel.kernels import counted_kernels
+
+        if cfg is None:
+            raise ValueError("--kernels counted needs a model config")
+        changes["kernels"] = tuple({**dict(lat.kernels), **counted_kernels(cfg)}.items())
+    elif args.kernels:
         kernels = dict(lat.kernels)
         for item in args.kernels.split(","):
             kind, _, count = item.partition("=")
@@ -83,7 +89,7 @@ def run_analytic(args: argparse.Namespace, console: Console, specs: list, taus: 
 
     cfg = ModelConfig.preset(args.preset)
     hw = latency.hardware(args.accelerator)
-    lat = _latency(args)
+    lat = _latency(args, cfg.replace(attention_impl="pallas"))  # the GPU program runs the kernels
     mesh = _mesh(args, cfg)
     for b in args.batch_sizes:
         terms.check_setup(cfg, mesh, b, args.context)

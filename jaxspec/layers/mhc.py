@@ -9,6 +9,7 @@ from flax import struct
 
 from jaxspec.config import ModelConfig
 from jaxspec.ops.norms import unweighted_rms_norm
+from jaxspec.pallas.sinkhorn import sinkhorn, sinkhorn_reference
 from jaxspec.sharding.rules import axes
 
 
@@ -60,11 +61,9 @@ def hc_pre(
     comb = jax.nn.softmax(comb_logits, axis=-1) + cfg.hc_eps
     comb = comb / (comb.sum(axis=-2, keepdims=True) + cfg.hc_eps)
 
-    def sinkhorn_step(_, c):
-        c = c / (c.sum(axis=-1, keepdims=True) + cfg.hc_eps)
-        return c / (c.sum(axis=-2, keepdims=True) + cfg.hc_eps)
-
-    comb = jax.lax.fori_loop(0, cfg.hc_sinkhorn_iters - 1, sinkhorn_step, comb)
+    # With the Pallas kernels, one fused Sinkhorn launch on CUDA instead of ~3 per step; the loop elsewhere.
+    normalise = sinkhorn if cfg.attention_impl == "pallas" else sinkhorn_reference
+    comb = normalise(comb, cfg.hc_sinkhorn_iters - 1, cfg.hc_eps)
     collapsed = jnp.einsum("...h,...hd->...d", pre, streams.astype(jnp.float32)).astype(streams.dtype)
     return collapsed, post, comb
 
