@@ -243,11 +243,11 @@ def test_sweep_stopped_mid_way_finishes_the_rest_when_rerun(test_cfg, test_param
     monkeypatch.setattr(eval_lib, "run_batch", counted)
     # Two datasets at one batch size share every compiled program (one prompt width), which keeps it cheap.
     sweep = SweepConfig(datasets=("gsm8k", "mbpp"), specs=("s2_k1_d3",), batch_sizes=(2,), num_prompts=4,
-                        max_new_tokens=6, rank_width=2)
+                        max_new_tokens=6, rank_width=2, repeats=1)
     prompts = {"gsm8k": [[5, 6, 7], [3], [9, 10, 11, 12], [4, 5]], "mbpp": [[8, 9], [10, 11, 12], [6], [7, 7]]}
-    # Group (gsm8k, 2): the rank-acceptance pass (one call), then AR and the spec, each a compile call
-    # + 2 batches; stop at the first call of group (mbpp, 2).
-    stop_at = 1 + 2 * 3 + 1
+    # Group (gsm8k, 2): the rank-acceptance pass (one call), a first pass of AR and the spec over the
+    # 2 batches (it compiles), one timed round of the same; stop at the first call of group (mbpp, 2).
+    stop_at = 1 + 2 * 2 + 2 * 2 + 1
     with pytest.raises(KeyboardInterrupt):
         run_sweep(test_params, test_cfg, None, sweep, tmp_path, prompts_by_dataset=prompts, progress=False,
                   resume=True)
@@ -257,6 +257,6 @@ def test_sweep_stopped_mid_way_finishes_the_rest_when_rerun(test_cfg, test_param
     stop_at = None
     records = run_sweep(test_params, test_cfg, None, sweep, tmp_path, prompts_by_dataset=prompts, progress=False,
                         resume=True)
-    assert len([name for name, _ in calls if name in ("ar", "s2_k1_d3")]) == 6  # one group ran, not two
+    assert len([name for name, _ in calls if name in ("ar", "s2_k1_d3")]) == 8  # one group ran, not two
     assert records[:2] == first and [(r["dataset"], r["spec"]) for r in records[2:]] == [("mbpp", "ar"),
                                                                                           ("mbpp", "s2_k1_d3")]

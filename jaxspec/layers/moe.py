@@ -195,9 +195,7 @@ def _expert(w: Weight | tuple[Weight, ...], e: int) -> Weight:
     """Expert `e` of a stacked weight (a static slice) or of an unstacked one (its own leaf)."""
     if isinstance(w, tuple):
         return w[e]
-    if isinstance(w, quant.BlockScaled):
-        return w.replace(data=w.data[e], scale=w.scale[e])
-    return w[e]
+    return quant.index(w, e)
 
 
 def num_experts_of(experts: MLPParams) -> int:
@@ -219,13 +217,7 @@ def stack_experts(experts: MLPParams) -> MLPParams:
     """The inverse of `unstack_experts` (the paths other than `union_experts` read stacked weights)."""
     if not isinstance(experts.w1, tuple):
         return experts
-
-    def stack(ws):
-        if isinstance(ws[0], quant.BlockScaled):
-            return ws[0].replace(data=jnp.stack([w.data for w in ws]), scale=jnp.stack([w.scale for w in ws]))
-        return jnp.stack(ws)
-
-    return MLPParams(stack(experts.w1), stack(experts.w3), stack(experts.w2))
+    return MLPParams(quant.stack(experts.w1), quant.stack(experts.w3), quant.stack(experts.w2))
 
 
 def union_experts(

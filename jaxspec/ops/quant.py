@@ -136,6 +136,24 @@ def einsum(spec: str, x: jax.Array, w: Any, **kwargs: Any) -> jax.Array:
     return jnp.einsum(spec, x, dequantize(w), **kwargs)
 
 
+def index(w: Any, i: int) -> Any:
+    """w[i] along the leading (stacked) axis, `i` static: for a BlockScaled, that slice's values and
+    scales with the leading (unblocked) axis dropped from its block too."""
+    if not isinstance(w, BlockScaled):
+        return w[i]
+    if w.block[0] != 1:
+        raise ValueError(f"index: the leading axis of a BlockScaled must be unblocked, got block {w.block}")
+    return w.replace(data=w.data[i], scale=w.scale[i], block=w.block[1:])
+
+
+def stack(ws: Sequence[Any]) -> Any:
+    """The inverse of `index` over every i: same-shaped weights stacked along a new leading axis."""
+    if not isinstance(ws[0], BlockScaled):
+        return jnp.stack(ws)
+    return ws[0].replace(data=jnp.stack([w.data for w in ws]), scale=jnp.stack([w.scale for w in ws]),
+                         block=(1, *ws[0].block))
+
+
 def take(w: Any, index: jax.Array) -> Any:
     """w[index] along the leading (stacked) axis: for a BlockScaled, the selected slices' values and
     scales, still quantized (the gathered copy is as small as the stored weights)."""
