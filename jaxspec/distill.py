@@ -106,10 +106,14 @@ def distill_loss(
     mask: jax.Array,  # [B, T+S] bool: real tokens (padding False)
     num_steps: int,
     ce_weight: float = 0.0,
+    kl_weight: float = 1.0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Sum over depths of the mean KL(target || draft) over the chains whose target exists, plus
-    `ce_weight` x the draft's cross-entropy on the text itself. -> (loss, metrics per depth: KL,
-    top-1 agreement with the target)."""
+    """Sum over depths of `kl_weight` x the mean KL(target || draft) over the chains whose target
+    exists, plus `ce_weight` x the draft's cross-entropy on the text itself. -> (loss, metrics per
+    depth: KL, top-1 agreement with the target, and the cross-entropy when it is weighted).
+
+    DeepSeek's one-step recipe is num_steps=1, kl_weight=0, ce_weight=1 on real text: the MTP
+    block learns x_{r+2} from the target's streams at r, teacher-forced."""
     t = tokens.shape[1] - num_steps
     hidden, target_logits = target_pass(params, cfg, tokens[:, :t])
     draft = unrolled_draft_logits(params.replace(mtp=mtp), cfg, hidden, tokens, num_steps)
@@ -123,11 +127,14 @@ def distill_loss(
         denom = jnp.maximum(jnp.sum(valid), 1)
         kl_mean = jnp.sum(jnp.where(valid, kl, 0.0)) / denom
         agree = jnp.sum(valid & (jnp.argmax(teacher, -1) == jnp.argmax(student, -1))) / denom
-        total = total + kl_mean
+        if kl_weight > 0:
+            total = total + kl_weight * kl_mean
         metrics[f"kl{depth}"], metrics[f"agree{depth}"] = kl_mean, agree
         if ce_weight > 0:
             ce = optax.softmax_cross_entropy_with_integer_labels(student, tokens[:, depth + 1 : t + 1])
-            total = total + ce_weight * jnp.sum(jnp.where(valid, ce, 0.0)) / denom
+            ce_mean = jnp.sum(jnp.where(valid, ce, 0.0)) / denom
+            total = total + ce_weight * ce_mean
+            metrics[f"ce{depth}"] = ce_mean
     metrics["loss"] = total
     return total, metrics
 
@@ -137,21 +144,34 @@ def distill_loss(
 
 @dataclasses.dataclass(frozen=True)
 class DistillConfig(Schedule):
-    """The schedule (`optim.Schedule`, with a draft's defaults), the depths unrolled and the weight of
-    the cross-entropy on the text."""
+    """The schedule (`optim.Schedule`, with a draft's defaults), the depths unrolled, the weights of
+    the KL to the target and of the cross-entropy on the text, and the depths the held-out
+    evaluation unrolls (0: num_steps; a one-step draft is trained at depth 1 and judged deeper)."""
 
     lr: float = 1e-3
     warmup_steps: int = 20
     weight_decay: float = 0.0
     num_steps: int = 4  # S: depths unrolled, as draft_tree drafts
     ce_weight: float = 0.0
+    kl_weight: float = 1.0
+    eval_steps: int = 0
 
     def __post_init__(self):
         super().__post_init__()
         if self.num_steps < 1:
             raise ValueError(f"num_steps (S) must be >= 1, got {self.num_steps}")
-        if self.ce_weight < 0:
-            raise ValueError(f"ce_weight must be >= 0, got {self.ce_weight}")
+        if self.ce_weight < 0 or self.kl_weight < 0 or self.ce_weight + self.kl_weight == 0:
+            raise ValueError(f"ce_weight and kl_weight must be >= 0 and not both 0, got {self.ce_weight}, "
+                             f"{self.kl_weight}")
+        if self.eval_steps < 0:
+            raise ValueError(f"eval_steps must be >= 0, got {self.eval_steps}")
+
+    @property
+    def eval_depths(self) -> int:
+        return self.eval_steps or self.num_steps
+
+
+ONE_STEP = dict(num_steps=1, kl_weight=0.0, ce_weight=1.0)  # DeepSeek's MTP recipe (distill --recipe one-step)
 
 
 @struct.dataclass
@@ -165,10 +185,18 @@ def _tx(dc: DistillConfig) -> optax.GradientTransformation:
     return adamw(dc)
 
 
-def init_distill_state(params: ModelParams, dc: DistillConfig) -> DistillState:
+def init_distill_state(params: ModelParams, dc: DistillConfig, cfg: ModelConfig | None = None,
+                       fresh: jax.Array | None = None) -> DistillState:
+    """The train state of the checkpoint's draft, or with `fresh` (a PRNG key; needs cfg) of a newly
+    initialised MTP block (`init_params`' draw), as DeepSeek trains its MTP module."""
+    start = params.mtp
+    if fresh is not None:
+        if cfg is None:
+            raise ValueError("a fresh draft needs the ModelConfig")
+        start = model_lib.init_params(cfg, fresh).mtp
     # A copy (jnp.array copies): the step donates the state, which must not free the target's arrays.
     mtp = jax.tree.map(lambda x: jnp.array(x, jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype),
-                       params.mtp)
+                       start)
     return DistillState(mtp=mtp, opt_state=_tx(dc).init(mtp), step=jnp.zeros((), jnp.int32))
 
 
@@ -177,17 +205,17 @@ def distill_step(ds: DistillState, params: ModelParams, tokens: jax.Array, mask:
                  cfg: ModelConfig, dc: DistillConfig) -> tuple[DistillState, dict[str, jax.Array]]:
     """One optimizer step on the MTP block only (the target's gradients are never taken)."""
     (_, metrics), grads = jax.value_and_grad(distill_loss, has_aux=True)(
-        ds.mtp, params, cfg, tokens, mask, dc.num_steps, dc.ce_weight)
+        ds.mtp, params, cfg, tokens, mask, dc.num_steps, dc.ce_weight, dc.kl_weight)
     updates, opt_state = _tx(dc).update(grads, ds.opt_state, ds.mtp)
     mtp = jax.tree.map(lambda p, u: p - lr * u, ds.mtp, updates)
     metrics["grad_norm"] = optax.tree.norm(grads)
     return DistillState(mtp, opt_state, ds.step + 1), metrics
 
 
-@functools.partial(bounded_jit, static_argnums=(4, 5))
+@functools.partial(bounded_jit, static_argnums=(4, 5, 6))
 def distill_eval(mtp: MTPParams, params: ModelParams, tokens: jax.Array, mask: jax.Array, cfg: ModelConfig,
-                 num_steps: int) -> dict[str, jax.Array]:
-    return distill_loss(mtp, params, cfg, tokens, mask, num_steps)[1]
+                 num_steps: int, ce_weight: float = 0.0) -> dict[str, jax.Array]:
+    return distill_loss(mtp, params, cfg, tokens, mask, num_steps, ce_weight)[1]
 
 
 # ---- data ---------------------------------------------------------------------------------------
@@ -278,14 +306,22 @@ def batch_rows(seqs: Sequence[np.ndarray], step: int, batch: int, width: int, se
 # ---- the loop -----------------------------------------------------------------------------------
 
 
+RowFn = Callable[[int], tuple[np.ndarray, np.ndarray]]  # step -> (tokens [B, W] int32, mask [B, W] bool)
+
+
 def evaluate(ds: DistillState, params: ModelParams, cfg: ModelConfig, seqs: Sequence[np.ndarray], dc: DistillConfig,
-             batch: int, width: int, rows: int) -> dict[str, float]:
-    """Mean KL and top-1 agreement with the target per depth over `rows` fixed rows of `seqs`."""
+             batch: int, width: int, rows: int,
+             fixed: Sequence[tuple[np.ndarray, np.ndarray]] | None = None) -> dict[str, float]:
+    """Mean KL and top-1 agreement with the target per depth (dc.eval_depths unrolled) over `rows`
+    fixed rows of `seqs`, or over the batches `fixed` (tokens [B, W], mask [B, W]) when given."""
     sums: dict[str, float] = {}
     count = 0
-    for start in range(0, rows, batch):
-        tokens, mask = batch_rows(seqs, step=10**6 + start, batch=batch, width=width, seed=1)
-        m = jax.device_get(distill_eval(ds.mtp, params, jnp.asarray(tokens), jnp.asarray(mask), cfg, dc.num_steps))
+    if fixed is None:
+        fixed = [batch_rows(seqs, step=10**6 + start, batch=batch, width=width, seed=1)
+                 for start in range(0, rows, batch)]
+    for tokens, mask in fixed:
+        m = jax.device_get(distill_eval(ds.mtp, params, jnp.asarray(tokens), jnp.asarray(mask), cfg,
+                                        dc.eval_depths, dc.ce_weight))
         for k, v in m.items():
             sums[k] = sums.get(k, 0.0) + float(v)
         count += 1
@@ -311,17 +347,24 @@ def distill_loop(
     seed: int = 0,
     log: Callable[[str], None] = print,
     on_step: Callable[[int, int], None] | None = None,
+    train_rows: RowFn | None = None,
+    eval_batches: Sequence[tuple[np.ndarray, np.ndarray]] | None = None,
+    fresh: jax.Array | None = None,
+    export: Callable[[MTPParams, dict[str, Any]], None] | None = None,
 ) -> tuple[DistillState, list[dict[str, Any]]]:
     """Train the MTP block until dc.steps or the time budget; train states (orbax) go to run_dir/ckpt
     and resume from there; the shipped checkpoint (target + trained draft) is refreshed in `out` at
-    every evaluation. -> (state, history)."""
+    every evaluation, or `export(mtp, record)` is called instead when given. -> (state, history).
+
+    `train_rows` replaces the windows of `train_seqs` (e.g. packed text rows), `eval_batches` the
+    monitoring rows of `eval_seqs`; `fresh` (a PRNG key) starts from a new MTP block."""
     if batch < 1 or width <= dc.num_steps + 1 or eval_every < 1:
         raise ValueError(f"need batch >= 1, width > S + 1 and eval_every >= 1, got {batch}, {width}, {eval_every}")
     if params.mtp is None:
         raise ValueError("the checkpoint has no MTP block to train")
     os.makedirs(run_dir, exist_ok=True)
     mgr = state_manager(run_dir)
-    ds = init_distill_state(params, dc)
+    ds = init_distill_state(params, dc, cfg, fresh)
     history: list[dict[str, Any]] = []
     elapsed0 = 0.0
     if resume:
@@ -335,16 +378,18 @@ def distill_loop(
 
     def checkpoint(final: bool) -> None:
         save_state(mgr, ds, {"elapsed_s": clock.elapsed(), "history": history, "config": dataclasses.asdict(dc)})
-        if out is not None:
+        record = {"step": int(ds.step), "final": final, "config": dataclasses.asdict(dc), "history": history}
+        if export is not None:
+            export(ds.mtp, record)
+        elif out is not None:
             export_checkpoint(out, cfg, params.replace(mtp=ds.mtp), tokenizer, "auto")
             with open(os.path.join(out, "distill.json"), "w") as f:
-                json.dump({"step": int(ds.step), "final": final, "config": dataclasses.asdict(dc),
-                           "history": history}, f, indent=1)
+                json.dump(record, f, indent=1)
             if history:
                 plot_distill_history(history, os.path.join(out, "distill.png"))
 
     def do_eval() -> None:
-        m = evaluate(ds, params, cfg, eval_seqs, dc, batch, width, eval_rows)
+        m = evaluate(ds, params, cfg, eval_seqs, dc, batch, width, eval_rows, eval_batches)
         history.append({"step": int(ds.step), "elapsed_s": round(clock.elapsed(), 1), "heldout": m})
         log(f"eval step {int(ds.step)}: " + "  ".join(f"{k} {v:.3f}" for k, v in sorted(m.items())))
 
@@ -356,7 +401,7 @@ def distill_loop(
             log(f"time budget reached at step {step} ({clock.elapsed() / 60:.1f} min)")
             break
         lr = clock.lr(step)
-        tokens, mask = batch_rows(train_seqs, step, batch, width, seed)
+        tokens, mask = train_rows(step) if train_rows is not None else batch_rows(train_seqs, step, batch, width, seed)
         t0 = time.time()
         ds, m = distill_step(ds, params, jnp.asarray(tokens), jnp.asarray(mask), jnp.float32(lr), cfg, dc)
         m = {k: float(v) for k, v in jax.device_get(m).items()}

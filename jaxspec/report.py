@@ -192,7 +192,7 @@ def plot_distill_history(history: Sequence[dict[str, Any]], path: str | Path) ->
     for metric, ax in axes.items():
         for d in depths:
             color = f"C{d - 1}"
-            if len(train) >= 20:
+            if len(train) >= 20 and f"train_{metric}{d}" in train[0]:  # a one-step draft trains depth 1 only
                 values = np.convolve([h[f"train_{metric}{d}"] for h in train], np.ones(20) / 20, mode="valid")
                 ax.plot([h["step"] for h in train][19:], values, color=color, lw=0.8, alpha=0.6)
             if heldout:

@@ -88,3 +88,41 @@ def test_generate_data_resumes_and_loads(small, tmp_path):
     assert tokens.shape == (4, 8) and mask.any(axis=1).all()
     with pytest.raises(ValueError, match="distill-data"):
         distill.load_data(tmp_path / "nothing")
+
+
+def test_one_step_recipe_is_deepseeks_mtp_loss(small):
+    """The one-step recipe (depth 1, no KL, cross-entropy on the text) is the MTP loss `jaxspec train`
+    optimises jointly with the target: the next-next token, teacher-forced from the target's streams."""
+    from jaxspec.train import loss_fn
+
+    cfg, params = small
+    rng = np.random.default_rng(1)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 26)), jnp.int32)  # [B, T+2]
+    _, aux = jax.jit(loss_fn, static_argnums=(1,))(params, cfg, tokens, 1.0)
+    # distill reads the row as T+1 chains, the last without a target: the same T predictions x_2..x_{T+1}
+    loss, m = distill.distill_loss(params.mtp, params, cfg, tokens, jnp.ones(tokens.shape, bool), 1,
+                                   ce_weight=1.0, kl_weight=0.0)
+    np.testing.assert_allclose(float(loss), float(aux["mtp"]), rtol=2e-5)
+    assert float(m["ce1"]) == float(loss) and float(m["kl1"]) > 0  # the KL is reported, not trained
+
+
+def test_one_step_training_starts_fresh_and_trains_depth_one(small):
+    cfg, params = small
+    dc = distill.DistillConfig(**distill.ONE_STEP, eval_steps=3, steps=10, warmup_steps=0)
+    ds = distill.init_distill_state(params, dc, cfg, fresh=jax.random.key(7))
+    own = jax.tree.leaves(params.mtp)
+    fresh = jax.tree.leaves(ds.mtp)
+    assert any(not np.allclose(np.asarray(a, np.float32), np.asarray(b)) for a, b in zip(own, fresh, strict=True))
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 18)), jnp.int32)
+    mask = jnp.ones((2, 18), bool)
+    before = distill.distill_eval(ds.mtp, params, tokens, mask, cfg, 1, 1.0)
+    for _ in range(5):
+        ds, metrics = distill.distill_step(ds, params, tokens, mask, jnp.float32(3e-3), cfg, dc)
+    after = distill.distill_eval(ds.mtp, params, tokens, mask, cfg, 1, 1.0)
+    assert set(metrics) >= {"ce1", "kl1", "agree1"} and "agree2" not in metrics  # depth 1 only
+    assert float(after["ce1"]) < float(before["ce1"])
+    deep = distill.distill_eval(ds.mtp, params, tokens, mask, cfg, dc.eval_depths, 1.0)  # judged reused deeper
+    assert {"agree1", "agree2", "agree3"} <= set(deep)
+    with pytest.raises(ValueError, match="not both 0"):
+        distill.DistillConfig(ce_weight=0.0, kl_weight=0.0)

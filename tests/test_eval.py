@@ -18,7 +18,10 @@ from jaxspec.tree.budget import matched_linear, sequoia_optimum
 
 
 def _brute_force(p, budget, max_depth):
-    """Max over all rooted trees with `budget` nodes of sum over nodes of prod p[rank] on the path."""
+    """Max over all rooted trees with `budget` nodes of sum over nodes of prod p[rank] on the path
+    (p per depth: p[depth - 1][rank], the last row for deeper nodes)."""
+    rows = [list(r) for r in p] if isinstance(p[0], (list, tuple)) else [list(p)]
+    p = rows[0]
     best = 0.0
     for parents in itertools.product(*[range(i) for i in range(1, budget)]):
         depth, value, children = [0], [1.0], {}
@@ -30,7 +33,7 @@ def _brute_force(p, budget, max_depth):
                 ok = False
                 break
             depth.append(depth[par] + 1)
-            value.append(value[par] * p[rank])
+            value.append(value[par] * rows[min(depth[-1], len(rows)) - 1][rank])
         if ok:
             best = max(best, sum(value))
     return best
@@ -45,6 +48,21 @@ def test_sequoia_matches_brute_force(p, budget, max_depth):
             sequoia_optimum(p, budget, max_depth)
     else:
         assert sequoia_optimum(p, budget, max_depth) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("rows", [[[0.9, 0.1], [0.2, 0.1]], [[0.9, 0.1], [0.05, 0.01]],
+                                  [[0.95, 0.04, 0.01], [0.6, 0.2, 0.1], [0.3, 0.25, 0.2]]])
+@pytest.mark.parametrize("budget,max_depth", [(3, 2), (5, 3), (6, 4)])
+def test_sequoia_per_depth_matches_brute_force(rows, budget, max_depth):
+    # a one-step draft reused deeper: the per-depth rates change which tree is best
+    assert sequoia_optimum(rows, budget, max_depth) == pytest.approx(_brute_force(rows, budget, max_depth))
+    assert sequoia_optimum([rows[0]] * 3, budget, max_depth) == pytest.approx(sequoia_optimum(rows[0], budget,
+                                                                                              max_depth))
+
+
+def test_sequoia_per_depth_chooses_width_where_depth_fails():
+    assert sequoia_optimum([[0.9, 0.1], [0.2, 0.1]], 3, 2) == pytest.approx(1 + 0.9 + 0.9 * 0.2)  # the chain
+    assert sequoia_optimum([[0.9, 0.1], [0.05, 0.01]], 3, 2) == pytest.approx(1 + 0.9 + 0.1)  # two children
 
 
 def test_sequoia_zero_acceptance_rank():

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxspec.checkpoint import errors
+from jaxspec.checkpoint import drafts, errors
 from jaxspec.config import ModelConfig
 from jaxspec.model import ModelParams, abstract_params
 from jaxspec.ops.quant import BlockScaled
@@ -88,23 +88,26 @@ def save_checkpoint(path: str | os.PathLike, cfg: ModelConfig, params: ModelPara
 
 
 def load_checkpoint(
-    path: str | os.PathLike, mesh: Any = None, rules: dict[str, Any] | None = None
+    path: str | os.PathLike, mesh: Any = None, rules: dict[str, Any] | None = None, draft: str | None = None
 ) -> tuple[ModelConfig, ModelParams, Any]:
     """-> (cfg, params, tokenizer or None) from a folder written by `save_checkpoint`; its
     calibration.json (`jaxspec calibrate`), if any, must be the draft's and becomes its default;
     its tune.json (`jaxspec tune`), if any, is what spec="auto" uses for these params.
 
+    `draft`: None (or "default") keeps the checkpoint's own MTP block; a name from
+    `checkpoint.drafts.draft_names(path)` swaps in drafts/<name>/ (`checkpoint/drafts.py`), whose own
+    calibration.json and tune.json are then the ones registered.
+
     With `mesh` (see `jaxspec.make_mesh`) every leaf is restored straight into its parameter
     sharding (`placement.param_shardings(cfg, mesh, rules)`): each device reads only its slice.
     """
-    import orbax.checkpoint as ocp
-
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
         raise ValueError(f"checkpoint folder {path!r} does not exist")
     cfg_path, params_dir = os.path.join(path, CONFIG), os.path.join(path, PARAMS)
     if not os.path.isfile(cfg_path) or not os.path.isdir(params_dir):
         raise ValueError(f"{path!r} is not a jaxspec checkpoint (needs {CONFIG} and {PARAMS}/)")
+    sidecars = drafts.draft_dir(path, draft)  # an unknown draft fails before any array is read
     data = errors.read_json(cfg_path)
     try:
         cfg = _cfg_from_json(data)
@@ -112,6 +115,34 @@ def load_checkpoint(
         raise ValueError(f"{cfg_path} is not a jaxspec ModelConfig: {errors.one_line(e)}") from None
     abstract = abstract_params(cfg)
     placed = abstract if mesh is None else sharded_abstract(abstract, param_shardings(cfg, mesh, rules))
+    params = _restore(params_dir, abstract, placed, path)
+    check_structure(cfg, params)
+    if sidecars != path:
+        mtp = _restore(os.path.join(sidecars, drafts.MTP), abstract.mtp, placed.mtp, sidecars)
+        params = params.replace(mtp=mtp)
+        check_structure(cfg, params)
+    tokenizer = None
+    tok_path = os.path.join(path, TOKENIZER)
+    if os.path.isfile(tok_path):
+        from tokenizers import Tokenizer
+
+        try:
+            tokenizer = Tokenizer.from_file(tok_path)
+        except Exception as e:  # tokenizers raises a bare Exception on a malformed file
+            raise ValueError(f"{tok_path} is damaged or not a tokenizer: {errors.one_line(e)}") from None
+    if os.path.isfile(os.path.join(sidecars, CALIBRATION_FILE)) and params.mtp is not None:
+        # checked against these params and registered: speculative_generate ranks by it by default
+        load_calibration(os.path.join(sidecars, CALIBRATION_FILE), params, cfg)
+    if os.path.isfile(os.path.join(sidecars, TUNING_FILE)) and params.mtp is not None:
+        # what speculative_generate(spec="auto") reads for these params when no tuning= is given
+        register_tuning(draft_fingerprint(params, cfg), load_tuning(sidecars))
+    return cfg, params, tokenizer
+
+
+def _restore(params_dir: str, abstract: Any, placed: Any, path: str) -> Any:
+    """The orbax tree in params_dir as `placed`, checked against `abstract` first; one-line errors."""
+    import orbax.checkpoint as ocp
+
     errors.check_orbax_metadata(params_dir)
     ckptr = ocp.StandardCheckpointer()
     errors.quiet_orphaned_reads(params_dir)
@@ -130,23 +161,7 @@ def load_checkpoint(
         # still in flight are released now (finalized quietly), not at interpreter exit.
         errors.settle_orphaned_reads()
         raise failure
-    check_structure(cfg, params)
-    tokenizer = None
-    tok_path = os.path.join(path, TOKENIZER)
-    if os.path.isfile(tok_path):
-        from tokenizers import Tokenizer
-
-        try:
-            tokenizer = Tokenizer.from_file(tok_path)
-        except Exception as e:  # tokenizers raises a bare Exception on a malformed file
-            raise ValueError(f"{tok_path} is damaged or not a tokenizer: {errors.one_line(e)}") from None
-    if os.path.isfile(os.path.join(path, CALIBRATION_FILE)) and params.mtp is not None:
-        # checked against these params and registered: speculative_generate ranks by it by default
-        load_calibration(os.path.join(path, CALIBRATION_FILE), params, cfg)
-    if os.path.isfile(os.path.join(path, TUNING_FILE)) and params.mtp is not None:
-        # what speculative_generate(spec="auto") reads for these params when no tuning= is given
-        register_tuning(draft_fingerprint(params, cfg), load_tuning(path))
-    return cfg, params, tokenizer
+    return params
 
 
 class _MismatchError(Exception):

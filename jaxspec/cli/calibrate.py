@@ -11,7 +11,7 @@ from typing import Any
 
 from rich.console import Console
 
-from jaxspec.cli.common import add_data_arguments, csv, load_model, positive, train_prompts
+from jaxspec.cli.common import add_data_arguments, add_draft_argument, csv, load_model, positive, train_prompts
 
 
 def add_parser(subparsers: Any) -> None:
@@ -27,6 +27,7 @@ def add_parser(subparsers: Any) -> None:
         "by default.",
     )
     p.add_argument("--checkpoint", required=True, help="checkpoint folder (with tokenizer)")
+    add_draft_argument(p)
     add_data_arguments(p, 64, "train-split prompts")
     p.add_argument("--temperatures", type=csv(float), default=(0.6, 1.0),
                    help="sampling temperatures to fit a map for (greedy is always fitted)")
@@ -37,12 +38,14 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--heldout", type=int, default=32,
                    help="held-out (test-split) prompts per dataset to measure calibration error on (0 = none)")
     p.add_argument("--figure", default=None, help="reliability diagram PNG (held-out; default none)")
-    p.add_argument("--out", default=None, help="calibration file (default CHECKPOINT/calibration.json)")
+    p.add_argument("--out", default=None, help="calibration file (default CHECKPOINT/calibration.json, with --draft "
+                   "CHECKPOINT/drafts/NAME/calibration.json)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
     from jaxspec.calibration import calibration_errors, collect, fit, plot_reliability
+    from jaxspec.checkpoint.drafts import draft_dir
     from jaxspec.data import DATASETS, HELDOUT_SPLITS, load_dataset
     from jaxspec.eval import encode_prompts
     from jaxspec.tree.values import draft_fingerprint, load_calibration
@@ -54,6 +57,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             raise ValueError(f"--datasets: unknown dataset {name!r}; allowed: {', '.join(DATASETS)}")
     if any(not t > 0 for t in args.temperatures):
         raise ValueError(f"--temperatures must be > 0 (greedy is always fitted), got {list(args.temperatures)}")
+    sidecars = draft_dir(os.path.expanduser(args.checkpoint), args.draft)  # a bad name fails before the load
     model = load_model(args, console, need_tokenizer="calibrate")
     if model.params.mtp is None:
         raise ValueError(f"checkpoint {args.checkpoint!r} has no MTP draft block: nothing to calibrate")
@@ -66,9 +70,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
                   f"prompts in {time.perf_counter() - t0:.0f} s")
     meta = {"datasets": ",".join(args.datasets), "train_prompts_per_dataset": args.num_prompts,
             "cycles": args.cycles, "steps": args.steps, "topk": args.topk,
-            "checkpoint": os.path.basename(os.path.normpath(args.checkpoint))}
+            "checkpoint": os.path.basename(os.path.normpath(args.checkpoint)), "draft": args.draft or "default"}
     calibration = fit(train, draft_fingerprint(model.params, model.cfg), meta)
-    out = calibration.save(args.out or os.path.expanduser(args.checkpoint))
+    out = calibration.save(args.out or sidecars)
     load_calibration(out, model.params, model.cfg)  # what load_checkpoint will read must parse and match
     console.print(f"saved to {out}")
     if args.heldout:

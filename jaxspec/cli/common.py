@@ -81,6 +81,12 @@ def add_model_arguments(p: argparse.ArgumentParser, *, text: bool = False) -> No
     p.add_argument("--preset", default=None, help=f"model preset when no --checkpoint (default {DEFAULT_PRESET})")
 
 
+def add_draft_argument(p: argparse.ArgumentParser) -> None:
+    """--draft NAME: a draft of the checkpoint's drafts/ folder instead of its own (`checkpoint/drafts.py`)."""
+    p.add_argument("--draft", default=None, metavar="NAME",
+                   help="use drafts/NAME/ of the checkpoint (e.g. one-step) instead of its own MTP draft")
+
+
 def add_data_arguments(p: argparse.ArgumentParser, num_prompts: int, what: str) -> None:
     """--datasets, --num-prompts, --max-prompt-tokens, --data-root."""
     p.add_argument("--datasets", type=csv(str), default=("gsm8k", "mbpp", "sharegpt"), help="comma-separated")
@@ -196,11 +202,16 @@ def load_model(args: argparse.Namespace, console: Console | None = None, *, need
         if weights == "fp8" and not is_release:
             raise ValueError(f"--weights fp8 keeps the FP8 / FP4 weights of a DeepSeek-V4 safetensors release; "
                              f"{checkpoint!r} is not one (no *.safetensors)")
+        draft = getattr(args, "draft", None)
+        if draft is not None and not os.path.isdir(os.path.join(path, "params")):
+            raise ValueError(f"--draft {draft} selects a draft of a jaxspec checkpoint; {checkpoint!r} is not one")
         if os.path.isdir(os.path.join(path, "params")):
-            cfg, params, tokenizer = load_checkpoint(path)
+            cfg, params, tokenizer = load_checkpoint(path, draft=draft)
+            if draft is not None:
+                note += f", draft {draft!r}"
             if cfg.dtype != "float32" and jax.default_backend() == "cpu":
                 cfg, params = as_float32(cfg, params)
-                note = ", cast to float32 for the CPU"
+                note += ", cast to float32 for the CPU"
         elif is_release:
             dtype = "float32" if jax.default_backend() == "cpu" else None
             cfg, params = load_hf_checkpoint(path, dtype=dtype, mesh=mesh, weights=weights)

@@ -1,5 +1,7 @@
 """`jaxspec distill-data` and `jaxspec distill`: the frozen target's own continuations of train-split
-prompts, then the MTP draft trained on them, unrolled as it drafts (target frozen)."""
+prompts, then the MTP draft trained on them, unrolled as it drafts (target frozen). `--recipe
+one-step` trains a fresh MTP block by DeepSeek's recipe instead (next-next token of train-split text,
+teacher-forced at depth 1) and ships it as drafts/<name>/ beside the checkpoint."""
 
 from __future__ import annotations
 
@@ -37,8 +39,17 @@ def add_parser(subparsers: Any) -> None:
         "orbax train states in --run-dir (--resume continues); the target + trained draft go to --out.",
     )
     p.add_argument("--checkpoint", required=True, help="checkpoint folder (target + draft to start from)")
-    p.add_argument("--data", default="runs/distill-data", help="`jaxspec distill-data` folder")
-    p.add_argument("--depths", type=int, default=4, help="draft steps S unrolled (default 4)")
+    p.add_argument("--recipe", choices=RECIPES, default="distill",
+                   help="distill: KL to the target at every unrolled depth on `distill-data`'s continuations (the "
+                   "checkpoint's own draft, refined; written to --out); one-step: DeepSeek's MTP recipe, a fresh MTP "
+                   "block trained on the next-next token of train-split text at depth 1 only, written to "
+                   "CHECKPOINT/drafts/--draft-name/ (MTP parameters only)")
+    p.add_argument("--draft-name", default="one-step", help="one-step: the draft's folder name (default one-step)")
+    p.add_argument("--data", default="runs/distill-data", help="`jaxspec distill-data` folder (recipe distill)")
+    p.add_argument("--data-root", default=None, metavar="DIR",
+                   help="one-step: folder with gsm8k/ and mbpp/ (default $JAXSPEC_DATA, else ../shared/data)")
+    p.add_argument("--depths", type=int, default=None,
+                   help="draft steps S unrolled (default 4; one-step trains depth 1 and monitors 4)")
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps (cosine schedule length)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256, help="chains per row (rows hold seq-len + depths tokens)")
@@ -53,8 +64,12 @@ def add_parser(subparsers: Any) -> None:
                    help="continue from the latest state in --run-dir (the default; kept for old command lines)")
     p.add_argument("--fresh", action="store_true", help="start over, ignoring the states in --run-dir")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True, help="shipped checkpoint folder (target + trained draft)")
+    p.add_argument("--out", default=None, help="recipe distill: shipped checkpoint folder (target + trained draft)")
     p.set_defaults(func=run_distill)
+
+
+RECIPES = ("distill", "one-step")
+MONITOR_DEPTHS = 4  # a one-step draft is trained at depth 1 and judged reused for this many steps
 
 
 def run_data(args: argparse.Namespace, console: Console) -> int:
@@ -79,33 +94,100 @@ def run_data(args: argparse.Namespace, console: Console) -> int:
 
 
 def run_distill(args: argparse.Namespace, console: Console) -> int:
-    import numpy as np
+    from jaxspec.distill import ONE_STEP, DistillConfig, distill_loop
 
-    from jaxspec.distill import DistillConfig, distill_loop, load_data
-
+    one_step = args.recipe == "one-step"
+    if args.depths is None:
+        args.depths = 1 if one_step else 4
     for name in ("depths", "steps", "batch", "seq_len", "eval_every"):
         positive(name.replace("_", "-"), getattr(args, name))
     if not 0 < args.eval_fraction < 1:
         raise ValueError(f"--eval-fraction must be in (0, 1), got {args.eval_fraction}")
+    if one_step and args.depths != 1:
+        raise ValueError(f"--recipe one-step trains depth 1 only, got --depths {args.depths}")
+    if one_step and args.out is not None:
+        raise ValueError("--recipe one-step writes CHECKPOINT/drafts/--draft-name/, not --out")
+    if not one_step and args.out is None:
+        raise ValueError("--recipe distill needs --out (the shipped checkpoint folder)")
+    if one_step:
+        dc = DistillConfig(**ONE_STEP, eval_steps=MONITOR_DEPTHS, lr=args.lr, warmup_steps=args.warmup,
+                           steps=args.steps)
+    else:
+        dc = DistillConfig(num_steps=args.depths, lr=args.lr, warmup_steps=args.warmup, steps=args.steps,
+                           ce_weight=args.ce_weight)
+    model = load_model(args, console, need_tokenizer="distill")
+    if one_step:
+        width, data = args.seq_len + 2, _text_data(args, model.tokenizer, console)
+    else:
+        width, data = args.seq_len + args.depths, _continuation_data(args, console)
+    name = args.draft_name if one_step else os.path.basename(os.path.normpath(args.out))
+    run_dir = args.run_dir or os.path.join("runs", name)
+    budget = None if args.time_budget_minutes is None else 60 * args.time_budget_minutes
+    args.resume_hint = f"train states are saved in {run_dir}/ckpt at every evaluation: rerun the same command " \
+                       "to continue"
+    console.print(str(dc))
+    bar, on_step = step_progress(console, "distill")
+    with bar:
+        distill_loop(model.params, model.cfg, dc, batch=args.batch, width=width, run_dir=run_dir, out=args.out,
+                     tokenizer=model.tokenizer, resume=not args.fresh, time_budget_s=budget,
+                     eval_every=args.eval_every, seed=args.seed, log=bar.console.print, on_step=on_step,
+                     export=_draft_export(args, model.cfg) if one_step else None, **data)
+    where = os.path.join(args.checkpoint, "drafts", args.draft_name) if one_step else args.out
+    console.print(f"done: trained draft in {where}")
+    return 0
+
+
+def _continuation_data(args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    import numpy as np
+
+    from jaxspec.distill import load_data
+
     if not os.path.isdir(args.data):
         raise FileNotFoundError(f"no distillation data folder {args.data!r}; run `jaxspec distill-data` first")
-    dc = DistillConfig(num_steps=args.depths, lr=args.lr, warmup_steps=args.warmup, steps=args.steps,
-                       ce_weight=args.ce_weight)
-    model = load_model(args, console, need_tokenizer="distill")
     seqs = load_data(args.data)
     order = np.random.default_rng(args.seed).permutation(len(seqs))
     held = max(1, int(len(seqs) * args.eval_fraction))
     eval_seqs, train_seqs = [seqs[i] for i in order[:held]], [seqs[i] for i in order[held:]]
-    console.print(f"{len(train_seqs)} training and {len(eval_seqs)} monitoring sequences; {dc}")
-    run_dir = args.run_dir or os.path.join("runs", os.path.basename(os.path.normpath(args.out)))
-    budget = None if args.time_budget_minutes is None else 60 * args.time_budget_minutes
-    args.resume_hint = f"train states are saved in {run_dir}/ckpt at every evaluation: rerun the same command " \
-                       "to continue"
-    bar, on_step = step_progress(console, "distill")
-    with bar:
-        distill_loop(model.params, model.cfg, dc, train_seqs, eval_seqs, batch=args.batch,
-                     width=args.seq_len + args.depths, run_dir=run_dir, out=args.out, tokenizer=model.tokenizer,
-                     resume=not args.fresh, time_budget_s=budget, eval_every=args.eval_every, seed=args.seed,
-                     log=bar.console.print, on_step=on_step)
-    console.print(f"done: target + trained draft in {args.out}")
-    return 0
+    console.print(f"{len(train_seqs)} training and {len(eval_seqs)} monitoring sequences")
+    return dict(train_seqs=train_seqs, eval_seqs=eval_seqs)
+
+
+def _text_data(args: argparse.Namespace, tokenizer: Any, console: Console) -> dict[str, Any]:
+    """Packed rows of the train splits' text (as `jaxspec train` reads them) and the held-out rows of
+    each dataset's evaluation split, for monitoring only."""
+    import jax
+    import numpy as np
+
+    from jaxspec.packing import build_data
+
+    sampler, held = build_data(tokenizer, args.seq_len, args.seed, root=args.data_root,
+                               eval_rows_per_dataset=args.batch, console=console)
+
+    def train_rows(step: int):
+        rows = sampler.batch(step, args.batch)
+        return rows, np.ones(rows.shape, bool)
+
+    eval_batches = [(rows, np.ones(rows.shape, bool)) for _, rows in sorted(held.items())]
+    return dict(train_seqs=(), eval_seqs=(), train_rows=train_rows, eval_batches=eval_batches,
+                fresh=jax.random.key(args.seed))
+
+
+def _draft_export(args: argparse.Namespace, cfg: Any):
+    """Save the MTP block alone as CHECKPOINT/drafts/NAME/ in the checkpoint's stored dtypes."""
+    from jaxspec.checkpoint.drafts import save_draft
+    from jaxspec.checkpoint.errors import read_json
+    from jaxspec.report import plot_distill_history
+
+    stored = cfg.replace(dtype=read_json(os.path.join(args.checkpoint, "config.json"))["dtype"])
+
+    def export(mtp, record):
+        folder = save_draft(args.checkpoint, args.draft_name, stored, mtp,
+                            {"recipe": args.recipe, "argv": vars_for_json(args), **record})
+        if record["history"]:
+            plot_distill_history(record["history"], os.path.join(folder, "distill.png"))
+
+    return export
+
+
+def vars_for_json(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}

@@ -10,16 +10,27 @@ import numpy as np
 from jaxspec.config import SpecConfig
 
 
-def sequoia_optimum(acceptance: Sequence[float], budget: int, max_depth: int) -> float:
+def sequoia_optimum(acceptance: Sequence[float] | Sequence[Sequence[float]], budget: int, max_depth: int) -> float:
     """Best expected tokens per cycle over all trees of `budget` nodes (root included) and depth
     <= max_depth, when the k-th ranked child of any node is the accepted one with probability
-    acceptance[k-1] (Sequoia, Chen et al. 2024). The root counts 1."""
-    p = [float(x) for x in acceptance]
-    if not p or any(not 0.0 <= x <= 1.0 for x in p):
-        raise ValueError(f"acceptance must be probabilities in [0, 1], got {acceptance!r}")
+    acceptance[k-1] (Sequoia, Chen et al. 2024). The root counts 1.
+
+    `acceptance` may also be per depth, acceptance[d-1][k-1] for a child at depth d (the last row
+    serving deeper children): a draft reused for several steps is surer near the root than deep in."""
+    rows = np.asarray(acceptance, dtype=float)
+    if rows.ndim == 1:
+        rows = rows[None, :]
+    if rows.ndim != 2 or rows.size == 0 or not np.all((rows >= 0.0) & (rows <= 1.0)):
+        raise ValueError(f"acceptance must be probabilities in [0, 1] (per rank, or per depth and rank), "
+                         f"got {acceptance!r}")
     if budget < 1 or max_depth < 0:
         raise ValueError(f"budget must be >= 1 and max_depth >= 0, got {budget}, {max_depth}")
-    width = len(p)
+
+    def at(l: int) -> list[float]:
+        # children of a subtree root with l levels left below it sit at depth max_depth - l + 1
+        return rows[min(max_depth - l, rows.shape[0] - 1)].tolist()
+
+    width = rows.shape[1]
     neg = -np.inf
     # best[m][l]: best value of a subtree of m nodes with depth <= l (any number of children)
     best = np.full((budget + 1, max_depth + 1), neg)
@@ -33,6 +44,7 @@ def sequoia_optimum(acceptance: Sequence[float], budget: int, max_depth: int) ->
         return prob * subtree if np.isfinite(subtree) else neg
 
     for l in range(1, max_depth + 1):
+        p = at(l)
         for m in range(2, budget + 1):
             with_children[m, l, 1] = 1.0 + attach(p[0], best[m - 1, l - 1])
             for b in range(2, width + 1):
@@ -48,11 +60,15 @@ def sequoia_optimum(acceptance: Sequence[float], budget: int, max_depth: int) ->
     return float(best[budget, max_depth])
 
 
-def expected_tokens_per_cycle(acceptance: Sequence[float], spec: SpecConfig) -> float:
-    """Sequoia's optimum for the spec's budget: best tree of D nodes, depth <= S, <= K children."""
-    ranked = list(acceptance)[: spec.topk]
-    ranked += [0.0] * (spec.topk - len(ranked))
-    return sequoia_optimum(ranked, spec.num_draft_tokens, spec.num_steps)
+def expected_tokens_per_cycle(acceptance: Sequence[float] | Sequence[Sequence[float]], spec: SpecConfig) -> float:
+    """Sequoia's optimum for the spec's budget: best tree of D nodes, depth <= S, <= K children
+    (acceptance per rank, or per depth and rank as `sequoia_optimum` takes it)."""
+    rows = np.asarray(acceptance, dtype=float)
+    rows = rows[None, :] if rows.ndim == 1 else rows
+    ranked = np.zeros((rows.shape[0], spec.topk))
+    ranked[:, : min(spec.topk, rows.shape[1])] = rows[:, : spec.topk]
+    return sequoia_optimum(ranked if np.asarray(acceptance).ndim == 2 else ranked[0], spec.num_draft_tokens,
+                           spec.num_steps)
 
 
 def matched_linear(spec: SpecConfig) -> SpecConfig:
