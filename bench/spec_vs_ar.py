@@ -62,6 +62,7 @@ import jaxspec as js
 from jaxspec import measure
 from jaxspec import stages as st
 from jaxspec.generate import compile_count, length_bucket, speculative_compile_count
+from jaxspec.model import cpu_layout
 from jaxspec.testing import high_acceptance
 from jaxspec.tree.values import resolve_scores
 
@@ -213,6 +214,7 @@ def _bench_one_spec(params, cfg, name: str, prompt_tokens, new_tokens: int, iter
 
 
 def bench_stages(params, cfg, prompts, specs, new_tokens: int, iters: int, fused: bool) -> dict[str, Any]:
+    params = cpu_layout(params, cfg)  # the experts as the loops read them on a CPU
     prompt_tokens = jnp.asarray(prompts, jnp.int32)
     prompt_len = prompts.shape[1]
     result: dict[str, Any] = {}
