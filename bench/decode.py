@@ -1,4 +1,4 @@
-"""Decode throughput of `jaxspec.generate` (plain autoregressive decoding, random init).
+"""Decode throughput of `jaxspec.speculation.generate` (plain autoregressive decoding, random init).
 
     python bench/decode.py [--preset tiny] [--batch 1 8] [--prompt-len 32] [--new-tokens 128]
                            [--repeats 3] [--seed 0] [--json PATH]
@@ -28,7 +28,7 @@ from _common import check_positive, console, machine_facts, machine_header, pars
 from rich.table import Table
 
 import jaxspec as js
-from jaxspec.generate import compile_count
+from jaxspec.speculation.generate import compile_count
 
 
 def _timed(params, cfg, prompts, new_tokens: int) -> tuple[float, js.GenerateOutput]:

@@ -33,9 +33,9 @@ import numpy as np  # noqa: E402
 
 import jaxspec as js  # noqa: E402
 from jaxspec import stages  # noqa: E402
-from jaxspec.generate import prefill_for_speculation  # noqa: E402
 from jaxspec.layers import moe  # noqa: E402
 from jaxspec.ops import quant  # noqa: E402
+from jaxspec.speculation.generate import prefill_for_speculation  # noqa: E402
 
 H200_TBPS = 4.8
 

@@ -38,11 +38,11 @@ from _common import check_positive, parser, write_json  # noqa: E402
 
 import jaxspec as js  # noqa: E402
 from jaxspec.layers.attention import attend, ring_positions  # noqa: E402
+from jaxspec.ops.pallas.chain_compress import chain_compress  # noqa: E402
+from jaxspec.ops.pallas.tree_attention import tree_attention  # noqa: E402
 from jaxspec.ops.pooling import pool_rows  # noqa: E402
 from jaxspec.ops.rope import inv_freq  # noqa: E402
-from jaxspec.pallas.chain_compress import chain_compress  # noqa: E402
-from jaxspec.pallas.tree_attention import tree_attention  # noqa: E402
-from jaxspec.tree.plan import build_plan  # noqa: E402
+from jaxspec.speculation.plan import build_plan  # noqa: E402
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 

@@ -23,9 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxspec as js
-from jaxspec import model, prefill
 from jaxspec.cli.common import as_float32
-from jaxspec.state import abstract_state, init_state
+from jaxspec.model import network as model
+from jaxspec.model import prefill
+from jaxspec.model.state import abstract_state, init_state
 from jaxspec.testing import one_shot_greedy, randomize
 
 
@@ -86,7 +87,7 @@ def long(n: int = 65536) -> None:
 
 
 def flops(chunk: int, *sizes: int) -> None:
-    from jaxspec.model import abstract_params
+    from jaxspec.model.network import abstract_params
 
     cfg = js.ModelConfig.preset("tiny", dtype="float32", max_position_embeddings=131072)
     params, c = abstract_params(cfg), cfg.replace(prefill_chunk=chunk)
@@ -103,7 +104,7 @@ def flops(chunk: int, *sizes: int) -> None:
 
 
 def memory(*specs: str) -> None:
-    from jaxspec.prefill_plan import prefill_memory
+    from jaxspec.model.prefill_plan import prefill_memory
 
     cfg = js.ModelConfig.preset("tiny", max_position_embeddings=131072)
     for spec_ in specs:  # STATE:PROMPT:CHUNK, or STATE:PROMPT:CHUNK:dense for the dense reference path

@@ -13,7 +13,7 @@ import dataclasses
 import sys
 from typing import Any
 
-from jaxspec.costmodel import calibrate, latency, terms
+from jaxspec.cost import calibrate, latency, terms
 
 _DRAFT_KINDS = ("mtp_in", "draft_sample", "draft_expand")
 _NO_DRAFT_KERNELS = {k: 0 for k in _DRAFT_KINDS}  # the model before D1

@@ -5,10 +5,10 @@
                              [--rounds 5] [--overlap RHO | --measure-overlap] [--core N] [--json PATH]
 
 Floor = max(bytes / bandwidth, FLOPs / matmul rate): the bytes a stage must read and write and
-the FLOPs it must do, from the analytic stage table (`jaxspec.costmodel.terms`: every weight of
+the FLOPs it must do, from the analytic stage table (`jaxspec.cost.terms`: every weight of
 the units it runs once, the routed experts at the expected union of its tokens' selections under
 routing overlap rho, the state rows it reads and writes), over this core's bandwidth and fp32
-matmul rate measured by `jaxspec.measure` just before (a 64 MB read: the checkpoint's weights
+matmul rate measured by `jaxspec.core.measure` just before (a 64 MB read: the checkpoint's weights
 also stream from the shared L3; the matmul rate at the stage's rows, interpolated between 8 and
 512). docs/results.md ("Roofline") writes the AR step's bytes out by hand.
 
@@ -16,7 +16,7 @@ Measured = device time of the stage as the loop runs it: each stage is jitted in
 `fori_loop` of `--calls` calls (the state carried where the stage advances it, an artificial
 dependence otherwise, so XLA cannot hoist it), with the compiler options the engine's programs
 use and the CPU layout of the params (`model.cpu_layout`), so no Python dispatch is counted.
-The loops are timed round-robin, `--rounds` rounds, min and median per call; the `jaxspec.measure`
+The loops are timed round-robin, `--rounds` rounds, min and median per call; the `jaxspec.core.measure`
 verdict says whether the machine was quiet. Stages:
   ar           one greedy decode step (extend, T = 1), state carried
   verify T     the target forward over a T-token chain (a tree's plan), against the prefilled state
@@ -36,7 +36,7 @@ from typing import Any
 
 from _common import check_positive, console, parser, write_json
 
-from jaxspec import measure
+from jaxspec.core import measure
 
 STAGE_NAMES = ("ar", "verify", "draft", "draft step", "accept", "cycle")
 
@@ -70,16 +70,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from spec_vs_ar import gsm8k_prompts, load_model
 
     import jaxspec as js
-    from jaxspec.costmodel import terms
-    from jaxspec.generate import length_bucket, speculative_cycle
-    from jaxspec.model import cpu_layout, extend, forward
-    from jaxspec.programs import compiler_options
-    from jaxspec.stages import prefill
-    from jaxspec.tree.commit import commit_accepted_path
-    from jaxspec.tree.draft import draft_tree, prune_to_budget
-    from jaxspec.tree.plan import build_plan, verify_context
-    from jaxspec.tree.values import resolve_scores
-    from jaxspec.tree.verify import tree_accept
+    from jaxspec.core.programs import compiler_options
+    from jaxspec.cost import terms
+    from jaxspec.harness.stages import prefill
+    from jaxspec.model.network import cpu_layout, extend, forward
+    from jaxspec.speculation.commit import commit_accepted_path
+    from jaxspec.speculation.draft import draft_tree, prune_to_budget
+    from jaxspec.speculation.generate import length_bucket, speculative_cycle
+    from jaxspec.speculation.plan import build_plan, verify_context
+    from jaxspec.speculation.values import resolve_scores
+    from jaxspec.speculation.verify import tree_accept
 
     con = console()
     specs = [js.SpecConfig.parse(s) for s in args.specs]
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if overlap is None:
         overlap = 0.0
         if data is not None:
-            from jaxspec.costmodel.overlap import measure as measure_overlap
+            from jaxspec.cost.overlap import measure as measure_overlap
             overlap = measure_overlap(params, cfg, [list(map(int, row)) for row in np.asarray(prompts)], 2)["overlap"]
     max_steps = max(s.num_steps for s in specs)
     max_len = length_bucket(args.prompt_len + r * (max_steps + 1) + max_steps + 1, cfg.max_position_embeddings,

@@ -30,8 +30,8 @@ def load(checkpoint: str, num_prompts: int):
 
     from jaxspec.checkpoint import load_checkpoint
     from jaxspec.cli.common import as_float32
-    from jaxspec.data import HELDOUT_SPLITS, load_dataset
-    from jaxspec.eval import encode_prompts
+    from jaxspec.harness.eval import encode_prompts
+    from jaxspec.training.data import HELDOUT_SPLITS, load_dataset
 
     cfg, params, tokenizer = load_checkpoint(checkpoint)
     if jax.default_backend() == "cpu":
@@ -196,7 +196,7 @@ def main() -> None:
     cfg, params, prompts = load(args.checkpoint, args.prompts)
     calibration = None
     if args.calibration:
-        from jaxspec.tree.values import load_calibration
+        from jaxspec.speculation.values import load_calibration
 
         calibration = load_calibration(args.calibration, params, cfg)
     for spec, seed in ((s, int(x)) for s in args.specs.split(",") for x in args.seeds.split(",")):

@@ -31,7 +31,7 @@ from _common import check_positive, console, parser, usable_cores, write_json  #
 from rich.table import Table  # noqa: E402
 
 import jaxspec as js  # noqa: E402
-from jaxspec.placement import shard_params  # noqa: E402
+from jaxspec.model.placement import shard_params  # noqa: E402
 from jaxspec.sharding import make_mesh, parse_mesh  # noqa: E402
 from jaxspec.testing import high_acceptance  # noqa: E402
 

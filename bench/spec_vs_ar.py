@@ -24,7 +24,7 @@ spec round-robin (so load changes on a shared machine hit all alike); median per
   the same variant and batch; tau = mean accepted length (accepted drafts + bonus per cycle);
   cycles = verify cycles summed over the batch; check = greedy spec tokens == generate's tokens.
 
-Part 2, one cycle split into the separately jitted stages of `jaxspec.stages` (the ones `jaxspec
+Part 2, one cycle split into the separately jitted stages of `jaxspec.harness.stages` (the ones `jaxspec
 tune` times), on a state prefilled with the prompt (`stages.prefill`: target extend + MTP ring
 prefill, as `_speculative_loop` does), cache sized as the end-to-end run:
   (a) draft   = draft_tree + prune_to_budget     (b) plan   = build_plan
@@ -59,12 +59,12 @@ from _common import check_positive, console, machine_facts, machine_header, pars
 from rich.table import Table
 
 import jaxspec as js
-from jaxspec import measure
-from jaxspec import stages as st
-from jaxspec.generate import compile_count, length_bucket, speculative_compile_count
-from jaxspec.model import cpu_layout
+from jaxspec.core import measure
+from jaxspec.harness import stages as st
+from jaxspec.model.network import cpu_layout
+from jaxspec.speculation.generate import compile_count, length_bucket, speculative_compile_count
+from jaxspec.speculation.values import resolve_scores
 from jaxspec.testing import high_acceptance
-from jaxspec.tree.values import resolve_scores
 
 DEFAULT_PRESET = "tiny"
 DEFAULT_SPECS = ["s3_k1_d4", "s7_k1_d8", "s3_k2_d6", "s4_k2_d8"]
@@ -103,8 +103,8 @@ def gsm8k_prompts(tok, count: int, prompt_len: int) -> np.ndarray | None:
     """[count, prompt_len] int32: the first GSM8K test questions of at least `prompt_len` tokens,
     each cut to its last `prompt_len` tokens (repeated in turn if too few qualify); None when the
     data is missing or no question is long enough."""
-    from jaxspec.data import data_available, load_dataset
-    from jaxspec.tokenizer import encode
+    from jaxspec.training.data import data_available, load_dataset
+    from jaxspec.training.tokenizer import encode
 
     if tok is None or not data_available():
         return None
@@ -180,7 +180,7 @@ def bench_end_to_end(params, cfg, prompts, specs, new_tokens: int, repeats: int)
 
 
 # ---------------------------------------------------------------------------------------------
-# Part 2: per-stage split of one cycle (jaxspec.stages)
+# Part 2: per-stage split of one cycle (jaxspec.harness.stages)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -331,7 +331,7 @@ def _print_stages(con, stages, args, variants, facts) -> None:
                       "1.00", "", "", "", *([""] if args.fused_cycle else []))
         con.print(table)
     con.print(
-        f"Stages of jaxspec.stages jitted separately, median of {args.stage_iters} calls each "
+        f"Stages of jaxspec.harness.stages jitted separately, median of {args.stage_iters} calls each "
         "(block_until_ready; one dispatch each); AR step = 1-token decode (stages.ar_step, T=1) on generate's "
         f"cache size; break-even tau = sum / AR step; tau for {TARGET_SPEEDUP}x = {TARGET_SPEEDUP} x break-even "
         "(prefill aside); max tau = S + 1, the deepest path plus the bonus token (>max: no acceptance reaches that "

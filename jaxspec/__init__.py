@@ -1,13 +1,13 @@
 """jaxspec: tree-structured speculative decoding for DeepSeek-V4-style models in JAX."""
 
 from jaxspec.checkpoint import load_checkpoint, load_hf_checkpoint, save_checkpoint
-from jaxspec.config import ModelConfig, SpecConfig
-from jaxspec.generate import DecodeOptions, GenerateOutput, generate, speculative_generate
-from jaxspec.model import ModelParams, forward, init_params
-from jaxspec.placement import memory_plan, shard_params
-from jaxspec.runner import prefill_logits
+from jaxspec.core.config import ModelConfig, SpecConfig
+from jaxspec.model.network import ModelParams, forward, init_params
+from jaxspec.model.placement import memory_plan, shard_params
+from jaxspec.model.runner import prefill_logits
+from jaxspec.model.state import DecodeState, init_state
 from jaxspec.sharding.rules import make_mesh
-from jaxspec.state import DecodeState, init_state
+from jaxspec.speculation.generate import DecodeOptions, GenerateOutput, generate, speculative_generate
 
 __all__ = [
     "DecodeOptions",

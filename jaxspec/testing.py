@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import model as model_lib
-from jaxspec.model import ModelParams
-from jaxspec.state import init_state
+from jaxspec.model import network as model_lib
+from jaxspec.model.network import ModelParams
+from jaxspec.model.state import init_state
 
 
 def randomize(params: ModelParams, key: jax.Array, scale: float = 0.05) -> ModelParams:

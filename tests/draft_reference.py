@@ -1,4 +1,4 @@
-"""The first draft, kept as the test reference of `jaxspec.tree.draft.draft_tree` (test-only code
+"""The first draft, kept as the test reference of `jaxspec.speculation.draft.draft_tree` (test-only code
 lives in tests/): every step re-runs the MTP block over every slot drafted so far (O(S^2 K)
 token-forwards) and the head over all of them."""
 
@@ -7,12 +7,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxspec.config import ModelConfig, SpecConfig
+from jaxspec.core.config import ModelConfig, SpecConfig
 from jaxspec.layers.attention import AttentionContext
-from jaxspec.model import ModelParams, mtp_forward
-from jaxspec.state import DecodeState
-from jaxspec.tree.draft import DraftPool, _children
-from jaxspec.tree.plan import build_plan
+from jaxspec.model.network import ModelParams, mtp_forward
+from jaxspec.model.state import DecodeState
+from jaxspec.speculation.draft import DraftPool, _children
+from jaxspec.speculation.plan import build_plan
 
 
 def _slot_ancestors(slot_parent: jax.Array, max_depth: int) -> jax.Array:

@@ -21,10 +21,10 @@ from jax import export  # noqa: E402
 
 import jaxspec as js  # noqa: E402
 from jaxspec import runner  # noqa: E402
-from jaxspec.generate import prefill_for_speculation, speculative_cycle  # noqa: E402
-from jaxspec.gpu_export import TRITON_CALL, cuda_target, expert_stack_dots, kernel_calls  # noqa: E402
+from jaxspec.core.gpu_export import TRITON_CALL, cuda_target, expert_stack_dots, kernel_calls  # noqa: E402
 from jaxspec.sharding.active import activate  # noqa: E402
 from jaxspec.sharding.rules import MESH_AXES, check_rules  # noqa: E402
+from jaxspec.speculation.generate import prefill_for_speculation, speculative_cycle  # noqa: E402
 
 # 8 heads, 8 o_groups, 8 experts of 384: every axis of both meshes divides them, a shard of the
 # hidden width (48) is a multiple of the kernel's 16-wide tiles, and no other weight has its shape.

@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 
 import jaxspec as js  # noqa: E402
 from jaxspec.checkpoint import LoadStats  # noqa: E402
-from jaxspec.placement import param_shardings  # noqa: E402
+from jaxspec.model.placement import param_shardings  # noqa: E402
 from jaxspec.sharding import initialize_distributed  # noqa: E402
 
 PROMPTS = [[5, 17, 3, 9, 60], [7, 8, 9], [int(t) for t in np.random.default_rng(0).integers(0, 96, 19)]]

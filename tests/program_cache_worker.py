@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 
 import jaxspec as js  # noqa: E402
 from jaxspec import programs  # noqa: E402
-from jaxspec.generate import compile_count, speculative_compile_count  # noqa: E402
+from jaxspec.speculation.generate import compile_count, speculative_compile_count  # noqa: E402
 from jaxspec.testing import high_acceptance, randomize  # noqa: E402
 
 CFG = js.ModelConfig.preset("test", num_layers=1, layer_types=("sliding",))

@@ -32,8 +32,8 @@ from jaxspec import (  # noqa: E402
     runner,
     sharding,  # noqa: E402
 )
-from jaxspec.generate import _speculative_loop, length_bucket, prepare_prompts  # noqa: E402
-from jaxspec.sampling import Sampling  # noqa: E402
+from jaxspec.model.sampling import Sampling  # noqa: E402
+from jaxspec.speculation.generate import _speculative_loop, length_bucket, prepare_prompts  # noqa: E402
 
 # 8 heads / groups / experts split on every mesh; CSA (hash-routed) + HCA layers, MTP (sliding).
 CFG = js.ModelConfig.preset(

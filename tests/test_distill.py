@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 import jaxspec as js
-from jaxspec import distill
-from jaxspec.generate import prefill_for_speculation
+from jaxspec.speculation.draft import draft_tree
+from jaxspec.speculation.generate import prefill_for_speculation
 from jaxspec.testing import randomize
-from jaxspec.tree.draft import draft_tree
+from jaxspec.training import distill
 
 
 @pytest.fixture(scope="session")
@@ -93,7 +93,7 @@ def test_generate_data_resumes_and_loads(small, tmp_path):
 def test_one_step_recipe_is_deepseeks_mtp_loss(small):
     """The one-step recipe (depth 1, no KL, cross-entropy on the text) is the MTP loss `jaxspec train`
     optimises jointly with the target: the next-next token, teacher-forced from the target's streams."""
-    from jaxspec.train import loss_fn
+    from jaxspec.training.train import loss_fn
 
     cfg, params = small
     rng = np.random.default_rng(1)

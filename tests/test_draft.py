@@ -12,11 +12,11 @@ import pytest
 from draft_reference import draft_tree_exhaustive
 
 import jaxspec as js
-from jaxspec import stages
-from jaxspec.generate import prefill_for_speculation
-from jaxspec.model import abstract_params
-from jaxspec.state import abstract_state
-from jaxspec.tree.draft import draft_tree
+from jaxspec.harness import stages
+from jaxspec.model.network import abstract_params
+from jaxspec.model.state import abstract_state
+from jaxspec.speculation.draft import draft_tree
+from jaxspec.speculation.generate import prefill_for_speculation
 
 
 def _rel_err(got, want):

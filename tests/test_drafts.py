@@ -19,9 +19,9 @@ from test_sampling import assert_samples_the_target, check_end_to_end
 import jaxspec as js
 from jaxspec.checkpoint import drafts
 from jaxspec.checkpoint.drafts import DEFAULT_DRAFT, draft_dir, draft_names, save_draft
-from jaxspec.config import ModelConfig
-from jaxspec.model import init_params
-from jaxspec.tree.values import Calibration, ValueMap, draft_fingerprint, registered
+from jaxspec.core.config import ModelConfig
+from jaxspec.model.network import init_params
+from jaxspec.speculation.values import Calibration, ValueMap, draft_fingerprint, registered
 
 SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-v4"
 
@@ -160,8 +160,8 @@ def test_shipped_one_step_draft_loads_with_its_calibration():
 @pytest.mark.long
 @pytest.mark.parametrize("spec", ["s7_k1_d8", "s7_k2_d8", "s4_k4_d8", "s15_k2_d16"])
 def test_shipped_one_step_draft_greedy_is_generate(spec):
-    from jaxspec.data import HELDOUT_SPLITS, data_available, load_dataset
-    from jaxspec.eval import encode_prompts
+    from jaxspec.harness.eval import encode_prompts
+    from jaxspec.training.data import HELDOUT_SPLITS, data_available, load_dataset
 
     if not data_available():
         pytest.skip("no data")

@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxspec.config import SpecConfig
-from jaxspec.eval import SweepConfig, distinct_ngram_ratio
-from jaxspec.report import markdown_table, plot_acceptance, plot_distill_history
-from jaxspec.tree.budget import matched_linear, sequoia_optimum
+from jaxspec.core.config import SpecConfig
+from jaxspec.harness.eval import SweepConfig, distinct_ngram_ratio
+from jaxspec.harness.report import markdown_table, plot_acceptance, plot_distill_history
+from jaxspec.speculation.budget import matched_linear, sequoia_optimum
 
 
 def _brute_force(p, budget, max_depth):
@@ -125,7 +125,7 @@ _SWEEP = textwrap.dedent(
     jax.config.update("jax_num_cpu_devices", int(sys.argv[1]))
     from jaxspec.testing import high_acceptance, randomize
     import jaxspec as js
-    from jaxspec.eval import SweepConfig, run_sweep
+    from jaxspec.harness.eval import SweepConfig, run_sweep
     cfg = js.ModelConfig.preset("test", num_layers=2, layer_types=("csa", "hca"))
     params = jax.jit(lambda k: high_acceptance(randomize(js.init_params(cfg, k), jax.random.fold_in(k, 1))))(
         jax.random.key(0))
@@ -189,7 +189,7 @@ def _record(batch, spec, tau=2.0):
 
 
 def test_sweep_resume_keeps_finished_groups_and_reruns_partial_ones(tmp_path):
-    from jaxspec.eval import SweepConfig, _finished_groups, load_runs, run_sweep
+    from jaxspec.harness.eval import SweepConfig, _finished_groups, load_runs, run_sweep
 
     sweep = SweepConfig(datasets=("gsm8k",), specs=("s2_k2_d4",), batch_sizes=(4, 8), num_prompts=8,
                         max_new_tokens=10, max_prompt_tokens=12)
@@ -210,7 +210,7 @@ def test_sweep_resume_keeps_finished_groups_and_reruns_partial_ones(tmp_path):
 
 
 def test_merge_keeps_complete_groups_only(tmp_path):
-    from jaxspec.eval import merge_runs
+    from jaxspec.harness.eval import merge_runs
 
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text("".join(json.dumps(r) + "\n" for r in [_record(4, "ar"), _record(4, "s2_k2_d4")]))
@@ -247,8 +247,8 @@ def test_distill_history_figure(tmp_path):
 def test_sweep_stopped_mid_way_finishes_the_rest_when_rerun(test_cfg, test_params, tmp_path, monkeypatch):
     """Ctrl-C in the second (dataset, batch) group; the same sweep run again keeps the first group's
     records as they were and runs only the second (resume is what `jaxspec sweep` does by default)."""
-    import jaxspec.eval as eval_lib
-    from jaxspec.eval import SweepConfig, load_runs, run_sweep
+    import jaxspec.harness.eval as eval_lib
+    from jaxspec.harness.eval import SweepConfig, load_runs, run_sweep
 
     real, calls = eval_lib.run_batch, []
 

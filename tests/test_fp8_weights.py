@@ -24,8 +24,8 @@ from jaxspec.checkpoint import load_hf_checkpoint, save_checkpoint, save_hf_chec
 from jaxspec.checkpoint.keys import key_table
 from jaxspec.checkpoint.quant import dequantize as np_dequantize
 from jaxspec.cli import main
-from jaxspec.cost import _live_scopes
-from jaxspec.model import abstract_params
+from jaxspec.cost.xla import _live_scopes
+from jaxspec.model.network import abstract_params
 from jaxspec.ops import quant
 from jaxspec.ops.quant import BlockScaled
 from jaxspec.sharding.rules import map_declared

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 import jaxspec as js
-from jaxspec import model, state
-from jaxspec.generate import compile_count
+from jaxspec.model import network as model
+from jaxspec.model import state
+from jaxspec.speculation.generate import compile_count
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57]]
 

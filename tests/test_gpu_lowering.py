@@ -1,4 +1,4 @@
-"""The GPU program, lowered for CUDA on this CPU (`jaxspec.gpu_export`) and inspected: the Pallas kernels
+"""The GPU program, lowered for CUDA on this CPU (`jaxspec.core.gpu_export`) and inspected: the Pallas kernels
 at V4-Flash shapes, the greedy and sampling speculative cycle with attention "pallas". The text must
 hold the Triton kernels (tree attention, chain compression, the routed experts' grouped matmul)
 and no XLA matmul over a whole routed-expert stack (the dense rewrite). One process lowers for CPU
@@ -19,13 +19,13 @@ import jax.numpy as jnp
 import pytest
 
 import jaxspec as js
-from jaxspec.generate import prefill_for_speculation, speculative_cycle
-from jaxspec.gpu_export import TRITON_CALL, expert_stack_dots, export_for_cuda, kernel_calls
+from jaxspec.core.gpu_export import TRITON_CALL, expert_stack_dots, export_for_cuda, kernel_calls
 from jaxspec.layers import moe
+from jaxspec.model.sampling import Sampling
+from jaxspec.ops.pallas import chain_compress, tree_attention
+from jaxspec.ops.pallas.grouped_matmul import grouped_matmul
 from jaxspec.ops.quant import abstract_block_scaled
-from jaxspec.pallas import chain_compress, tree_attention
-from jaxspec.pallas.grouped_matmul import grouped_matmul
-from jaxspec.sampling import Sampling
+from jaxspec.speculation.generate import prefill_for_speculation, speculative_cycle
 
 pytestmark = pytest.mark.gpu_lowering
 S = jax.ShapeDtypeStruct
@@ -170,7 +170,7 @@ def test_sharded_cycle_on_8_devices_for_cuda_holds_the_kernels(tmp_path):
 
 @pytest.mark.gpu_lowering
 def test_sinkhorn_lowers_to_one_triton_kernel_for_cuda():
-    from jaxspec.pallas.sinkhorn import sinkhorn
+    from jaxspec.ops.pallas.sinkhorn import sinkhorn
 
     text = export_for_cuda(lambda c: sinkhorn(c, 19, 1e-6), jax.ShapeDtypeStruct((8, 4, 4), jnp.float32))
     assert kernel_calls(text) == {"sinkhorn": 1} and "stablehlo.while" not in text

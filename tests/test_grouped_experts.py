@@ -13,8 +13,8 @@ import pytest
 import jaxspec as js
 from jaxspec.layers import moe
 from jaxspec.ops import quant
+from jaxspec.ops.pallas.grouped_matmul import grouped_matmul
 from jaxspec.ops.quant import BlockScaled
-from jaxspec.pallas.grouped_matmul import grouped_matmul
 
 E, K, D, I = 8, 2, 256, 128
 CFG = js.ModelConfig.preset("test").replace(hidden_size=D, n_routed_experts=E, num_experts_per_tok=K,

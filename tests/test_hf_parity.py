@@ -25,7 +25,7 @@ except ImportError:  # pragma: no cover - older transformers
 import jax.numpy as jnp  # noqa: E402
 
 from jaxspec.checkpoint import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
-from jaxspec.model import one_shot_logits as prefill_logits  # noqa: E402
+from jaxspec.model.network import one_shot_logits as prefill_logits  # noqa: E402
 
 HCA = 8
 CSA = 4

@@ -12,26 +12,29 @@ PACKAGE = Path(__file__).resolve().parents[1] / "jaxspec"
 
 # Lower rooms first. A module may import modules of its own rank or below, never above.
 RANKS = [
-    ("jaxspec.checks",),  # plain-int checks: below everything
+    # plain-int checks below everything; the rooms' __init__ files hold a docstring and nothing else
+    ("jaxspec.core.checks", "jaxspec.core", "jaxspec.model", "jaxspec.training", "jaxspec.harness"),
     # The safetensors reader, the FP8 / FP4 formats and the damaged-file errors need numpy only (the
     # checkpoint package's __init__ is higher, so only checkpoint modules may import them).
-    ("jaxspec.config", "jaxspec.tokenizer", "jaxspec.data", "jaxspec.tuning", "jaxspec.programs", "jaxspec.measure",
-     "jaxspec.optim", "jaxspec.gpu_export",
+    ("jaxspec.core.config", "jaxspec.core.programs", "jaxspec.core.measure", "jaxspec.core.gpu_export",
+     "jaxspec.training.tokenizer", "jaxspec.training.data", "jaxspec.training.optim", "jaxspec.speculation.auto",
      "jaxspec.checkpoint.safetensors_io", "jaxspec.checkpoint.quant", "jaxspec.checkpoint.errors"),
     ("jaxspec.ops", "jaxspec.sharding.rules"),
     ("jaxspec.sharding.active", "jaxspec.sharding"),
-    ("jaxspec.pallas",),
+    ("jaxspec.ops.pallas",),
     ("jaxspec.layers",),
-    ("jaxspec.state", "jaxspec.sampling"),
-    ("jaxspec.model",),
-    ("jaxspec.prefill",),
-    ("jaxspec.placement", "jaxspec.runner", "jaxspec.testing", "jaxspec.prefill_plan"),
-    ("jaxspec.tree",),
-    ("jaxspec.generate",),
+    ("jaxspec.model.state", "jaxspec.model.sampling"),
+    ("jaxspec.model.network",),
+    ("jaxspec.model.prefill",),
+    ("jaxspec.model.placement", "jaxspec.model.runner", "jaxspec.testing", "jaxspec.model.prefill_plan"),
+    ("jaxspec.speculation",),
+    ("jaxspec.speculation.generate",),
     # What runs the model: loading and measuring below, the loops that drive them above.
-    ("jaxspec.checkpoint", "jaxspec.stages", "jaxspec.report", "jaxspec.packing", "jaxspec.costmodel"),
-    ("jaxspec.cost", "jaxspec.eval", "jaxspec.train"),
-    ("jaxspec.tune", "jaxspec.distill", "jaxspec.calibration", "jaxspec.calibration_residual"),
+    ("jaxspec.checkpoint", "jaxspec.harness.stages", "jaxspec.harness.report", "jaxspec.training.packing",
+     "jaxspec.cost"),
+    ("jaxspec.cost.xla", "jaxspec.harness.eval", "jaxspec.training.train"),
+    ("jaxspec.harness.tune", "jaxspec.training.distill", "jaxspec.harness.calibrate",
+     "jaxspec.harness.calibrate_residual"),
     ("jaxspec.cli",),
     ("jaxspec", "jaxspec.__main__"),
 ]
@@ -135,17 +138,17 @@ def test_imports_flow_from_higher_rooms_to_lower_ones():
     assert upward == [], "imports of a higher room: " + ", ".join(f"{m} -> {d}" for m, d in upward)
 
 
-@pytest.mark.parametrize("room", ["jaxspec.layers", "jaxspec.pallas", "jaxspec.ops"])
+@pytest.mark.parametrize("room", ["jaxspec.layers", "jaxspec.ops.pallas", "jaxspec.ops"])
 def test_layers_and_kernels_import_nothing_above_them(room):
     allowed = {
-        "jaxspec.ops": ("jaxspec.checks", "jaxspec.config", "jaxspec.ops"),
-        "jaxspec.pallas": ("jaxspec.checks", "jaxspec.config", "jaxspec.ops", "jaxspec.pallas"),
-        "jaxspec.layers": ("jaxspec.checks", "jaxspec.config", "jaxspec.ops", "jaxspec.pallas", "jaxspec.layers",
-                           "jaxspec.sharding.rules", "jaxspec.sharding.active", "jaxspec.sharding"),
+        "jaxspec.ops": ("jaxspec.core.checks", "jaxspec.core.config", "jaxspec.ops"),
+        "jaxspec.ops.pallas": ("jaxspec.core.checks", "jaxspec.core.config", "jaxspec.ops", "jaxspec.ops.pallas"),
+        "jaxspec.layers": ("jaxspec.core.checks", "jaxspec.core.config", "jaxspec.ops", "jaxspec.ops.pallas",
+                           "jaxspec.layers", "jaxspec.sharding.rules", "jaxspec.sharding.active", "jaxspec.sharding"),
     }[room]
     bad = [(m, d) for m, deps in _graph().items() if m == room or m.startswith(room + ".")
-           for d in deps if not any(d == a or d.startswith(a + ".") for a in allowed)
-           or d in ("jaxspec.placement", "jaxspec.runner")]
+           for d in deps if d != "jaxspec.core" and not any(d == a or d.startswith(a + ".") for a in allowed)
+           or d in ("jaxspec.model.placement", "jaxspec.model.runner")]
     assert bad == []
 
 
@@ -153,7 +156,7 @@ def test_the_detectors_fire():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     graph = _graph()
     assert "jaxspec.sharding" in graph["jaxspec.layers.moe"]  # a submodule import counts its package
-    assert _rank("jaxspec.layers.attention") > _rank("jaxspec.pallas.tree_attention")
+    assert _rank("jaxspec.layers.attention") > _rank("jaxspec.ops.pallas.tree_attention")
 
 
 def test_no_module_is_longer_than_the_limit():
@@ -176,7 +179,7 @@ def test_no_package_folder_spans_the_model():
     imports the model (sharding/ did: rules and active below the layers, placement and runner above)."""
     graph = _graph()
     below = {d for m, deps in graph.items() if m.startswith("jaxspec.layers") for d in deps}
-    above = {m for m in graph if "jaxspec.model" in _reaches(graph, m)}
+    above = {m for m in graph if "jaxspec.model.network" in _reaches(graph, m)}
     packages = {name for name, path in _modules().items() if path.name == "__init__.py" and name != "jaxspec"}
     split = {}
     for package in sorted(packages):

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import jaxspec as js
-from jaxspec import model
-from jaxspec import state as state_lib
+from jaxspec.model import network as model
+from jaxspec.model import state as state_lib
 from jaxspec.testing import randomize
 
 extend = jax.jit(model.extend, static_argnums=(1,))

@@ -69,8 +69,8 @@ def test_sparse_experts_skip_assignments_held_elsewhere(test_params, test_cfg):
 def test_cpu_path_reads_only_the_selected_experts(tokens):
     """With at most UNION_MAX_EXPERTS experts the CPU runs the union path at every token count: no dot
     over the whole [E, d, I] stack, one conditional per expert, read off the lowered program."""
-    from jaxspec.config import ModelConfig
-    from jaxspec.gpu_export import expert_stack_dots
+    from jaxspec.core.config import ModelConfig
+    from jaxspec.core.gpu_export import expert_stack_dots
     from jaxspec.layers.moe import MLPParams
 
     cfg = ModelConfig.preset("tiny")
@@ -92,9 +92,9 @@ def test_cpu_path_rules():
 
 
 def test_cpu_layout_unstacks_experts_once_and_changes_no_output(test_params, test_cfg):
-    from jaxspec.generate import _generate_loop
-    from jaxspec.model import cpu_layout
-    from jaxspec.sampling import Sampling
+    from jaxspec.model.network import cpu_layout
+    from jaxspec.model.sampling import Sampling
+    from jaxspec.speculation.generate import _generate_loop
 
     converted = cpu_layout(test_params, test_cfg)
     assert cpu_layout(test_params, test_cfg) is converted  # kept: a second call converts nothing

@@ -38,9 +38,9 @@ from official_layout import (
 from jaxspec.checkpoint import LoadStats, load_hf_checkpoint, open_hf_checkpoint, save_hf_checkpoint
 from jaxspec.checkpoint.keys import official_config
 from jaxspec.checkpoint.safetensors_io import open_folder, read_header
-from jaxspec.config import ModelConfig
-from jaxspec.model import init_params
-from jaxspec.model import one_shot_logits as prefill_logits
+from jaxspec.core.config import ModelConfig
+from jaxspec.model.network import init_params
+from jaxspec.model.network import one_shot_logits as prefill_logits
 
 # 4 layers (sliding, csa, hca, csa), 4 experts, hash layer 0, an MTP block: every kind of tensor.
 CFG = ModelConfig.preset("test", bos_id=0, eos_id=1)

@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 
 import jaxspec as js
-from jaxspec import state as state_lib
 from jaxspec.layers.attention import attend, attention, ring_positions
 from jaxspec.layers.compressor import CompressorParams, pool_entries
-from jaxspec.model import causal_context
+from jaxspec.model import state as state_lib
+from jaxspec.model.network import causal_context
+from jaxspec.ops.pallas.chain_compress import chain_compress
+from jaxspec.ops.pallas.tree_attention import tree_attention
 from jaxspec.ops.pooling import pool_rows
 from jaxspec.ops.rope import inv_freq
-from jaxspec.pallas.chain_compress import chain_compress
-from jaxspec.pallas.tree_attention import tree_attention
-from jaxspec.tree.plan import build_plan, verify_context
+from jaxspec.speculation.plan import build_plan, verify_context
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 ROOT = Path(__file__).resolve().parents[1]
@@ -250,7 +250,7 @@ def test_bench_kernels_smoke(capsys):
 def test_sinkhorn_kernel_equals_the_loop(shape):
     """The fused Sinkhorn (interpret mode) equals the loop hc_pre runs, over token counts that are not
     block multiples (padded and cut), and leaves doubly-stochastic matrices."""
-    from jaxspec.pallas.sinkhorn import sinkhorn, sinkhorn_kernel, sinkhorn_reference
+    from jaxspec.ops.pallas.sinkhorn import sinkhorn, sinkhorn_kernel, sinkhorn_reference
 
     comb = jax.nn.softmax(jax.random.normal(jax.random.key(len(shape)), shape), axis=-1) + 1e-6
     want = sinkhorn_reference(comb, 19, 1e-6)

@@ -1,4 +1,4 @@
-"""Chunked prefill (jaxspec/prefill.py) == the one-shot `extend` over the whole prompt.
+"""Chunked prefill (jaxspec/model/prefill.py) == the one-shot `extend` over the whole prompt.
 
 The `test` preset (window 8, CSA 4, HCA 16) with chunks of 4..16 crosses the same boundaries the
 long lengths cross on `tiny` / V4 ratios: blocks straddling a chunk, CSA's overlapping windows, a
@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 import jaxspec as js
-from jaxspec import model, prefill
 from jaxspec.cli import main
-from jaxspec.generate import compile_count
-from jaxspec.state import init_state
+from jaxspec.model import network as model
+from jaxspec.model import prefill
+from jaxspec.model.state import init_state
+from jaxspec.speculation.generate import compile_count
 from jaxspec.testing import one_shot_greedy, randomize
 
 LENGTHS = [1, 31, 32, 33]  # one ragged batch: shorter than, equal to and across chunk multiples

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 import jaxspec as js
-from jaxspec import model, prefill
 from jaxspec.layers.banded import band_block
-from jaxspec.state import init_state
+from jaxspec.model import network as model
+from jaxspec.model import prefill
+from jaxspec.model.state import init_state
 from jaxspec.testing import one_shot_greedy, randomize
 
 

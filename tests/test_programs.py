@@ -1,4 +1,4 @@
-"""The bounded program cache (`jaxspec.programs`): LRU order, compile counts that never fall, memory
+"""The bounded program cache (`jaxspec.core.programs`): LRU order, compile counts that never fall, memory
 maps given back, the vm.max_map_count warning, and a long process compiling many speculative loops."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import programs
+from jaxspec.core import programs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LINUX_MAPS = os.path.exists("/proc/self/maps")

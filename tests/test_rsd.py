@@ -24,11 +24,16 @@ import pytest
 from test_sampling import ALPHA, assert_samples_the_target, check_end_to_end, chi_square_p
 
 import jaxspec as js
-from jaxspec.generate import speculative_compile_count
-from jaxspec.sampling import Sampling, processed_logprobs
-from jaxspec.tree import verify
-from jaxspec.tree.sampled import SampledDraft, make_sampled_draft, prior_log_values, sampled_children
-from jaxspec.tree.verify import chain_residual_accept, node_keys, recursive_rejection_accept, residual_tree_accept
+from jaxspec.model.sampling import Sampling, processed_logprobs
+from jaxspec.speculation import verify
+from jaxspec.speculation.generate import speculative_compile_count
+from jaxspec.speculation.sampled import SampledDraft, make_sampled_draft, prior_log_values, sampled_children
+from jaxspec.speculation.verify import (
+    chain_residual_accept,
+    node_keys,
+    recursive_rejection_accept,
+    residual_tree_accept,
+)
 
 VOCAB = 8
 NUM_EMITTED = 3

@@ -20,13 +20,13 @@ from test_rsd import NUM_EMITTED, VOCAB, markov_model
 from test_sampling import ALPHA, assert_samples_the_target, check_end_to_end, chi_square_p
 
 import jaxspec as js
-from jaxspec.prefill import prefill_for_speculation
-from jaxspec.sampling import Sampling, processed_logprobs
-from jaxspec.tree.draft import DraftPool, _children, prune_to_budget
-from jaxspec.tree.rules import draft_and_prune
-from jaxspec.tree.sampled import make_sampled_draft, residual_table, sampled_children
-from jaxspec.tree.values import DEPTH_EDGES, NUM_RANKS, PROB_EDGES, Calibration, ValueMap
-from jaxspec.tree.verify import residual_tree_accept
+from jaxspec.model.prefill import prefill_for_speculation
+from jaxspec.model.sampling import Sampling, processed_logprobs
+from jaxspec.speculation.draft import DraftPool, _children, prune_to_budget
+from jaxspec.speculation.rules import draft_and_prune
+from jaxspec.speculation.sampled import make_sampled_draft, residual_table, sampled_children
+from jaxspec.speculation.values import DEPTH_EDGES, NUM_RANKS, PROB_EDGES, Calibration, ValueMap
+from jaxspec.speculation.verify import residual_tree_accept
 
 SHAPE = (len(DEPTH_EDGES) + 1, NUM_RANKS, len(PROB_EDGES) + 1)
 
@@ -210,10 +210,10 @@ def test_residual_values_sample_the_target(confident_params, test_cfg, monkeypat
 
 
 def test_residual_collection_labels_one_accepted_rank_at_most(confident_params, test_cfg):
-    """`collect_residual` (jaxspec/calibration_residual.py) on the test model: every node's labels are
+    """`collect_residual` (jaxspec/harness/calibrate_residual.py) on the test model: every node's labels are
     shares in [0, 1] summing to at most 1 over its ranks (one child accepted per replay at most), and
     a first draw is accepted more often than a second on this confident draft."""
-    from jaxspec.calibration_residual import collect_residual
+    from jaxspec.harness.calibrate_residual import collect_residual
 
     samples = collect_residual(confident_params, test_cfg, [[5, 6, 7, 8, 9, 10, 11], [3, 4]], 1.0, cycles=3,
                                batch_size=2, num_steps=3, topk=2, replays=4)

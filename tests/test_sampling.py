@@ -23,8 +23,8 @@ import pytest
 from scipy import stats as scipy_stats
 
 import jaxspec as js
-from jaxspec.sampling import Sampling, gumbel_choice, processed_logprobs
-from jaxspec.tree.verify import chain_residual_accept, greedy_accept, node_keys, target_choice, tree_accept
+from jaxspec.model.sampling import Sampling, gumbel_choice, processed_logprobs
+from jaxspec.speculation.verify import chain_residual_accept, greedy_accept, node_keys, target_choice, tree_accept
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 SETTINGS = {"t0.5": (0.5, None, None), "t1": (1.0, None, None), "t1_p0.9": (1.0, None, 0.9)}

@@ -9,9 +9,10 @@ from flax import struct
 from jax.sharding import PartitionSpec as P
 
 import jaxspec as js
-from jaxspec import placement, sharding
+from jaxspec import sharding
 from jaxspec.cli import main
-from jaxspec.state import abstract_state
+from jaxspec.model import placement
+from jaxspec.model.state import abstract_state
 
 PRESETS = ["test", "tiny", "v4-flash", "v4-pro"]
 

@@ -11,11 +11,16 @@ import numpy as np
 import pytest
 
 import jaxspec as js
-from jaxspec import model
-from jaxspec import state as state_lib
-from jaxspec.generate import draft_and_verify, prefill_for_speculation, speculative_compile_count, speculative_cycle
-from jaxspec.tree.commit import commit_accepted_path
-from jaxspec.tree.plan import build_plan, verify_context
+from jaxspec.model import network as model
+from jaxspec.model import state as state_lib
+from jaxspec.speculation.commit import commit_accepted_path
+from jaxspec.speculation.generate import (
+    draft_and_verify,
+    prefill_for_speculation,
+    speculative_compile_count,
+    speculative_cycle,
+)
+from jaxspec.speculation.plan import build_plan, verify_context
 
 
 def completes_block(plan, ratio: int) -> jax.Array:
@@ -103,7 +108,7 @@ PROMPT_SETS = {
 # Each (spec, batch) compiles its own loop: the full grid runs batches 1 and 8 for every config (464
 # more compiles, hours of CPU), the corners grid at its 25 (S, K) corners, CI at batch 3 only.
 # A long grid no longer runs out of memory maps (each compiled loop holds ~1,000-1,800 and Linux's
-# default vm.max_map_count is 65,530): at most `jaxspec.programs.cache_size()` loops stay compiled,
+# default vm.max_map_count is 65,530): at most `jaxspec.core.programs.cache_size()` loops stay compiled,
 # the least recently used are freed (tests/test_programs.py compiles 60 in one process).
 SPEC_BATCHES = [(spec, 3) for spec in SPECS]
 SPEC_BATCHES += [(spec, batch) for spec in SPECS if _GRID for batch in (1, 8)]

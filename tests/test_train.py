@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import model as model_lib
-from jaxspec import packing
-from jaxspec import train as train_lib
 from jaxspec.checkpoint import load_checkpoint
-from jaxspec.config import ModelConfig
+from jaxspec.core.config import ModelConfig
+from jaxspec.model import network as model_lib
+from jaxspec.training import packing
+from jaxspec.training import train as train_lib
 
 SEQ = 40  # crosses the test preset's window 8, CSA 4 and HCA 16 blocks
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import jaxspec as js
-from jaxspec.costmodel import projected_seconds
-from jaxspec.report import comparison_table, tuning_table
-from jaxspec.tune import choose, compare_with_sweep, pooled_measurements, project_measurements, tune
-from jaxspec.tuning import NO_SPECULATION, Tuning, auto_spec, load_tuning
+from jaxspec.cost import projected_seconds
+from jaxspec.harness.report import comparison_table, tuning_table
+from jaxspec.harness.tune import choose, compare_with_sweep, pooled_measurements, project_measurements, tune
+from jaxspec.speculation.auto import NO_SPECULATION, Tuning, auto_spec, load_tuning
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
 
@@ -96,7 +96,7 @@ def test_tune_times_every_candidate_end_to_end_and_refuses_a_loaded_machine(agre
                                                                              monkeypatch):
     """One bucket, one candidate, tiny lengths: the records say what was timed. An unpinned process
     (as a pytest worker is) gets a verdict that is not clean, and tune refuses unless allow_loaded."""
-    from jaxspec import measure
+    from jaxspec.core import measure
 
     monkeypatch.setattr(measure, "pinned_core", lambda: None)
     prompts = {"a": PROMPTS[:2], "b": PROMPTS[2:]}
@@ -133,7 +133,7 @@ def test_auto_spec_runs_the_choice_and_stays_exact(agreeing_params, test_cfg, ch
 
 def test_cli_tune_on_the_shipped_checkpoint(tmp_path, capsys):
     from jaxspec.cli import main
-    from jaxspec.data import data_available
+    from jaxspec.training.data import data_available
 
     if not (os.path.isdir("checkpoints/tiny-v4") and data_available()):
         pytest.skip("needs the shipped checkpoint and ../shared/data")
@@ -151,7 +151,7 @@ def test_cli_tune_on_the_shipped_checkpoint(tmp_path, capsys):
 def test_tune_resumes_from_the_groups_it_finished(agreeing_params, test_cfg, tmp_path, monkeypatch):
     """A stopped tune keeps each finished (bucket, dataset) group in its progress file; the rerun
     measures only the groups that file lacks, and a file of other candidates is not reused."""
-    import jaxspec.tune as tune_lib
+    import jaxspec.harness.tune as tune_lib
 
     measured = []
     real = tune_lib._measure_group
@@ -176,8 +176,8 @@ def test_tune_resumes_from_the_groups_it_finished(agreeing_params, test_cfg, tmp
 
 def test_load_checkpoint_registers_its_tune_json_for_spec_auto(tmp_path, agreeing_params, test_params, test_cfg):
     """A checkpoint folder holding tune.json needs no tuning= for spec="auto"; other params still do."""
-    from jaxspec import tuning as tuning_lib
     from jaxspec.checkpoint import load_checkpoint, save_checkpoint
+    from jaxspec.speculation import auto as tuning_lib
 
     save_checkpoint(tmp_path, test_cfg, agreeing_params)
     Tuning({4: "s3_k2_d6"}, (), 32).save(tmp_path)
@@ -194,9 +194,9 @@ def test_load_checkpoint_registers_its_tune_json_for_spec_auto(tmp_path, agreein
 def test_the_shipped_checkpoint_carries_its_tuning():
     """checkpoints/tiny-v4/tune.json parses, covers the batch buckets it was measured for, and
     load_checkpoint registers it for spec="auto"."""
-    from jaxspec import tuning as tuning_lib
     from jaxspec.checkpoint import load_checkpoint
-    from jaxspec.tree.values import draft_fingerprint
+    from jaxspec.speculation import auto as tuning_lib
+    from jaxspec.speculation.values import draft_fingerprint
 
     shipped = load_tuning("checkpoints/tiny-v4")
     assert sorted(shipped.choices) == [1, 4, 16, 64]

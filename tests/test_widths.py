@@ -11,9 +11,9 @@ from test_sampled_values import branchy_map, calibration_with
 from test_sampling import assert_samples_the_target, check_end_to_end
 
 import jaxspec as js
-from jaxspec.generate import prefill_for_speculation, speculative_compile_count
-from jaxspec.tree.draft import Tree, draft_tree, prune_to_budget
-from jaxspec.tree.widths import choose_width, shrink
+from jaxspec.speculation.draft import Tree, draft_tree, prune_to_budget
+from jaxspec.speculation.generate import prefill_for_speculation, speculative_compile_count
+from jaxspec.speculation.widths import choose_width, shrink
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
 

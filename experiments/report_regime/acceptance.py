@@ -5,7 +5,7 @@
 
 P(the rank-k child at depth d is the target's argmax | its parent was accepted), read off chain
 cycles (s10_k1, the draft's top-4 at every chain node) exactly as `jaxspec calibrate` collects its
-samples (jaxspec/calibration.py): a tree node whose parent is accepted sees this chain's state.
+samples (jaxspec/harness/calibrate.py): a tree node whose parent is accepted sees this chain's state.
 Rows are depths 1..10, columns ranks 0..3; `counts` beside `rate`. The file keeps one entry per
 (draft, dataset); a rerun replaces the drafts it measures.
 """
@@ -22,7 +22,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DATASETS, DRAFTS, heldout_prompts, load  # noqa: E402
 
-from jaxspec.calibration import COLLECT_STEPS, COLLECT_TOPK, collect  # noqa: E402
+from jaxspec.harness.calibrate import COLLECT_STEPS, COLLECT_TOPK, collect  # noqa: E402
 
 
 def rates(samples: dict[str, np.ndarray]) -> dict[str, list]:

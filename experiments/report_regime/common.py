@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from jaxspec.cli.common import load_model
-from jaxspec.data import HELDOUT_SPLITS, load_dataset
-from jaxspec.eval import encode_prompts
+from jaxspec.harness.eval import encode_prompts
+from jaxspec.training.data import HELDOUT_SPLITS, load_dataset
 
 CHECKPOINT = "checkpoints/tiny-v4"
 DATASETS = ("gsm8k", "mbpp", "sharegpt")

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxspec.config import ModelConfig, SpecConfig
-from jaxspec.costmodel import latency
-from jaxspec.costmodel.project import row
-from jaxspec.costmodel.terms import Setup
+from jaxspec.core.config import ModelConfig, SpecConfig
+from jaxspec.cost import latency
+from jaxspec.cost.project import row
+from jaxspec.cost.terms import Setup
 
 MAIN = ("gsm8k", "mbpp", "sharegpt")
 LABEL = {"default": "distilled", "one-step": "one-step"}

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DATASETS, DRAFTS, append_record, heldout_prompts, load, read_records, tau_of  # noqa: E402
 
 import jaxspec as js  # noqa: E402
-from jaxspec.eval import run_batch  # noqa: E402
+from jaxspec.harness.eval import run_batch  # noqa: E402
 
 
 def key(r: dict) -> tuple:

@@ -1,5 +1,5 @@
 """Tokens/s of AR and of each (draft, spec), end to end, timed round-robin in one pinned process
-(jaxspec/measure.py), per batch size; the verdict on the machine beside the ratios.
+(jaxspec/core/measure.py), per batch size; the verdict on the machine beside the ratios.
 
     python experiments/report_regime/throughput.py --pairs default:s7_k1_d8,one-step:s7_k1_d8,one-step:s3_k2_d8 \
         --batches 1,4,16,64 --new-tokens 64 --repeats 5 --core 1 --out results/report_regime/throughput.json
@@ -30,7 +30,7 @@ def main() -> None:
     p.add_argument("--out", default="results/report_regime/throughput.json")
     args = p.parse_args()
 
-    from jaxspec import measure
+    from jaxspec.core import measure
 
     pinned = measure.pin(args.core)  # before the first computation: XLA reads its flags at backend start
     import jax

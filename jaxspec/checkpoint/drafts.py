@@ -20,8 +20,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxspec.config import ModelConfig
-from jaxspec.model import MTPParams, abstract_params
+from jaxspec.core.config import ModelConfig
+from jaxspec.model.network import MTPParams, abstract_params
 
 DRAFTS = "drafts"
 DEFAULT_DRAFT = "default"  # the checkpoint's own params/mtp

@@ -27,10 +27,10 @@ from jaxspec.checkpoint.keys import Spec, ckpt_shape, key_table, normalize_key, 
 from jaxspec.checkpoint.native import CONFIG, leaves_by_path
 from jaxspec.checkpoint.quant import FP4_BLOCK, FP8_BLOCK, apply_scale, scale_grid, unpack_fp4
 from jaxspec.checkpoint.safetensors_io import INDEX, SUPPORTED, Reader, TensorInfo, open_folder
-from jaxspec.config import DTYPES, ModelConfig
-from jaxspec.model import WEIGHTS, ModelParams, abstract_params
+from jaxspec.core.config import DTYPES, ModelConfig
+from jaxspec.model.network import WEIGHTS, ModelParams, abstract_params
+from jaxspec.model.placement import param_shardings
 from jaxspec.ops.quant import BlockScaled
-from jaxspec.placement import param_shardings
 from jaxspec.sharding.rules import map_declared
 
 _FLOAT = ("F32", "BF16", "F16", "F64")

@@ -14,8 +14,8 @@ from jaxspec.checkpoint.keys import Spec, hf_key, key_table, official_config, sc
 from jaxspec.checkpoint.native import CONFIG, check_structure, leaves_by_path
 from jaxspec.checkpoint.quant import FP8_BLOCK, quantize_fp4, quantize_fp8
 from jaxspec.checkpoint.safetensors_io import write_index, write_safetensors
-from jaxspec.config import ModelConfig
-from jaxspec.model import ModelParams
+from jaxspec.core.config import ModelConfig
+from jaxspec.model.network import ModelParams
 
 QUANTIZE = (None, "fp4", "fp8")
 

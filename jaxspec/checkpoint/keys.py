@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxspec.config import ModelConfig
+from jaxspec.core.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)

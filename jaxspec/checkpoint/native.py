@@ -12,12 +12,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.checkpoint import drafts, errors
-from jaxspec.config import ModelConfig
-from jaxspec.model import ModelParams, abstract_params
+from jaxspec.core.config import ModelConfig
+from jaxspec.model.network import ModelParams, abstract_params
+from jaxspec.model.placement import param_shardings, sharded_abstract
 from jaxspec.ops.quant import BlockScaled
-from jaxspec.placement import param_shardings, sharded_abstract
-from jaxspec.tree.values import CALIBRATION_FILE, draft_fingerprint, load_calibration
-from jaxspec.tuning import TUNING_FILE, load_tuning, register_tuning
+from jaxspec.speculation.auto import TUNING_FILE, load_tuning, register_tuning
+from jaxspec.speculation.values import CALIBRATION_FILE, draft_fingerprint, load_calibration
 
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"

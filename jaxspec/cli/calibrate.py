@@ -15,7 +15,7 @@ from jaxspec.cli.common import add_data_arguments, add_draft_argument, csv, load
 
 
 def add_parser(subparsers: Any) -> None:
-    from jaxspec.calibration import COLLECT_STEPS, COLLECT_TOPK
+    from jaxspec.harness.calibrate import COLLECT_STEPS, COLLECT_TOPK
 
     p = subparsers.add_parser(
         "calibrate",
@@ -44,11 +44,11 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    from jaxspec.calibration import calibration_errors, collect, fit, plot_reliability
     from jaxspec.checkpoint.drafts import draft_dir
-    from jaxspec.data import DATASETS, HELDOUT_SPLITS, load_dataset
-    from jaxspec.eval import encode_prompts
-    from jaxspec.tree.values import draft_fingerprint, load_calibration
+    from jaxspec.harness.calibrate import calibration_errors, collect, fit, plot_reliability
+    from jaxspec.harness.eval import encode_prompts
+    from jaxspec.speculation.values import draft_fingerprint, load_calibration
+    from jaxspec.training.data import DATASETS, HELDOUT_SPLITS, load_dataset
 
     for name in ("num_prompts", "max_prompt_tokens", "cycles", "batch_size", "steps", "topk"):
         positive(name.replace("_", "-"), getattr(args, name))

@@ -99,8 +99,8 @@ def add_data_arguments(p: argparse.ArgumentParser, num_prompts: int, what: str) 
 def train_prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
     """The first --num-prompts train-split prompts of each of --datasets, tokenized (held-out
     prompts are the sweep's, never calibration's or training's)."""
-    from jaxspec.data import TRAIN_SPLITS, load_dataset
-    from jaxspec.eval import encode_prompts
+    from jaxspec.harness.eval import encode_prompts
+    from jaxspec.training.data import TRAIN_SPLITS, load_dataset
 
     prompts = []
     for name in args.datasets:
@@ -110,7 +110,7 @@ def train_prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
 
 
 def add_measure_arguments(p: argparse.ArgumentParser, repeats: int = 3) -> None:
-    """The measurement discipline's flags (`jaxspec.measure`): pinning, repeats, loaded runs."""
+    """The measurement discipline's flags (`jaxspec.core.measure`): pinning, repeats, loaded runs."""
     p.add_argument("--repeats", type=int, default=repeats, help=f"timed rounds, every method round-robin (default "
                    f"{repeats})")
     p.add_argument("--core", type=int, default=None,
@@ -122,14 +122,14 @@ def add_measure_arguments(p: argparse.ArgumentParser, repeats: int = 3) -> None:
 
 def pin_from_args(args: argparse.Namespace, console: Console | None = None) -> None:
     """Pin before the first computation, as the flags say (call it before loading the model)."""
-    from jaxspec import measure
+    from jaxspec.core import measure
 
     positive("repeats", args.repeats)
     if args.no_pin:
         return
     done = measure.pin_unless_gpu(args.core)
     if console is not None and done:
-        console.print(f"measuring on core {done.get('core')}, single-threaded XLA (jaxspec.measure.pin)")
+        console.print(f"measuring on core {done.get('core')}, single-threaded XLA (jaxspec.core.measure.pin)")
 
 
 def add_mesh_arguments(p: argparse.ArgumentParser) -> None:
@@ -184,8 +184,8 @@ def load_model(args: argparse.Namespace, console: Console | None = None, *, need
     import jax
 
     from jaxspec.checkpoint import load_checkpoint, load_hf_checkpoint
-    from jaxspec.config import ModelConfig
-    from jaxspec.model import abstract_params, init_params
+    from jaxspec.core.config import ModelConfig
+    from jaxspec.model.network import abstract_params, init_params
     from jaxspec.ops.quant import is_quantized
 
     checkpoint = getattr(args, "checkpoint", None)

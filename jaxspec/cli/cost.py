@@ -42,7 +42,7 @@ def add_parser(subparsers: Any) -> None:
                    help="analytic: latency of one collective (default: the H200 fit)")
     p.add_argument("--kernels", default=None, metavar="KIND=N,...|counted",
                    help="analytic: kernels per pass of a unit kind (sliding, hca, csa, head, mtp_kv), e.g. csa=40; "
-                   "'counted': the launches of each layer kind's CUDA program (jaxspec.costmodel.kernels)")
+                   "'counted': the launches of each layer kind's CUDA program (jaxspec.cost.kernels)")
     p.add_argument("--layout", choices=("even", "rules"), default="even",
                    help="analytic: weights split evenly over the devices (default; the serving stacks behind the "
                    "calibration points) or as jaxspec's sharding rules place them (some leaves replicated)")
@@ -51,7 +51,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--calibrate", action="store_true",
                    help="fit the latency terms to the published points and print each point's residual")
     p.add_argument("--calibration", default=None, metavar="JSON",
-                   help="calibration points file (default: the one shipped in jaxspec/costmodel/)")
+                   help="calibration points file (default: the one shipped in jaxspec/cost/)")
     p.add_argument("--tau", type=float, default=None, help="mean accepted length for the projected speedup")
     p.add_argument("--sweep", default=None, metavar="RUNS_JSONL",
                    help="take tau per spec and batch size from `jaxspec sweep` runs.jsonl files (comma-separated; "
@@ -62,7 +62,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _taus(path: str) -> dict[tuple[str, int], float]:
-    from jaxspec.eval import load_runs
+    from jaxspec.harness.eval import load_runs
 
     sums: dict[tuple[str, int], list[float]] = {}
     for r in load_runs(path):
@@ -74,7 +74,7 @@ def _taus(path: str) -> dict[tuple[str, int], float]:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    from jaxspec.config import ModelConfig, SpecConfig
+    from jaxspec.core.config import ModelConfig, SpecConfig
 
     if args.calibrate:
         from jaxspec.cli.cost_analytic import run_calibrate
@@ -98,14 +98,14 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
 def _check_args(args: argparse.Namespace) -> None:
     """ValueError (one line) on a bad argument shared by both paths."""
-    from jaxspec import cost
+    from jaxspec.cost import xla as cost
 
     positive("devices", args.devices)
     positive("context", args.context)
     for b in args.batch_sizes:
         positive("batch-sizes", b)
     if args.model == "analytic":
-        from jaxspec.costmodel import latency
+        from jaxspec.cost import latency
 
         latency.hardware(args.accelerator)
     else:
@@ -151,7 +151,7 @@ def _xla_mesh(args: argparse.Namespace, cfg: Any) -> tuple[Any, tuple[int, int, 
 
 def _run_xla(args: argparse.Namespace, console: Console, cfg: Any, specs: list, taus: dict) -> int:
     """`--model xla`: XLA's cost analysis of each stage's lowered CPU program and its roofline."""
-    from jaxspec import cost
+    from jaxspec.cost import xla as cost
 
     acc = cost.accelerator(args.accelerator)
     overhead_us = cost.DEFAULT_OVERHEAD_US if args.overhead_us is None else args.overhead_us

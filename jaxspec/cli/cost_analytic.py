@@ -23,7 +23,7 @@ ASSUMPTIONS = (
 
 
 def _latency(args: argparse.Namespace, cfg: Any = None) -> Any:
-    from jaxspec.costmodel import latency
+    from jaxspec.cost import latency
 
     lat = latency.H200
     changes = {k: v for k, v in (("launch_us", args.launch_us), ("collective_us", args.collective_us),
@@ -32,7 +32,7 @@ def _latency(args: argparse.Namespace, cfg: Any = None) -> Any:
         if value < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
     if args.kernels == "counted":  # launches counted from the CUDA program of each layer kind
-        from jaxspec.costmodel.kernels import counted_kernels
+        from jaxspec.cost.kernels import counted_kernels
 
         if cfg is None:
             raise ValueError("--kernels counted needs a model config")
@@ -49,7 +49,7 @@ def _latency(args: argparse.Namespace, cfg: Any = None) -> Any:
 
 
 def run_calibrate(args: argparse.Namespace, console: Console) -> int:
-    from jaxspec.costmodel import calibrate, latency
+    from jaxspec.cost import calibrate, latency
 
     points = calibrate.load_points(args.calibration)
     fitted = calibrate.fit(points)
@@ -84,8 +84,8 @@ def _mesh(args: argparse.Namespace, cfg: Any) -> tuple[int, int, int]:
 
 
 def run_analytic(args: argparse.Namespace, console: Console, specs: list, taus: dict) -> int:
-    from jaxspec.config import ModelConfig
-    from jaxspec.costmodel import latency, project, terms
+    from jaxspec.core.config import ModelConfig
+    from jaxspec.cost import latency, project, terms
 
     cfg = ModelConfig.preset(args.preset)
     hw = latency.hardware(args.accelerator)
@@ -137,7 +137,7 @@ def run_analytic(args: argparse.Namespace, console: Console, specs: list, taus: 
 
 
 def _row_json(r: Any, hw: Any, lat: Any) -> dict[str, Any]:
-    from jaxspec.costmodel import latency
+    from jaxspec.cost import latency
 
     return {"batch": r.batch, "spec": r.spec, "step_seconds": r.step_seconds, "stages": {
         k: {"flops": c.total_flops, "bytes": c.total_bytes, "busiest_bytes": c.busiest_bytes,

@@ -53,7 +53,7 @@ def add_parser(subparsers: Any) -> None:
                    help="a text file whose text is every row's prompt (token ids separated by spaces without a "
                    "tokenizer); long prompts go through the chunked prefill")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
-                   help="prefill chunk, a power of two (default: jaxspec.prefill.prefill_chunk of the config)")
+                   help="prefill chunk, a power of two (default: jaxspec.model.prefill.prefill_chunk of the config)")
     add_weights_args(p, checkpoint=True)
     add_mesh_arguments(p)
     p.set_defaults(func=run)
@@ -90,7 +90,7 @@ def _demo_prompts(cfg, tokenizer, batch: int, seed: int) -> tuple[list[list[int]
         rng = np.random.default_rng(seed)
         lengths = rng.integers(4, 17, size=batch)
         return [rng.integers(0, cfg.vocab_size, size=int(n)).tolist() for n in lengths], None
-    from jaxspec.data import gsm8k_prompt, mbpp_prompt, sharegpt_prompt
+    from jaxspec.training.data import gsm8k_prompt, mbpp_prompt, sharegpt_prompt
 
     kinds = [
         gsm8k_prompt("Tom has 3 boxes with 12 apples each. He gives away 10 apples. How many apples are left?"),
@@ -117,9 +117,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
     import jax
     import numpy as np
 
-    from jaxspec.generate import compile_count, generate
+    from jaxspec.model.runner import sharded_compile_count
     from jaxspec.ops.quant import is_quantized, stored_nbytes
-    from jaxspec.runner import sharded_compile_count
+    from jaxspec.speculation.generate import compile_count, generate
 
     mesh = mesh_from_args(args)
     model = load_model(args, console, seed=args.seed, mesh=mesh)
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     )
 
     if args.prefill_chunk is not None:
-        from jaxspec.prefill import check_chunk
+        from jaxspec.model.prefill import check_chunk
 
         cfg = cfg.replace(prefill_chunk=check_chunk(args.prefill_chunk))
     if args.prompt_file is not None:
@@ -202,9 +202,9 @@ def _demo_speculative(args, console, cfg, params, prompts, kwargs, reference, ar
     """Same prompts with tree speculation: tau, per-depth acceptance and the measured speedup."""
     import numpy as np
 
-    from jaxspec.config import SpecConfig
-    from jaxspec.generate import speculative_generate
-    from jaxspec.tuning import auto_spec
+    from jaxspec.core.config import SpecConfig
+    from jaxspec.speculation.auto import auto_spec
+    from jaxspec.speculation.generate import speculative_generate
 
     if args.spec.lower() == "auto":
         if args.checkpoint is None:

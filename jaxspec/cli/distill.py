@@ -73,7 +73,7 @@ MONITOR_DEPTHS = 4  # a one-step draft is trained at depth 1 and judged reused f
 
 
 def run_data(args: argparse.Namespace, console: Console) -> int:
-    from jaxspec.distill import generate_data
+    from jaxspec.training.distill import generate_data
 
     for name in ("num_prompts", "new_tokens", "max_prompt_tokens", "chunk"):
         positive(name.replace("_", "-"), getattr(args, name))
@@ -94,7 +94,7 @@ def run_data(args: argparse.Namespace, console: Console) -> int:
 
 
 def run_distill(args: argparse.Namespace, console: Console) -> int:
-    from jaxspec.distill import ONE_STEP, DistillConfig, distill_loop
+    from jaxspec.training.distill import ONE_STEP, DistillConfig, distill_loop
 
     one_step = args.recipe == "one-step"
     if args.depths is None:
@@ -140,7 +140,7 @@ def run_distill(args: argparse.Namespace, console: Console) -> int:
 def _continuation_data(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     import numpy as np
 
-    from jaxspec.distill import load_data
+    from jaxspec.training.distill import load_data
 
     if not os.path.isdir(args.data):
         raise FileNotFoundError(f"no distillation data folder {args.data!r}; run `jaxspec distill-data` first")
@@ -158,7 +158,7 @@ def _text_data(args: argparse.Namespace, tokenizer: Any, console: Console) -> di
     import jax
     import numpy as np
 
-    from jaxspec.packing import build_data
+    from jaxspec.training.packing import build_data
 
     sampler, held = build_data(tokenizer, args.seq_len, args.seed, root=args.data_root,
                                eval_rows_per_dataset=args.batch, console=console)
@@ -176,7 +176,7 @@ def _draft_export(args: argparse.Namespace, cfg: Any):
     """Save the MTP block alone as CHECKPOINT/drafts/NAME/ in the checkpoint's stored dtypes."""
     from jaxspec.checkpoint.drafts import save_draft
     from jaxspec.checkpoint.errors import read_json
-    from jaxspec.report import plot_distill_history
+    from jaxspec.harness.report import plot_distill_history
 
     stored = cfg.replace(dtype=read_json(os.path.join(args.checkpoint, "config.json"))["dtype"])
 

@@ -28,7 +28,7 @@ def add_parser(subparsers: Any) -> None:
                    help="also compile the chunked prefill of `--context` tokens (abstract shapes, simulated CPU "
                    "devices) and report XLA's temporaries per device (minutes for a large model)")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
-                   help="prefill chunk, a power of two (default: jaxspec.prefill.prefill_chunk of the preset)")
+                   help="prefill chunk, a power of two (default: jaxspec.model.prefill.prefill_chunk of the preset)")
     add_weights_args(p)
     p.set_defaults(func=run)
 
@@ -55,7 +55,7 @@ def _simulate_devices(n: int) -> None:
 def _prefill_memory(args: argparse.Namespace, cfg: Any, shape: tuple[int, int, int], batch: int) -> Any:
     """XLA's memory analysis of the prefill program on `shape`."""
     from jaxspec import sharding
-    from jaxspec.prefill_plan import prefill_memory
+    from jaxspec.model.prefill_plan import prefill_memory
 
     mesh = sharding.make_mesh(*shape) if args.devices > 1 else None
     return prefill_memory(cfg, batch, args.context, args.prefill_chunk, mesh=mesh, weights=args.weights,
@@ -64,14 +64,14 @@ def _prefill_memory(args: argparse.Namespace, cfg: Any, shape: tuple[int, int, i
 
 def run(args: argparse.Namespace, console: Console) -> int:
     from jaxspec import sharding
-    from jaxspec.config import ModelConfig
-    from jaxspec.placement import memory_plan
+    from jaxspec.core.config import ModelConfig
+    from jaxspec.model.placement import memory_plan
 
     positive("devices", args.devices)
     positive("batch", args.batch)
     positive("context", args.context)
     if args.prefill_chunk is not None:
-        from jaxspec.prefill import check_chunk
+        from jaxspec.model.prefill import check_chunk
 
         check_chunk(args.prefill_chunk)
     if args.prefill and args.devices > 1:

@@ -13,7 +13,7 @@ from jaxspec.cli.common import add_data_arguments, add_measure_arguments, csv, l
 
 
 def add_parser(subparsers: Any) -> None:
-    from jaxspec.eval import LINEAR_SPECS, TREE_SPECS
+    from jaxspec.harness.eval import LINEAR_SPECS, TREE_SPECS
 
     p = subparsers.add_parser(
         "sweep",
@@ -47,8 +47,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
         pin_from_args(args, console)  # before the first computation
     import jax
 
-    from jaxspec.eval import SweepConfig, merge_runs, run_sweep
-    from jaxspec.report import plot_acceptance, write_report
+    from jaxspec.harness.eval import SweepConfig, merge_runs, run_sweep
+    from jaxspec.harness.report import plot_acceptance, write_report
 
     if args.before is not None and not args.merge:
         raise ValueError("--before goes with --merge (a figure of finished runs)")

@@ -54,11 +54,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
     import jax
     import numpy as np
 
-    from jaxspec import tokenizer as tok_lib
-    from jaxspec.config import ModelConfig
-    from jaxspec.model import abstract_params
-    from jaxspec.packing import build_data, tokenizer_texts, unigram_loss
-    from jaxspec.train import OptConfig, train_loop
+    from jaxspec.core.config import ModelConfig
+    from jaxspec.model.network import abstract_params
+    from jaxspec.training import tokenizer as tok_lib
+    from jaxspec.training.packing import build_data, tokenizer_texts, unigram_loss
+    from jaxspec.training.train import OptConfig, train_loop
 
     for name in ("steps", "batch", "seq_len", "eval_every", "eval_rows"):
         positive(name.replace("_", "-"), getattr(args, name))

@@ -14,13 +14,13 @@ from jaxspec.cli.common import add_data_arguments, add_measure_arguments, csv, l
 
 
 def add_parser(subparsers: Any) -> None:
-    from jaxspec.tune import DEFAULT_CANDIDATES
+    from jaxspec.harness.tune import DEFAULT_CANDIDATES
 
     p = subparsers.add_parser(
         "tune",
         help="choose the speculation config (or none) per batch size from end-to-end timings",
         description="Time plain decoding and every candidate's speculative_generate end to end, round-robin on one "
-        "pinned core (jaxspec.measure), per batch bucket over held-out tuning prompts of each dataset (MBPP's "
+        "pinned core (jaxspec.core.measure), per batch bucket over held-out tuning prompts of each dataset (MBPP's "
         "validation split, the last test prompts of GSM8K / ShareGPT: disjoint from what sweeps report on); pick "
         "the most tokens/s per bucket ('ar' = no speculation) and save tune.json beside the checkpoint, where "
         "speculative_generate(spec='auto') reads it. A run on a loaded machine is measured again, then refused.",
@@ -49,10 +49,10 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace, console: Console) -> int:
     pin_from_args(args, console)  # before the first computation
-    from jaxspec.eval import tuning_prompts
-    from jaxspec.report import comparison_table, tuning_table
-    from jaxspec.tune import compare_with_sweep, tune
-    from jaxspec.tuning import load_tuning
+    from jaxspec.harness.eval import tuning_prompts
+    from jaxspec.harness.report import comparison_table, tuning_table
+    from jaxspec.harness.tune import compare_with_sweep, tune
+    from jaxspec.speculation.auto import load_tuning
 
     for name in ("num_prompts", "new_tokens", "max_prompt_tokens"):
         positive(name.replace("_", "-"), getattr(args, name))
@@ -63,12 +63,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if args.projected_preset is not None and args.projected is None:
         raise ValueError("--projected-preset needs --projected ACCELERATOR")
     if args.projected is not None:
-        from jaxspec.costmodel import hardware
+        from jaxspec.cost import hardware
 
         hardware(args.projected)  # unknown names fail before the model loads
     projected_cfg = None
     if args.projected_preset is not None:
-        from jaxspec.config import ModelConfig
+        from jaxspec.core.config import ModelConfig
 
         projected_cfg = ModelConfig.preset(args.projected_preset)
     from jaxspec.sharding import parse_mesh

@@ -19,15 +19,15 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec.config import ModelConfig
+from jaxspec.core.config import ModelConfig
 from jaxspec.layers.banded import attend_banded, chain_entry_ok, with_chain_entries
 from jaxspec.layers.compressor import CompressorParams, compressor_rows, init_compressor, pool_entries
 from jaxspec.layers.indexer import IndexerParams, index_queries, index_scores, init_indexer
 from jaxspec.ops import quant
 from jaxspec.ops.norms import rms_norm, unweighted_rms_norm
+from jaxspec.ops.pallas.tree_attention import tree_attention
 from jaxspec.ops.quant import Weight
 from jaxspec.ops.rope import apply_rope, inv_freq, rope_angles
-from jaxspec.pallas.tree_attention import tree_attention
 from jaxspec.sharding.active import shard_kernel
 from jaxspec.sharding.rules import axes
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxspec.checks import next_power_of_two
-from jaxspec.config import ModelConfig
+from jaxspec.core.checks import next_power_of_two
+from jaxspec.core.config import ModelConfig
 
 MIN_BLOCK = 64  # query rows per block: below this the per-block einsums are too small to pay
 

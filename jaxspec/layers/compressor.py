@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec.config import ModelConfig, pooling_coff
+from jaxspec.core.config import ModelConfig, pooling_coff
+from jaxspec.ops.pallas.chain_compress import chain_compress
 from jaxspec.ops.pooling import pool_rows
-from jaxspec.pallas.chain_compress import chain_compress
 from jaxspec.sharding.rules import axes
 
 

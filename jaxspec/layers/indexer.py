@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec.config import ModelConfig
+from jaxspec.core.config import ModelConfig
 from jaxspec.layers.compressor import CompressorParams, init_compressor
 from jaxspec.ops import quant
 from jaxspec.ops.quant import Weight

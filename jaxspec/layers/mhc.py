@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec.config import ModelConfig
+from jaxspec.core.config import ModelConfig
 from jaxspec.ops.norms import unweighted_rms_norm
-from jaxspec.pallas.sinkhorn import sinkhorn, sinkhorn_reference
+from jaxspec.ops.pallas.sinkhorn import sinkhorn, sinkhorn_reference
 from jaxspec.sharding.rules import axes
 
 

@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec.config import ModelConfig
+from jaxspec.core.config import ModelConfig
 from jaxspec.ops import quant
+from jaxspec.ops.pallas.grouped_matmul import grouped_matmul
 from jaxspec.ops.quant import Weight
-from jaxspec.pallas.grouped_matmul import grouped_matmul
 from jaxspec.sharding.active import routed_experts
 from jaxspec.sharding.rules import axes, stacked
 

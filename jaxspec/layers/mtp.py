@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec.config import ModelConfig
+from jaxspec.core.config import ModelConfig
 from jaxspec.ops import quant
 from jaxspec.ops.norms import rms_norm
 from jaxspec.ops.quant import Weight

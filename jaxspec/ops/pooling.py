@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxspec.config import pooling_coff
+from jaxspec.core.config import pooling_coff
 from jaxspec.ops.norms import rms_norm
 from jaxspec.ops.rope import apply_rope, rope_angles
 

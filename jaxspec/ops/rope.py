@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.config import ModelConfig
+from jaxspec.core.config import ModelConfig
 
 
 @functools.lru_cache(maxsize=64)

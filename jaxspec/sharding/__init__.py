@@ -1,7 +1,7 @@
 """Sharding below the layers: `rules` (logical axes declared beside the arrays, rules mapping them
 onto a ("data", "tensor", "expert") mesh, meshes) and `active` (the mesh of the program being
 traced, the expert-parallel MoE and per-shard kernels). What places the model's arrays and runs
-its programs on a mesh sits above the model: `jaxspec.placement` and `jaxspec.runner`.
+its programs on a mesh sits above the model: `jaxspec.model.placement` and `jaxspec.model.runner`.
 """
 
 from jaxspec.sharding.active import constrain_state, global_rows, routed_experts, shard_kernel

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxspec.config import ModelConfig
+from jaxspec.core.config import ModelConfig
 from jaxspec.ops.quant import BlockScaled
 from jaxspec.sharding.rules import DATA, mesh_shape, spec_for, tree_specs
 

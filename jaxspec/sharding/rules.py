@@ -28,8 +28,8 @@ import numpy as np
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jaxspec.checks import positive_int
-from jaxspec.config import ModelConfig
+from jaxspec.core.checks import positive_int
+from jaxspec.core.config import ModelConfig
 from jaxspec.ops.quant import BlockScaled
 
 DATA, TENSOR, EXPERT = "data", "tensor", "expert"

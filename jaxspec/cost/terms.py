@@ -1,0 +1,236 @@
+"""The analytic stage table: each stage of a cycle as a sum of named terms a person can check by
+hand (docs/cost_model.md), per device.
+
+A pass runs `tokens` tokens per sequence through a list of units (main layers, the MTP block, the
+head). Bytes: every unit's whole weights once (at stored precision), the routed experts its
+tokens touch (expected distinct, `routing`), the gathered rows (embedding, hash table), the
+decode state it reads and the rows it commits. FLOPs: 2 x tokens x matmul elements, 2 x
+assignments x expert elements, attention over the window + compressed entries (+ the indexer).
+Collectives per layer from the mesh. The context is assumed full (the state holds `context`
+positions and every compressed entry exists), the worst case a decode step meets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxspec.core.config import ModelConfig, SpecConfig
+from jaxspec.cost import routing
+from jaxspec.cost.inventory import LayerState, Unit, layout_units, state_layers
+
+STAGES = ("ar", "draft", "plan", "verify", "commit")
+COLLECTIVES = ("all_reduce", "all_to_all", "all_gather")
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """Per device, one call of a stage: named byte and FLOP terms, collectives, launch units."""
+
+    bytes: dict[str, float]  # mean device
+    busiest_bytes: float  # the device a step waits for (its routed experts at the expected maximum)
+    flops: dict[str, float]
+    collectives: dict[str, tuple[int, float]]  # kind -> (count, bytes per device)
+    layer_passes: dict[str, int]  # unit kind -> passes (what the launch term multiplies)
+    passes: int  # forward passes
+
+    @property
+    def total_bytes(self) -> float:
+        return sum(self.bytes.values())
+
+    @property
+    def total_flops(self) -> float:
+        return sum(self.flops.values())
+
+    def __add__(self, o: Costs) -> Costs:
+        def add(a, b):
+            return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in {**a, **b}}
+
+        coll = {k: (self.collectives.get(k, (0, 0.0))[0] + o.collectives.get(k, (0, 0.0))[0],
+                    self.collectives.get(k, (0, 0.0))[1] + o.collectives.get(k, (0, 0.0))[1])
+                for k in {**self.collectives, **o.collectives}}
+        passes = {k: self.layer_passes.get(k, 0) + o.layer_passes.get(k, 0)
+                  for k in {**self.layer_passes, **o.layer_passes}}
+        return Costs(add(self.bytes, o.bytes), self.busiest_bytes + o.busiest_bytes, add(self.flops, o.flops), coll,
+                     passes, self.passes + o.passes)
+
+
+EMPTY = Costs({}, 0.0, {}, {}, {}, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """Everything a stage's terms depend on besides the stage."""
+
+    cfg: ModelConfig
+    mesh: tuple[int, int, int]  # (data, tensor, expert)
+    batch: int
+    context: int
+    weights: str = "plain"
+    experts: str = "fp4"
+    overlap: float = 0.0  # routing overlap of learned routers (hash layers stay independent)
+    layout: str = "rules"  # "rules" (jaxspec's sharding) or "even" (every weight split evenly)
+    mtp_weights: str | None = None  # the MTP block's own stored precision (None: as `weights`)
+    moe_groups: int | None = None  # even layout: expert-parallel groups, each expert tensor-split (None: EP only)
+
+    @property
+    def rows(self) -> int:  # sequences on one data shard
+        return -(-self.batch // self.mesh[0])
+
+    @property
+    def act_bytes(self) -> int:
+        return 2 if self.cfg.dtype == "bfloat16" else 4
+
+    def units(self) -> dict[str, Unit]:
+        units = layout_units(self.cfg, self.mesh, self.weights, self.experts, self.layout, self.moe_groups)
+        if self.mtp_weights is None:
+            return units
+        mtp = layout_units(self.cfg, self.mesh, self.mtp_weights, self.experts, self.layout, self.moe_groups)
+        return {**units, **{name: mtp[name] for name in ("mtp", "mtp_kv", "mtp_head")}}
+
+    def state(self) -> dict[str, LayerState]:
+        return state_layers(self.cfg, self.mesh, self.batch, self.context)
+
+
+def check_setup(cfg: ModelConfig, mesh: tuple[int, int, int], batch: int, context: int) -> None:
+    """ValueError (one line) unless the mesh divides the model and the batch."""
+    data, tensor, expert = mesh
+    if min(mesh) < 1:
+        raise ValueError(f"mesh must be three positive ints, got {mesh}")
+    if cfg.num_heads % tensor or cfg.o_groups % tensor:
+        raise ValueError(f"mesh tensor={tensor} must divide num_heads={cfg.num_heads} and o_groups={cfg.o_groups}")
+    if cfg.n_routed_experts % (tensor * expert):
+        raise ValueError(f"mesh tensor x expert = {tensor * expert} must divide "
+                         f"n_routed_experts={cfg.n_routed_experts}")
+    if batch < 1 or batch % data:
+        raise ValueError(f"batch {batch} must be >= 1 and divide by the mesh's data axis {data}")
+    if not 2 <= context <= cfg.max_position_embeddings:
+        raise ValueError(f"context must be in [2, {cfg.max_position_embeddings}], got {context}")
+
+
+def _attention_keys(cfg: ModelConfig, kind: str, tokens: int, prior: int, st: LayerState) -> tuple[float, float]:
+    """-> (keys one token's heads read, index keys it scores) on a layer of `kind`."""
+    keys = cfg.sliding_window + tokens + prior  # committed ring + the new (and scratch) tokens
+    g = cfg.geometry(kind)
+    if g.compressed and not g.indexed:
+        keys += st.entries + tokens  # every committed entry + branch-local candidates
+        return keys, 0.0
+    if g.indexed:
+        keys += min(cfg.index_topk, st.entries + tokens) + tokens
+        return keys, st.entries + tokens
+    return keys, 0.0
+
+
+def kv_pass(s: Setup, tokens: int, commit: int) -> Costs:
+    """The MTP refresh of the commit stage: only the window kv rows of the MTP block are kept
+    (e/h projections, the attention-side hyper-connection, wkv), written for `commit` tokens."""
+    u, st = s.units()["mtp_kv"], s.state()["mtp"]
+    n = s.rows * tokens
+    nbytes = {"weights": u.dense_bytes, "state_write": s.rows * commit * st.write_row_bytes}
+    return Costs(nbytes, sum(nbytes.values()), {"matmul": 2.0 * n * u.dense_elems}, {}, {"mtp_kv": 1}, 0)
+
+
+def layer_pass(s: Setup, name: str, tokens: int, prior: int = 0, commit: int = 0) -> Costs:
+    """One pass of `tokens` tokens per sequence through unit `name` ("layers.i" or "mtp"); `prior`
+    scratch keys a draft step also reads; `commit` tokens per sequence written to its state."""
+    cfg, u = s.cfg, s.units()[name]
+    st = s.state()[name]
+    kind = cfg.layer_types[int(name.split(".")[1])] if name.startswith("layers.") else "sliding"
+    n = s.rows * tokens  # tokens on this device's data shard
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    overlap = 0.0 if u.hash_routed else s.overlap
+    mean = routing.expected_mean_per_device(e, k, n, u.expert_groups, overlap)
+    busiest = routing.expected_max_per_device(e, k, n, u.expert_groups, overlap)
+    keys, index_keys = _attention_keys(cfg, kind, tokens, prior, st)
+    selected = 0.0
+    if cfg.geometry(kind).indexed:  # CSA reads only the entries its tokens select (at most all of them)
+        selected = s.rows * min(st.entries, tokens * min(cfg.index_topk, st.entries)) * st.entry_bytes
+    nbytes = {
+        "weights": u.dense_bytes,
+        "experts": mean * u.expert_bytes,
+        "rows": n * u.row_bytes,
+        "state_read": st.read_bytes + selected,
+        "state_write": s.rows * commit * st.write_row_bytes,
+    }
+    ci, hi = cfg.index_head_dim, cfg.index_n_heads
+    flops = {
+        "matmul": 2.0 * n * u.dense_elems,
+        "experts": 2.0 * n * k / u.expert_groups * u.expert_elems,
+        "attention": 4.0 * n * u.heads * cfg.head_dim * keys,
+        "indexer": 2.0 * n * hi * (ci + 1) * index_keys,
+    }
+    d, t, g = cfg.hidden_size, s.mesh[1], u.expert_groups
+    coll: dict[str, tuple[int, float]] = {}
+    if t > 1:  # the head-split attention output is summed over "tensor"
+        coll["all_reduce"] = (1, 2.0 * (t - 1) / t * n * d * s.act_bytes)
+    if s.moe_groups is not None and t * s.mesh[2] > 1:  # tokens replicated: partial sums all-reduced
+        count, sent = coll.get("all_reduce", (0, 0.0))
+        coll["all_reduce"] = (count + 1, sent + 2.0 * (t - 1) / t * n * d * s.act_bytes)
+    elif g > 1:  # dispatch + combine of the routed assignments over the expert devices
+        coll["all_to_all"] = (2, 2.0 * (g - 1) / g * n * k * d * s.act_bytes)
+    busy = nbytes["weights"] + busiest * u.expert_bytes + nbytes["rows"] + nbytes["state_read"] + nbytes["state_write"]
+    return Costs(nbytes, busy, flops, coll, {kind: 1}, 0)
+
+
+def head_pass(s: Setup, tokens: int, mtp: bool = False) -> Costs:
+    """The hc head and final norm (the MTP block's own with `mtp`) and the shared vocab head over
+    `tokens` tokens per sequence."""
+    units = s.units()
+    n = s.rows * tokens
+    parts = [units["mtp_head" if mtp else "head"], units["vocab"]]
+    nbytes = {"weights": sum(p.dense_bytes for p in parts)}
+    coll = {}
+    t = s.mesh[1]
+    if t > 1:  # vocab-split logits gathered (fp32)
+        coll["all_gather"] = (1, (t - 1) / t * n * s.cfg.vocab_size * 4.0)
+    flops = {"matmul": 2.0 * n * sum(p.dense_elems for p in parts)}
+    return Costs(nbytes, nbytes["weights"], flops, coll, {"head": 1}, 0)
+
+
+def embed_rows(s: Setup, tokens: int) -> Costs:
+    b = s.rows * tokens * s.units()["embed"].row_bytes
+    return Costs({"rows": b}, b, {}, {}, {}, 0)
+
+
+def main_pass(s: Setup, tokens: int, commit: int) -> Costs:
+    """The target model over `tokens` tokens per sequence (+ head), committing `commit` of them."""
+    total = embed_rows(s, tokens)
+    for i in range(s.cfg.num_layers):
+        total = total + layer_pass(s, f"layers.{i}", tokens, commit=commit)
+    total = total + head_pass(s, tokens)
+    return dataclasses.replace(total, passes=1)
+
+
+def mtp_pass(s: Setup, tokens: int, prior: int, commit: int, head: bool) -> Costs:
+    """The MTP block (e/h projections + one sliding layer) over `tokens` per sequence."""
+    # its own input kernels: the embedding gather, hnorm, h_proj, enorm, e_proj ("mtp_in")
+    inputs = Costs({}, 0.0, {}, {}, {"mtp_in": 1}, 0)
+    total = embed_rows(s, tokens) + inputs + layer_pass(s, "mtp", tokens, prior=prior, commit=commit)
+    if head:
+        total = total + head_pass(s, tokens, mtp=True)
+    return dataclasses.replace(total, passes=1)
+
+
+def stage_table(s: Setup, spec: SpecConfig | None) -> dict[str, Costs]:
+    """{"ar"} or {"draft", "plan", "verify", "commit"}: one call of each, per device."""
+    check_setup(s.cfg, s.mesh, s.batch, s.context)
+    if spec is None:
+        return {"ar": main_pass(s, 1, commit=1)}
+    slots = 1 + (spec.num_steps - 1) * spec.topk
+    draft = EMPTY
+    for step in range(1, spec.num_steps + 1):
+        n = 1 if step == 1 else spec.topk
+        # the step's own selection kernels beyond the head: "draft_sample" (log-softmax, top-k of the
+        # vocab, the scratch kv / position scatters) every step, "draft_expand" (top-k of the step's
+        # candidates, the gathers of the next inputs) before every step but the first
+        select = {"draft_sample": 1, **({"draft_expand": 1} if step < spec.num_steps else {})}
+        draft = draft + mtp_pass(s, n, prior=slots, commit=0, head=True) + Costs({}, 0.0, {}, {}, select, 0)
+    plan = Costs({}, 0.0, {}, {}, {}, 0)  # index arithmetic on [B, D]: no weights, no state
+    path = spec.num_steps + 1  # commit: the accepted path's rows (at most S + 1) and the MTP refresh
+    commit = embed_rows(s, path) + dataclasses.replace(kv_pass(s, path, commit=path), passes=1)
+    writes = sum(layer.write_row_bytes for name, layer in s.state().items() if name != "mtp") * s.rows * path
+    commit = commit + Costs({"state_write": writes}, writes, {}, {}, {}, 0)
+    return {"draft": draft, "plan": plan, "verify": main_pass(s, spec.num_draft_tokens, commit=0), "commit": commit}
+
+
+def units_count(cfg: ModelConfig) -> int:
+    return cfg.num_layers + (1 if cfg.has_mtp else 0)

@@ -1,0 +1,177 @@
+"""Residual node values: fit P(child of rank r accepted by recursive rejection | parent reached) for
+sampled drafts (tree/sampled.py, docs/sampling_values.md).
+
+Runs *sampled* chain cycles (each chain token a draw from the draft's processed q, verified by the
+chain residual rule, as the loop's K = 1 program does), so the contexts a chain node is reached in
+follow the residual rule's accepted path. At every chain node whose parent is on that path it
+replays one level of recursive rejection at the parent, `replays` times with fresh randomness: K
+children by Gumbel-top-K from the parent's processed q, tried in sampling order against the
+target's processed p after the parent (`verify._residual_step`); label[r] = the share of replays in
+which rank r was the accepted one. Features: depth, rank, the parent's processed top-1 draft
+probability (the residual maps' feature) and the parent's q entropy (recorded for comparison).
+
+A tree also reaches nodes below rank > 0 children; their contexts are approximated by the chain's
+(rank > 0 children are accepted ~5-15% of the time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.core.config import ModelConfig
+from jaxspec.core.programs import bounded_jit
+from jaxspec.harness.calibrate import chain_cycles_in_slices, draft_chain
+from jaxspec.model.network import ModelParams, forward
+from jaxspec.model.sampling import Sampling, processed_logprobs
+from jaxspec.model.state import DecodeState
+from jaxspec.speculation.commit import commit_accepted_path
+from jaxspec.speculation.generate import prefill_for_speculation
+from jaxspec.speculation.plan import build_plan, verify_context
+from jaxspec.speculation.values import Calibration, ValueMap, fit_map
+from jaxspec.speculation.verify import _residual_step, chain_residual_accept, node_keys
+
+FIELDS = ("depth", "rank", "parent_top1", "parent_entropy", "label")
+
+
+def draft_chain_sampled(
+    params: ModelParams,
+    cfg: ModelConfig,
+    state: DecodeState,  # committed; state.mtp_length == state.length - 1
+    root: jax.Array,  # [B] int32
+    root_hidden: jax.Array,  # [B, hc, d]
+    num_steps: int,
+    sampling: Sampling,
+    keys: jax.Array,  # [B, S] typed keys, one per chain token
+) -> tuple[jax.Array, jax.Array]:
+    """A chain whose every token is a draw from the draft's processed distribution -> (chain [B, S],
+    log q [B, S, V]: the distribution chain token j was drawn from)."""
+    def draw(step, logits):
+        logq = processed_logprobs(logits, sampling.temperature, sampling.top_k, sampling.top_p)  # [B, V]
+        token = jax.vmap(lambda key, lq: jax.random.categorical(key, lq))(keys[:, step], logq).astype(jnp.int32)
+        return token, logq
+
+    chain, logqs = draft_chain(params, cfg, state, root, root_hidden, num_steps, draw)
+    return chain, jnp.stack(logqs, 1)
+
+
+def replay_labels(
+    logq: jax.Array,  # [N, V] the parent's processed draft log-probs
+    p: jax.Array,  # [N, V] the target's processed probabilities after the parent
+    key: jax.Array,  # [] typed key
+    k: int,
+    replays: int,
+) -> jax.Array:
+    """-> [N, k] float32: share of `replays` recursive-rejection levels (K = k children by
+    Gumbel-top-K from q, tried in sampling order) in which rank r was the accepted child."""
+    n, vocab = logq.shape
+    q0 = jnp.exp(logq)
+
+    def one(key):
+        noise_key, coin_key = jax.random.split(key)
+        _, children = jax.lax.top_k(logq + jax.random.gumbel(noise_key, (n, vocab)), k)  # [N, k] sampling order
+        coins = jax.random.uniform(coin_key, (n, k))
+        pi, qi, found, hits = p, q0, jnp.zeros((n,), bool), []
+        for r in range(k):
+            ok, pi, qi = _residual_step(pi, qi, children[:, r], coins[:, r], ~found)
+            hits.append(ok)
+            found = found | ok
+        return jnp.stack(hits, 1).astype(jnp.float32)
+
+    return jnp.mean(jax.vmap(one)(jax.random.split(key, replays)), axis=0)
+
+
+@functools.partial(bounded_jit, static_argnums=(1, 4, 5, 6, 7, 9))
+def _collect_residual_loop(
+    params: ModelParams,
+    cfg: ModelConfig,
+    prompt_tokens: jax.Array,  # [B, Sb] int32
+    prompt_lengths: jax.Array,  # [B] int32
+    num_steps: int,
+    k: int,
+    cycles: int,
+    max_len: int,
+    sampling: Sampling,
+    replays: int,
+):
+    """-> per cycle [C, B, S, ...]: label [.., k], parent top-1 and entropy, mask (parent on the path)."""
+    bb = prompt_tokens.shape[0]
+    state, root, last_hidden = prefill_for_speculation(params, cfg, prompt_tokens, prompt_lengths, max_len, sampling)
+    parent = jnp.broadcast_to(jnp.maximum(jnp.arange(num_steps + 1, dtype=jnp.int32) - 1, 0), (bb, num_steps + 1))
+    label_key = jax.random.fold_in(sampling.key, 0x5EED)  # apart from the loop's node keys
+
+    def body(carry, _):
+        state, root, last_hidden, cycle = carry
+        keys = node_keys(sampling.key, cycle, 2 * num_steps + 1)
+        chain, logq = draft_chain_sampled(params, cfg, state, root, last_hidden, num_steps, sampling,
+                                          keys[:, num_steps + 1:])
+        tokens = jnp.concatenate([root[:, None], chain], axis=1)  # [B, S+1]
+        plan = build_plan(parent, state.length, num_steps)
+        out = forward(params, cfg, state, tokens, verify_context(plan, state.length))
+        logp = processed_logprobs(out.logits, sampling.temperature, sampling.top_k, sampling.top_p)  # [B, S+1, V]
+        acc = chain_residual_accept(tokens, logq, logp, keys[:, : num_steps + 1])
+        state, last_hidden = commit_accepted_path(params, cfg, state, tokens, out, acc, last_hidden,
+                                                  jnp.ones((bb,), bool))
+        vocab = logq.shape[-1]
+        label = replay_labels(logq.reshape(-1, vocab), jnp.exp(logp[:, :-1]).reshape(-1, vocab),
+                              jax.random.fold_in(label_key, cycle[0]), k, replays).reshape(bb, num_steps, k)
+        q = jnp.exp(logq)
+        top1 = jnp.max(q, -1)  # [B, S]
+        entropy = -jnp.sum(jnp.where(q > 0, q * logq, 0.0), -1)
+        mask = jnp.arange(1, num_steps + 1)[None, :] <= acc.num_accepted[:, None] + 1  # parent on the path
+        return (state, acc.bonus, last_hidden, cycle + 1), (label, top1, entropy, mask)
+
+    carry = (state, root, last_hidden, jnp.zeros((bb,), jnp.int32))
+    _, records = jax.lax.scan(body, carry, None, length=cycles)
+    return records
+
+
+def collect_residual(
+    params: ModelParams,
+    cfg: ModelConfig,
+    prompts: Sequence[Sequence[int]],
+    temperature: float,
+    cycles: int = 12,
+    batch_size: int = 48,
+    num_steps: int = 10,
+    topk: int = 4,
+    replays: int = 8,
+    top_p: float | None = None,
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
+    """Node samples (FIELDS) of `cycles` sampled chain cycles per prompt at `temperature`."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 for residual values, got {temperature}")
+    sampling = Sampling.create(temperature, top_p=top_p, key=jax.random.key(seed))
+    parts: dict[str, list[np.ndarray]] = {f: [] for f in FIELDS}
+    for label, top1, entropy, mask in chain_cycles_in_slices(
+        params, cfg, prompts, cycles, num_steps, batch_size,
+        lambda tokens, lengths, max_len: _collect_residual_loop(params, cfg, tokens, lengths, num_steps, topk, cycles,
+                                                                max_len, sampling, replays),
+    ):  # label [C, b, S, k]; the rest [C, b, S]
+        keep = np.broadcast_to(mask[..., None], label.shape)
+        parts["depth"].append(np.broadcast_to(np.arange(1, num_steps + 1)[:, None], label.shape)[keep])
+        parts["rank"].append(np.broadcast_to(np.arange(topk), label.shape)[keep])
+        parts["parent_top1"].append(np.broadcast_to(top1[..., None], label.shape)[keep])
+        parts["parent_entropy"].append(np.broadcast_to(entropy[..., None], label.shape)[keep])
+        parts["label"].append(label[keep])
+    return {f: np.concatenate(v) for f, v in parts.items()}
+
+
+def fit_residual(samples: dict[str, np.ndarray], temperature: float) -> ValueMap:
+    """The residual map of one temperature (feature: the parent's processed top-1 draft probability)."""
+    return fit_map("residual", temperature, samples["depth"], samples["rank"], samples["parent_top1"],
+                   samples["label"])
+
+
+def with_residual(calibration: Calibration, maps: Sequence[ValueMap]) -> Calibration:
+    """`calibration` with its residual maps replaced by `maps` (ascending temperature)."""
+    return dataclasses.replace(calibration, residual=tuple(sorted(maps, key=lambda m: m.temperature)))
+
+
+__all__ = ["collect_residual", "fit_residual", "with_residual", "draft_chain_sampled", "replay_labels"]

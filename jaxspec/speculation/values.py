@@ -1,0 +1,378 @@
+"""Node values: a calibrated estimate of P(node accepted | parent accepted) from the draft's own
+features, the score drafting and pruning rank candidates by (DESIGN.md §11, docs/calibration.md).
+
+A candidate's score is the sum of log-values along its path (the product of its ancestors'
+conditional acceptance probabilities = the probability that the walk reaches it). Raw draft
+log-probabilities are the uncalibrated special case (`node_log_values(None, ...)`).
+
+Two maps, one event each:
+- greedy: the node's token is the target's argmax after its accepted parent. Features: depth, rank
+  among its siblings, the node's own draft probability (nondecreasing in it).
+- sampling at temperature T (the target-only rule: acceptance = the target's processed probability
+  of the token): depth, rank and the PARENT's top-1 draft probability only, never the node's own
+  token or probability, so a sampled-draft verifier stays exact whatever the children drawn
+  (rank 0 nondecreasing, later ranks nonincreasing in the parent's top-1 probability).
+
+Greedy values may also depend on the sequence's context: how much its own drafts have been accepted
+so far (mean min(accepted, CONTEXT_CAP) per cycle, `context_bins`). The same draft probability is
+accepted more often in a sequence the draft predicts well (docs/calibration.md, "The context
+feature"); one greedy map per context bin (`Calibration.greedy_by_context`) ranks by that, the pooled
+greedy map stays the value of trees too shallow to measure it (S < CONTEXT_CAP) and of callers that
+pass no context.
+
+A `Calibration` is a frozen, hashable table (static in jit). `fit_map` bins and smooths the
+counts and makes each row monotone with pool-adjacent-violators: simple and inspectable.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.core.config import ModelConfig, SpecConfig
+
+CALIBRATION_FILE = "calibration.json"
+PROB_EDGES = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)  # 13 bins
+DEPTH_EDGES = (2, 3, 4, 5, 7, 10)  # depth bins: 1, 2, 3, 4, 5-6, 7-9, 10+
+NUM_RANKS = 4  # ranks 0, 1, 2, 3+
+PRIOR_STRENGTH = 20.0  # pseudo-counts pulling a sparse cell towards its all-depth pool
+VALUE_RANGE = (1e-4, 1.0 - 1e-4)  # log-values stay finite and strictly negative along a path
+FORMAT = "jaxspec-calibration-v1"
+CONTEXT_CAP = 8  # a cycle counts min(accepted, 8) towards its sequence's context
+CONTEXT_EDGES = (3.5, 5.5)  # context bins of the mean: < 3.5, 3.5-5.5, >= 5.5
+CONTEXT_START = 4.5  # the mean assumed before a sequence's first cycle (the middle bin)
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueMap:
+    """P(accepted | parent accepted) per (depth bin, rank bin, probability bin), flattened."""
+
+    # "greedy" (feature: own draft prob), "sampling" (feature: parent's top-1 draft prob), or "residual"
+    # (the recursive-rejection event of sampled drafts; feature: parent's processed top-1 draft prob)
+    mode: str
+    temperature: float  # 0 for greedy
+    table: tuple[float, ...]  # [depth bins, NUM_RANKS, prob bins] row-major
+    counts: tuple[int, ...]  # samples behind each cell (same layout)
+
+    def array(self) -> np.ndarray:
+        return np.asarray(self.table, np.float64).reshape(len(DEPTH_EDGES) + 1, NUM_RANKS, len(PROB_EDGES) + 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """The greedy map and one sampling map per fitted temperature, for one checkpoint's draft."""
+
+    fingerprint: str  # `draft_fingerprint` of the checkpoint it was fitted for
+    greedy: ValueMap
+    sampling: tuple[ValueMap, ...]  # ascending temperature
+    meta: tuple[tuple[str, str], ...] = ()  # provenance (datasets, prompts, spec, ...) as strings
+    greedy_by_context: tuple[ValueMap, ...] = ()  # one greedy map per context bin (CONTEXT_EDGES), or none
+    residual: tuple[ValueMap, ...] = ()  # sampled drafts' values (tree/sampled.py), ascending temperature
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "fingerprint": self.fingerprint,
+            "prob_edges": list(PROB_EDGES),
+            "depth_edges": list(DEPTH_EDGES),
+            "num_ranks": NUM_RANKS,
+            "maps": [dataclasses.asdict(m) for m in (self.greedy, *self.sampling, *self.residual)],
+            "meta": dict(self.meta),
+            **({"context": {"cap": CONTEXT_CAP, "edges": list(CONTEXT_EDGES),
+                            "maps": [dataclasses.asdict(m) for m in self.greedy_by_context]}}
+               if self.greedy_by_context else {}),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, source: str = "calibration") -> Calibration:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError(f"{source} is not a jaxspec calibration file (format must be {FORMAT!r})")
+        if (tuple(data.get("prob_edges", ())), tuple(data.get("depth_edges", ())), data.get("num_ranks")) != (
+            PROB_EDGES, DEPTH_EDGES, NUM_RANKS
+        ):
+            raise ValueError(f"{source} uses other bins than this jaxspec version; re-run `jaxspec calibrate`")
+        size = (len(DEPTH_EDGES) + 1) * NUM_RANKS * (len(PROB_EDGES) + 1)
+        def value_map(m: Any) -> ValueMap:
+            return ValueMap(str(m["mode"]), float(m["temperature"]), tuple(float(x) for x in m["table"]),
+                            tuple(int(x) for x in m["counts"]))
+
+        try:
+            maps = [value_map(m) for m in data["maps"]]
+            fingerprint = str(data["fingerprint"])
+            meta = tuple(sorted((str(k), str(v)) for k, v in dict(data.get("meta", {})).items()))
+            context = data.get("context")
+            by_context = [] if context is None else [value_map(m) for m in context["maps"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{source} has a missing or malformed field: {e}") from None
+        if not maps or maps[0].mode != "greedy" or any(m.mode not in ("sampling", "residual") for m in maps[1:]):
+            raise ValueError(f"{source} must hold the greedy map first, then sampling (and residual) maps")
+        if context is not None and (
+            (context.get("cap"), tuple(context.get("edges", ()))) != (CONTEXT_CAP, CONTEXT_EDGES)
+            or len(by_context) != len(CONTEXT_EDGES) + 1 or any(m.mode != "greedy" for m in by_context)
+        ):
+            raise ValueError(f"{source}: its context maps use other bins than this jaxspec version "
+                             f"(cap {CONTEXT_CAP}, edges {list(CONTEXT_EDGES)}, greedy maps); "
+                             "re-run `jaxspec calibrate`")
+        if any(len(m.table) != size or not all(0.0 < x < 1.0 for x in m.table) for m in (*maps, *by_context)):
+            raise ValueError(f"{source}: every map needs {size} values in (0, 1)")
+        by_mode = {mode: tuple(sorted((m for m in maps[1:] if m.mode == mode), key=lambda m: m.temperature))
+                   for mode in ("sampling", "residual")}
+        return cls(fingerprint=fingerprint, greedy=maps[0], sampling=by_mode["sampling"], meta=meta,
+                   greedy_by_context=tuple(by_context), residual=by_mode["residual"])
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        if path.is_dir():
+            path = path / CALIBRATION_FILE
+        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        return path
+
+
+# ---- which checkpoint a calibration belongs to -------------------------------------------------
+
+
+_FINGERPRINTS: collections.OrderedDict[tuple, tuple[tuple, str]] = collections.OrderedDict()
+_FINGERPRINTS_KEPT = 4
+
+
+def draft_fingerprint(params: Any, cfg: ModelConfig) -> str:
+    """sha256 over the architecture (dtype excluded) and a strided sample of every MTP leaf, rounded
+    to bfloat16: the same for a bf16 checkpoint and its float32 cast, different for another draft.
+
+    Sampling the leaves costs ~10 ms (a device read per leaf), which every `speculative_generate`
+    call would pay: the last few results are kept, keyed by the identity of the (immutable) leaves,
+    which each entry holds on to so an id cannot be reused for other arrays."""
+    if params.mtp is None:
+        raise ValueError("a calibration is for an MTP draft block; these params have none")
+    leaves = tuple(jax.tree.leaves(params.mtp))
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return _fingerprint(params, cfg)
+    key = (cfg, tuple(id(x) for x in leaves))
+    hit = _FINGERPRINTS.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], leaves, strict=True)):
+        _FINGERPRINTS.move_to_end(key)
+        return hit[1]
+    fingerprint = _fingerprint(params, cfg)
+    _FINGERPRINTS[key] = (leaves, fingerprint)
+    while len(_FINGERPRINTS) > _FINGERPRINTS_KEPT:
+        _FINGERPRINTS.popitem(last=False)
+    return fingerprint
+
+
+def _fingerprint(params: Any, cfg: ModelConfig) -> str:
+    # Settings of how the model is run, not of what it computes, stay out (dtype, kernels, prefill chunk).
+    arch = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("dtype", "attention_impl", "prefill_chunk")}
+    h = hashlib.sha256(json.dumps(arch, sort_keys=True, default=str).encode())
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params.mtp)[0]:
+        flat = jnp.ravel(leaf)
+        stride = max(1, flat.shape[0] // 1024)
+        sample = np.asarray(jax.device_get(flat[::stride][:1024].astype(jnp.bfloat16))).view(np.uint16)
+        h.update(jax.tree_util.keystr(path).encode() + str(tuple(leaf.shape)).encode() + sample.tobytes())
+    return h.hexdigest()[:16]
+
+
+_LOADED: dict[str, Calibration] = {}
+
+
+def register(calibration: Calibration) -> None:
+    """Make `calibration` the default node values of every params with its fingerprint
+    (`load_checkpoint` registers the calibration.json it finds beside the params)."""
+    _LOADED[calibration.fingerprint] = calibration
+
+
+def registered(params: Any, cfg: ModelConfig) -> Calibration | None:
+    """The registered calibration for these params, or None (also when they cannot be fingerprinted)."""
+    if not _LOADED or params.mtp is None:
+        return None
+    try:
+        return _LOADED.get(draft_fingerprint(params, cfg))
+    except Exception:  # e.g. arrays spread over processes: no default calibration, raw scores
+        return None
+
+
+def load_calibration(path: str | Path, params: Any = None, cfg: ModelConfig | None = None) -> Calibration:
+    """Read calibration.json (the file or the checkpoint folder); with params and cfg, check it was
+    fitted for them (one-line ValueError otherwise) and register it as their default."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        path = path / CALIBRATION_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no calibration at {str(path)!r}; run `jaxspec calibrate --checkpoint FOLDER`")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not JSON: {e}") from None
+    calibration = Calibration.from_json(data, str(path))
+    if params is not None and cfg is not None:
+        expected = draft_fingerprint(params, cfg)
+        if calibration.fingerprint != expected:
+            raise ValueError(
+                f"{path} was fitted for another checkpoint (draft fingerprint {calibration.fingerprint}, these "
+                f"params are {expected}); re-run `jaxspec calibrate` for them"
+            )
+        register(calibration)
+    return calibration
+
+
+def resolve_scores(params: Any, cfg: ModelConfig, spec: SpecConfig,
+                   calibration: Any = None) -> tuple[SpecConfig, Calibration | None]:
+    """-> (spec with scores "calibrated" or "draft", the node values to rank by or None).
+
+    "draft": raw draft log-probs. "auto": `calibration` (a `Calibration`, or its file / checkpoint
+    folder, checked against these params), else the one `load_checkpoint` registered for them,
+    else raw. "calibrated": like auto, but no calibration is an error.
+    """
+    if params.mtp is None:
+        raise ValueError("speculation needs an MTP draft block; these params have none")
+    if spec.scores == "draft":
+        if calibration is not None:
+            raise ValueError('calibration= is unused with scores="draft"; pass one or the other')
+        return spec, None
+    if calibration is None:
+        values = registered(params, cfg)
+    elif isinstance(calibration, Calibration):
+        values = calibration
+    else:
+        values = load_calibration(calibration, params, cfg)
+    if values is None:
+        if spec.scores == "calibrated":
+            raise ValueError('scores="calibrated" needs a calibration: calibration= (a Calibration or its file), '
+                             "or a checkpoint with calibration.json (`jaxspec calibrate`)")
+        return dataclasses.replace(spec, scores="draft"), None
+    return dataclasses.replace(spec, scores="calibrated"), values
+
+
+# ---- the values in a drafting step ------------------------------------------------------------
+
+
+def depth_bin(depth: int) -> int:
+    return int(np.searchsorted(np.asarray(DEPTH_EDGES), depth, side="right"))
+
+
+def _lookup(table: np.ndarray, depth: int, rank: jax.Array, prob: jax.Array) -> jax.Array:
+    """table [depth bins, ranks, prob bins] -> values at (static depth, rank, prob)."""
+    rows = jnp.asarray(table[depth_bin(depth)], jnp.float32)  # [R, P]
+    prob_index = jnp.searchsorted(jnp.asarray(PROB_EDGES, jnp.float32), prob, side="right")
+    return rows[jnp.minimum(rank, NUM_RANKS - 1), prob_index]
+
+
+def context_bins(
+    capped_accepted: jax.Array,  # [B] sum over the sequence's cycles so far of min(accepted, CONTEXT_CAP)
+    cycles: jax.Array,  # [B] int32 cycles so far
+) -> jax.Array:
+    """-> [B] int32 context bin of each sequence (CONTEXT_EDGES over its mean; CONTEXT_START before any cycle)."""
+    mean = jnp.where(cycles > 0, capped_accepted.astype(jnp.float32) / jnp.maximum(cycles, 1), CONTEXT_START)
+    return jnp.searchsorted(jnp.asarray(CONTEXT_EDGES, jnp.float32), mean, side="right").astype(jnp.int32)
+
+
+def node_log_values(
+    calibration: Calibration | None,
+    depth: int,  # static: the depth of the children (1 = the root's)
+    top_logp: jax.Array,  # [B, n, K] draft log-probs of each slot's top-K children, descending
+    temperature: jax.Array | None = None,  # [] traced; > 0 uses the sampling map nearest in temperature
+    context: jax.Array | None = None,  # [B] int32 context bin (`context_bins`); None = the pooled greedy map
+) -> jax.Array:
+    """-> [B, n, K] log P(child accepted | slot accepted): the raw draft log-probs without a calibration."""
+    if calibration is None:
+        return top_logp
+    k = top_logp.shape[-1]
+    rank = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), top_logp.shape)
+    own = jnp.exp(top_logp)
+    if context is not None and calibration.greedy_by_context:
+        per_context = jnp.stack([_lookup(m.array(), depth, rank, own) for m in calibration.greedy_by_context])
+        value = jnp.take_along_axis(per_context, context[None, :, None, None], axis=0)[0]  # [B, n, K]
+    else:
+        value = _lookup(calibration.greedy.array(), depth, rank, own)
+    if calibration.sampling and temperature is not None:
+        parent_top1 = jnp.broadcast_to(own[..., :1], own.shape)  # siblings share it
+        temps = jnp.asarray([m.temperature for m in calibration.sampling], jnp.float32)
+        tables = np.stack([m.array() for m in calibration.sampling])  # [M, Db, R, P]
+        nearest = jnp.argmin(jnp.abs(temps - temperature))
+        per_map = jnp.stack([_lookup(t, depth, rank, parent_top1) for t in tables])  # [M, B, n, K]
+        value = jnp.where(temperature > 0, per_map[nearest], value)
+    return jnp.log(value)
+
+
+# ---- fitting -----------------------------------------------------------------------------------
+
+
+def _pav(y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Pool-adjacent-violators: the nondecreasing fit of y minimising sum w (fit - y)^2."""
+    blocks: list[list[float]] = []  # [value, weight, length]
+    for value, weight in zip(y.tolist(), w.tolist(), strict=True):
+        blocks.append([value, weight, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            v2, w2, n2 = blocks.pop()
+            v1, w1, n1 = blocks.pop()
+            total = w1 + w2
+            blocks.append([(v1 * w1 + v2 * w2) / total if total > 0 else (v1 + v2) / 2, total, n1 + n2])
+    return np.concatenate([np.full(n, v) for v, _, n in blocks])
+
+
+def bin_indices(depth: np.ndarray, rank: np.ndarray, prob: np.ndarray) -> np.ndarray:
+    """Flat cell index of each sample (numpy twin of `_lookup`)."""
+    d = np.searchsorted(np.asarray(DEPTH_EDGES), depth, side="right")
+    p = np.searchsorted(np.asarray(PROB_EDGES, np.float32), prob.astype(np.float32), side="right")
+    r = np.minimum(rank, NUM_RANKS - 1)
+    return (d * NUM_RANKS + r) * (len(PROB_EDGES) + 1) + p
+
+
+def fit_map(mode: str, temperature: float, depth: Sequence[int], rank: Sequence[int], prob: Sequence[float],
+            label: Sequence[float]) -> ValueMap:
+    """Binned, smoothed and monotone fit of E[label | depth, rank, prob]; `prob` is the node's own
+    draft probability (greedy) or its parent's top-1 draft probability (sampling)."""
+    if mode not in ("greedy", "sampling", "residual"):
+        raise ValueError(f"mode must be 'greedy', 'sampling' or 'residual', got {mode!r}")
+    depth, rank, prob, label = (np.asarray(x) for x in (depth, rank, prob, label))
+    if not depth.size:
+        raise ValueError("no samples to fit a calibration on")
+    shape = (len(DEPTH_EDGES) + 1, NUM_RANKS, len(PROB_EDGES) + 1)
+    cells = int(np.prod(shape))
+    index = bin_indices(depth, rank, prob)
+    n = np.bincount(index, minlength=cells).reshape(shape).astype(np.float64)
+    s = np.bincount(index, weights=label.astype(np.float64), minlength=cells).reshape(shape)
+    # Backoff: a cell borrows strength from the same (rank, prob) cell pooled over depths, which
+    # borrows from its rank's overall mean.
+    rank_n, rank_s = n.sum((0, 2)), s.sum((0, 2))
+    rank_mean = (rank_s + 0.5) / (rank_n + 1.0)  # [R]
+    pool_n, pool_s = n.sum(0), s.sum(0)  # [R, P]
+    pool = (pool_s + PRIOR_STRENGTH * rank_mean[:, None]) / (pool_n + PRIOR_STRENGTH)
+    value = (s + PRIOR_STRENGTH * pool[None]) / (n + PRIOR_STRENGTH)
+    weight = n + PRIOR_STRENGTH
+    # Residual maps stay unconstrained in the feature: under recursive rejection rank 0 is U-shaped and
+    # rank 1 peaks in the parent's top-1 probability (docs/sampling_values.md); only smoothed.
+    for d in range(shape[0] if mode != "residual" else 0):
+        for r in range(shape[1]):
+            increasing = mode == "greedy" or r == 0
+            row, w = value[d, r], weight[d, r]
+            value[d, r] = _pav(row, w) if increasing else -_pav(-row, w)
+    value = np.clip(value, *VALUE_RANGE)
+    return ValueMap(mode, float(temperature), tuple(float(x) for x in value.ravel()),
+                    tuple(int(x) for x in n.ravel()))
+
+
+def predict(value_map: ValueMap, depth: np.ndarray, rank: np.ndarray, prob: np.ndarray) -> np.ndarray:
+    return np.asarray(value_map.table)[bin_indices(np.asarray(depth), np.asarray(rank), np.asarray(prob))]
+
+
+def expected_calibration_error(predicted: np.ndarray, label: np.ndarray, num_bins: int = 10) -> float:
+    """sum over equal-width bins of predicted value: share of samples * |mean predicted - mean label|."""
+    predicted, label = np.asarray(predicted, np.float64), np.asarray(label, np.float64)
+    if not predicted.size:
+        raise ValueError("no samples to measure calibration error on")
+    which = np.minimum((predicted * num_bins).astype(int), num_bins - 1)
+    total = 0.0
+    for b in range(num_bins):
+        sel = which == b
+        if sel.any():
+            total += sel.mean() * abs(predicted[sel].mean() - label[sel].mean())
+    return float(total)

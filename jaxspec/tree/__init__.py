@@ -1,1 +1,0 @@
-"""Tree speculation: draft (MTP, top-K beam) -> prune -> plan -> verify -> accept -> commit."""
