@@ -20,8 +20,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax import export  # noqa: E402
 
 import jaxspec as js  # noqa: E402
-from jaxspec import runner  # noqa: E402
 from jaxspec.core.gpu_export import TRITON_CALL, cuda_target, expert_stack_dots, kernel_calls  # noqa: E402
+from jaxspec.model import runner  # noqa: E402
 from jaxspec.sharding.active import activate  # noqa: E402
 from jaxspec.sharding.rules import MESH_AXES, check_rules  # noqa: E402
 from jaxspec.speculation.generate import prefill_for_speculation, speculative_cycle  # noqa: E402

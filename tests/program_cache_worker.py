@@ -22,7 +22,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxspec as js  # noqa: E402
-from jaxspec import programs  # noqa: E402
+from jaxspec.core import programs  # noqa: E402
 from jaxspec.speculation.generate import compile_count, speculative_compile_count  # noqa: E402
 from jaxspec.testing import high_acceptance, randomize  # noqa: E402
 

@@ -27,11 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jaxspec as js  # noqa: E402
-from jaxspec import (  # noqa: E402
-    placement,
-    runner,
-    sharding,  # noqa: E402
-)
+from jaxspec import sharding  # noqa: E402
+from jaxspec.model import placement, runner  # noqa: E402
 from jaxspec.model.sampling import Sampling  # noqa: E402
 from jaxspec.speculation.generate import _speculative_loop, length_bucket, prepare_prompts  # noqa: E402
 

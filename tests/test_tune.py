@@ -200,6 +200,11 @@ def test_the_shipped_checkpoint_carries_its_tuning():
 
     shipped = load_tuning("checkpoints/tiny-v4")
     assert sorted(shipped.choices) == [1, 4, 16, 64]
+    # chosen from end-to-end timings, every (bucket, dataset) group measured on a quiet machine
+    assert shipped.estimator == "end-to-end"
+    assert sorted({(v["batch"], v["dataset"]) for v in shipped.verdicts}) == [
+        (b, d) for b in (1, 4, 16, 64) for d in ("gsm8k", "mbpp", "sharegpt")]
+    assert all(v["clean"] for v in shipped.verdicts)
     tuning_lib._LOADED.clear()
     cfg, params, _ = load_checkpoint("checkpoints/tiny-v4")
     assert tuning_lib.registered_tuning(draft_fingerprint(params, cfg)) == shipped
@@ -207,3 +212,33 @@ def test_the_shipped_checkpoint_carries_its_tuning():
         spec = shipped.spec_for(b)
         assert spec is None or spec.validate_for(cfg) is None
     tuning_lib._LOADED.clear()
+
+
+def test_a_candidate_far_behind_ar_is_not_measured_at_larger_buckets(agreeing_params, test_cfg, monkeypatch):
+    """Buckets run smallest first; a spec below prune_below x AR (pooled over the datasets) at one
+    bucket is left out of the larger ones, and prune_below=None measures every spec everywhere."""
+    import jaxspec.harness.tune as tune_lib
+
+    speed = {1: {"s1_k1_d2": 1.2, "s3_k1_d4": 0.95, "s7_k1_d8": 0.7}, 4: {"s1_k1_d2": 1.1, "s3_k1_d4": 0.85},
+             16: {"s1_k1_d2": 0.99}}
+    measured = []
+
+    def fake_group(params, cfg, methods, prompts, b, *rest):
+        measured.append((b, sorted(n for n in methods if n != NO_SPECULATION)))
+        rate = {NO_SPECULATION: 100.0, **{n: 100.0 * speed.get(b, {}).get(n, 0.5) for n in methods if n}}
+        records = [{"batch": b, "spec": n, "seconds": 1000 / r, "generated": 1000, "tokens_per_s": r,
+                    "ratio_vs_ar": r / 100, "spread": 0.01, "prompts": 8,
+                    **({} if n == NO_SPECULATION else {"tau": 2.0, "cycles": 10})} for n, r in rate.items()]
+        return {"records": records, "verdict": {"clean": True, "reasons": []}}
+
+    monkeypatch.setattr(tune_lib, "_measure_group", fake_group)
+    args = dict(batch_sizes=(1, 4, 16), candidates=("s1_k1_d2", "s3_k1_d4", "s7_k1_d8"), progress=False)
+    tuning = tune(agreeing_params, test_cfg, {"a": PROMPTS, "b": PROMPTS}, **args)
+    everything = ["s1_k1_d2", "s3_k1_d4", "s7_k1_d8"]
+    assert measured == [(1, everything)] * 2 + [(4, ["s1_k1_d2", "s3_k1_d4"])] * 2 + [(16, ["s1_k1_d2"])] * 2
+    assert tuning.choices == {1: "s1_k1_d2", 4: "s1_k1_d2", 16: NO_SPECULATION}
+    measured.clear()
+    tune(agreeing_params, test_cfg, {"a": PROMPTS}, prune_below=None, **args)
+    assert measured == [(b, everything) for b in (1, 4, 16)]
+    with pytest.raises(ValueError, match="prune_below"):
+        tune(agreeing_params, test_cfg, {"a": PROMPTS}, prune_below=1.5, **args)

@@ -8,7 +8,7 @@ draft=$1; part=$2
 export XLA_FLAGS="--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 export JAXSPEC_DATA=${JAXSPEC_DATA:-/work/shared/data} JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-runs/jax_cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
-run() { taskset -c 1 python experiments/report_regime/tau_grid.py --draft "$draft" --new-tokens 64 \
+run() { taskset -c "${CORE:-1}" python experiments/report_regime/tau_grid.py --draft "$draft" --new-tokens 64 \
           --out results/report_regime/tau.jsonl "$@"; }
 case $part in
   d5-8) run --prompts 32 --batch 32 --specs s4_k1_d5,s4_k2_d5,s2_k4_d5,s1_k4_d5,s5_k1_d6,s5_k2_d6,s3_k2_d6,s6_k1_d7,\

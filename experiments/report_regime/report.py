@@ -28,7 +28,7 @@ LABEL = {"default": "distilled", "one-step": "one-step"}
 DRAWS = 4000
 
 
-def latest(records, datasets, batch=64):
+def latest(records, datasets, batch=32):
     """{(draft, spec): record} keeping the last record of each measured on `datasets` at `batch`."""
     out = {}
     for r in records:
@@ -102,7 +102,7 @@ def table1(recs, acc, draft, depths, datasets, rng):
 
 
 def all_specs(recs, acc, draft, datasets):
-    lines = [f"### {LABEL[draft]} draft: every spec measured (batch 64 grid)", "",
+    lines = [f"### {LABEL[draft]} draft: every spec measured (batch 32 grid)", "",
              "| D | spec | " + " | ".join(datasets)
              + " | all | gain over chain (mean) | Sequoia tau* per-depth (all) |",
              "|---:|---|" + "---:|" * (len(datasets) + 3)]

@@ -10,11 +10,19 @@ from typing import Any
 
 from rich.console import Console
 
-from jaxspec.cli.common import add_data_arguments, add_measure_arguments, csv, load_model, pin_from_args, positive
+from jaxspec.cli.common import (
+    add_data_arguments,
+    add_draft_argument,
+    add_measure_arguments,
+    csv,
+    load_model,
+    pin_from_args,
+    positive,
+)
 
 
 def add_parser(subparsers: Any) -> None:
-    from jaxspec.harness.tune import DEFAULT_CANDIDATES
+    from jaxspec.harness.tune import DEFAULT_CANDIDATES, PRUNE_BELOW
 
     p = subparsers.add_parser(
         "tune",
@@ -26,10 +34,14 @@ def add_parser(subparsers: Any) -> None:
         "speculative_generate(spec='auto') reads it. A run on a loaded machine is measured again, then refused.",
     )
     p.add_argument("--checkpoint", required=True, help="checkpoint folder (with tokenizer)")
+    add_draft_argument(p)
     add_data_arguments(p, 8, "tuning prompts (a bucket of batch b uses max(b, 8), cycled)")
     p.add_argument("--batch-sizes", type=csv(int), default=(1, 4, 16, 64))
     p.add_argument("--candidates", type=csv(str), default=DEFAULT_CANDIDATES, help="specs to choose from")
     p.add_argument("--new-tokens", type=int, default=128, help="generation length the choice is for")
+    p.add_argument("--prune-below", type=float, default=PRUNE_BELOW, metavar="RATIO",
+                   help=f"a candidate below RATIO x AR at one batch bucket is not measured at larger ones (default "
+                   f"{PRUNE_BELOW}; 0 measures every candidate at every bucket)")
     add_measure_arguments(p)
     p.add_argument("--projected", default=None, metavar="ACCELERATOR",
                    help="choose with the analytic cost model's projected step times on this accelerator (e.g. "
@@ -38,7 +50,8 @@ def add_parser(subparsers: Any) -> None:
                    help="with --projected: project the times of this preset (default: the checkpoint's model)")
     p.add_argument("--projected-mesh", default="1,1,1", metavar="D,T,E",
                    help="with --projected: the mesh (data,tensor,expert) the projection is for (default 1,1,1)")
-    p.add_argument("--out", default=None, help="tuning file (default CHECKPOINT/tune.json)")
+    p.add_argument("--out", default=None, help="tuning file (default CHECKPOINT/tune.json, with --draft "
+                   "CHECKPOINT/drafts/NAME/tune.json)")
     p.add_argument("--fresh", action="store_true",
                    help="measure every group again (by default a rerun reuses the groups OUT.progress.jsonl holds "
                         "for the same model, prompts and candidates)")
@@ -78,6 +91,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
     prompts = tuning_prompts(model.tokenizer, args.num_prompts, args.max_prompt_tokens, args.datasets, args.data_root)
     console.print(f"tuning on {', '.join(f'{len(p)} {name}' for name, p in prompts.items())} held-out tuning prompts, "
                   f"{len(args.candidates)} candidates, batch sizes {list(args.batch_sizes)}, {args.repeats} rounds")
+    if args.out is None and args.draft is not None:
+        from jaxspec.checkpoint.drafts import draft_dir
+
+        args.out = os.path.join(draft_dir(os.path.expanduser(args.checkpoint), args.draft), "tune.json")
     out = Path(args.out or os.path.expanduser(args.checkpoint))
     progress = (out.with_suffix("") if out.suffix == ".json" else out / "tune").with_suffix(".progress.jsonl")
     if args.fresh and progress.exists():
@@ -86,7 +103,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     args.resume_hint = f"finished groups are kept in {progress}: rerun the same command to continue"
     tuning = tune(model.params, model.cfg, prompts, args.batch_sizes, args.candidates, args.new_tokens,
                   repeats=args.repeats, allow_loaded=args.allow_loaded, projected=args.projected,
-                  projected_cfg=projected_cfg, projected_mesh=projected_mesh, resume=progress)
+                  projected_cfg=projected_cfg, projected_mesh=projected_mesh, resume=progress,
+                  prune_below=args.prune_below or None)
     out = tuning.save(out)
     console.print(tuning_table(tuning))
     console.print("chosen: " + ", ".join(f"batch {b}: {name}" for b, name in tuning.choices.items()))

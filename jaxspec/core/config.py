@@ -422,9 +422,9 @@ class SpecConfig:
 
     num_steps S: MTP draft steps (tree depth); topk K: children per expanded node (K = 1 is the
     linear chain); num_draft_tokens D: tokens the target verifies per cycle, root included.
-    scores: what drafting and pruning rank candidates by (tree/values.py): "calibrated" node values,
+    scores: what drafting and pruning rank candidates by (speculation/values.py): "calibrated" node values,
     "draft" (raw draft log-probs), or "auto" (calibrated where the params have a calibration).
-    widths: width chosen per cycle (tree/widths.py): the compiled verify widths, ascending, the last
+    widths: width chosen per cycle (speculation/widths.py): the compiled verify widths, ascending, the last
     = D; each cycle verifies the nodes whose path value (P(the walk reaches them)) is at least
     width_threshold, in the smallest width that holds them. () verifies all D every cycle.
     """

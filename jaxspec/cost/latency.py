@@ -38,7 +38,7 @@ HARDWARE = {
 # A draft step also launches its MTP input kernels ("mtp_in": embedding gather, hnorm, h_proj, enorm,
 # e_proj) and its selection kernels ("draft_sample": log-softmax max and sum, vocab top-k, scratch kv
 # and position scatters; "draft_expand", every step but the last: top-k of the step's candidates,
-# gathers of the next inputs and streams), counted from tree/draft.py and layers/mtp.py.
+# gathers of the next inputs and streams), counted from speculation/draft.py and layers/mtp.py.
 DEFAULT_KERNELS = {"sliding": 22, "hca": 26, "csa": 34, "head": 4, "mtp_kv": 6, "mtp_in": 5, "draft_sample": 5,
                    "draft_expand": 3}
 

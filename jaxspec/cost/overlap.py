@@ -30,7 +30,7 @@ from jaxspec.ops.norms import rms_norm
 def layer_choices(params: ModelParams, cfg: ModelConfig,
                   tokens: jax.Array) -> tuple[list[jax.Array], jax.Array]:  # tokens [1, T]
     """-> (expert indices [T, k] of every main layer, final streams [1, T, hc, d]) of one prompt's
-    causal prefill (the streams equal `model.forward`'s hidden: tested)."""
+    causal prefill (the streams equal `network.forward`'s hidden: tested)."""
     state = init_state(cfg, 1, tokens.shape[1])
     ctx = causal_context(jnp.zeros((1,), jnp.int32), jnp.ones(tokens.shape, bool))
     streams = jnp.broadcast_to(params.embed[tokens][:, :, None, :], (*tokens.shape, cfg.hc_mult, cfg.hidden_size))

@@ -1,4 +1,4 @@
-"""`jaxspec calibrate`: fit the node values (tree/values.py) of a checkpoint's draft.
+"""`jaxspec calibrate`: fit the node values (speculation/values.py) of a checkpoint's draft.
 
 Runs chain speculative cycles on prompts and records, for the top-K children of every chain node
 on or just after the accepted path (= every tree node whose parent is accepted), its features

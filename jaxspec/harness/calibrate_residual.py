@@ -1,5 +1,5 @@
 """Residual node values: fit P(child of rank r accepted by recursive rejection | parent reached) for
-sampled drafts (tree/sampled.py, docs/sampling_values.md).
+sampled drafts (speculation/sampled.py, docs/sampling_values.md).
 
 Runs *sampled* chain cycles (each chain token a draw from the draft's processed q, verified by the
 chain residual rule, as the loop's K = 1 program does), so the contexts a chain node is reached in

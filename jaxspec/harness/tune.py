@@ -46,6 +46,7 @@ DEFAULT_CANDIDATES = (
     "s1_k1_d2", "s2_k1_d3", "s3_k1_d4", "s5_k1_d6", "s7_k1_d8", "s11_k1_d12", "s15_k1_d16",
     "s3_k2_d6", "s4_k2_d8", "s7_k2_d8_w4", "s15_k2_d16_w4.8",
 )
+PRUNE_BELOW = 0.9  # x AR at one bucket below which a candidate is not measured at larger buckets
 MIN_PROMPTS = 8  # prompts per dataset and bucket: a batch-1 figure averages 8 prompts, a batch-64 one holds 64
 
 
@@ -83,6 +84,7 @@ def tune(
     projected: str | None = None,
     projected_cfg: ModelConfig | None = None,
     projected_mesh: tuple[int, int, int] = (1, 1, 1),
+    prune_below: float | None = PRUNE_BELOW,
 ) -> Tuning:
     """Time AR and every candidate end to end per batch bucket and dataset; choose per bucket.
 
@@ -90,6 +92,11 @@ def tune(
     group the file already holds for the same model, prompts, candidates and lengths is not measured
     again: a stopped run continues where it stopped (a group is measured whole or not at all, so its
     ratios still compare runs of one process).
+
+    Buckets run smallest first, and a candidate whose tokens/s pooled over the datasets falls below
+    `prune_below` x AR at one bucket is not measured at the larger ones (None: every candidate at
+    every bucket). That assumes a candidate 10% behind AR does not win at a larger batch: a verify's
+    work grows with batch x nodes while AR's grows with the batch alone (docs/speed.md, section 5).
     """
     from rich.progress import Progress, TimeElapsedColumn
 
@@ -106,6 +113,8 @@ def tune(
     signature = _signature(cfg, rows, specs, max_new_tokens, repeats)
     finished = _finished_groups(resume, signature)
     methods = {NO_SPECULATION: None, **{s.name: s for s in specs}}
+    if prune_below is not None and not 0 <= prune_below <= 1:
+        raise ValueError(f"prune_below must be in [0, 1] or None, got {prune_below!r}")
     records: list[dict[str, Any]] = []
     verdicts: list[dict[str, Any]] = []
     with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), disable=not progress) as bar:
@@ -126,6 +135,10 @@ def tune(
                 records += finished[key]["records"]
                 verdicts.append({"batch": b, "dataset": name, **finished[key]["verdict"]})
                 bar.advance(task)
+            if prune_below is not None:
+                bucket = pooled_measurements([r for r in records if r["batch"] == b])
+                ratios = {m["spec"]: m["ratio_vs_ar"] for m in bucket}
+                methods = {n: s for n, s in methods.items() if s is None or ratios.get(n, 1.0) >= prune_below}
     pooled = pooled_measurements(records)
     if projected is not None:
         context = length_bucket(longest + max_new_tokens + max_steps + 1, cfg.max_position_embeddings, minimum=64)

@@ -27,7 +27,7 @@ class DraftPool:
     parent: jax.Array  # [B, N] pool index of the parent, -1 = the root
     score: jax.Array  # [B, N] cumulative log node value (raw draft log-prob without a calibration)
     rank: jax.Array  # [B, N] rank of the token among its parent's K children
-    # Sampled drafts only (`tree/sampled.py`): log q of every slot, and the slot each candidate was drawn from.
+    # Sampled drafts only (`speculation/sampled.py`): log q of every slot, and the slot each candidate was drawn from.
     q: jax.Array | None = None  # [B, slots, V]
     q_slot: jax.Array | None = None  # [B, N]
 
@@ -49,10 +49,10 @@ def _children(
     depth: int = 1,  # of the children
     values: Calibration | None = None,
     temperature: jax.Array | None = None,
-    context: jax.Array | None = None,  # [B] int32 context bin (tree/values.py), None = pooled
+    context: jax.Array | None = None,  # [B] int32 context bin (speculation/values.py), None = pooled
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The top-K children of each slot, as pool columns -> token, parent, score, rank [B, n*K];
-    score = the slot's + the child's log node value (tree/values.py)."""
+    score = the slot's + the child's log node value (speculation/values.py)."""
     b, n = score.shape
     top_logp, top_token = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)  # [B, n, K]
     log_value = node_log_values(values, depth, top_logp, temperature, context)
@@ -83,7 +83,7 @@ def draft_tree(
     ring plus the window kv its ancestors left in the draft scratch (`AttentionContext.prior_*`),
     never a sibling's: the pool equals the exhaustive reference's (tests/draft_reference.py). With
     `sampler` (temperature > 0) the children are sampled and ranked by value instead
-    (`tree/sampled.py`); the beam is the same.
+    (`speculation/sampled.py`); the beam is the same.
     """
     s_steps, k = spec.num_steps, spec.topk
     b = root.shape[0]
@@ -157,7 +157,7 @@ def draft(
     root_hidden: jax.Array,  # [B, hc, d] target streams at position P-1
     values: Calibration | None = None,  # node values to rank by; None = raw draft log-probs
     sampling: Sampling | None = None,  # its temperature picks the sampling map (> 0) or the greedy one
-    sampler: SampledDraft | None = None,  # children sampled from the draft (tree/sampled.py), else top-K
+    sampler: SampledDraft | None = None,  # children sampled from the draft (speculation/sampled.py), else top-K
     context: jax.Array | None = None,  # [B] int32 context bin of each sequence (greedy values), None = pooled
 ) -> Tree:
     """The one drafting entry point of a cycle: the spec's tree of D nodes (a new tree family

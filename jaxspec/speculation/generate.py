@@ -396,7 +396,7 @@ def loop_context(
     values: Calibration | None,
     stats: dict[str, jax.Array],  # the loop's per-sequence stats so far
 ) -> jax.Array | None:
-    """-> [B] int32 context bin of each sequence from its own cycles so far (tree/values.py), or None
+    """-> [B] int32 context bin of each sequence from its own cycles so far (speculation/values.py), or None
     (pooled values) when there are no context maps or the tree is too shallow to count min(accepted, 8)."""
     if spec.num_steps < CONTEXT_CAP or values is None or not values.greedy_by_context:
         return None
@@ -448,7 +448,7 @@ def _speculative_loop(
         state, root, last_hidden, tokens, num_generated, done, stats = carry
         active = ~done
         context = loop_context(spec, values, stats)
-        if spec.widths:  # width chosen per cycle (tree/widths.py)
+        if spec.widths:  # width chosen per cycle (speculation/widths.py)
             tree = draft_and_prune(params, cfg, spec, state, root, last_hidden, accept, sampling, stats["cycles"],
                                    values=values, context=context)
             state, last_hidden, path_tokens, ranks, num_accepted, bonus, verified = verify_in_width(

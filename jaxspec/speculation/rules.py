@@ -3,7 +3,7 @@
 - "target": top-K drafts accepted by the target-only rule (`verify.tree_accept`): a child is accepted
   when an independent target draw equals it. Exact for any draft fixed before the draws; the
   reference, and what greedy decoding runs (the argmax walk).
-- "residual": at temperature > 0 children are *sampled* from the draft (`tree/sampled.py`) and
+- "residual": at temperature > 0 children are *sampled* from the draft (`speculation/sampled.py`) and
   verified by the residual rule (chains) or recursive rejection without replacement (trees),
   `verify.residual_tree_accept`; at temperature 0 the same program takes the greedy branch.
 """
@@ -45,9 +45,9 @@ def draft_and_prune(
     accept: str,
     sampling: Sampling | None,
     cycle: jax.Array | None,  # [B] int32
-    log_value: jax.Array | None = None,  # [S, K] value hook for sampled drafts (tree/sampled.py)
-    values: Calibration | None = None,  # calibrated node values of top-K drafts (tree/values.py)
-    context: jax.Array | None = None,  # [B] int32 context bin (tree/values.py `context_bins`), None = pooled
+    log_value: jax.Array | None = None,  # [S, K] value hook for sampled drafts (speculation/sampled.py)
+    values: Calibration | None = None,  # calibrated node values of top-K drafts (speculation/values.py)
+    context: jax.Array | None = None,  # [B] int32 context bin (speculation/values.py `context_bins`), None = pooled
 ) -> Tree:
     """`draft.draft` with the children the rule needs: sampled at temperature > 0 under "residual"."""
     sampler = None

@@ -76,7 +76,7 @@ class Calibration:
     sampling: tuple[ValueMap, ...]  # ascending temperature
     meta: tuple[tuple[str, str], ...] = ()  # provenance (datasets, prompts, spec, ...) as strings
     greedy_by_context: tuple[ValueMap, ...] = ()  # one greedy map per context bin (CONTEXT_EDGES), or none
-    residual: tuple[ValueMap, ...] = ()  # sampled drafts' values (tree/sampled.py), ascending temperature
+    residual: tuple[ValueMap, ...] = ()  # sampled drafts' values (speculation/sampled.py), ascending temperature
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -13,7 +13,7 @@ node's draw was never looked at before. No thresholds, no relaxed matching.
 
 `chain_residual_accept` is the rule for sampled (not top-K) chain drafts (Leviathan et al. 2023): accept with
 probability min(1, p/q), emit from the residual on rejection. `residual_tree_accept` is the loop's rule for
-sampled drafts (`tree/sampled.py`): the chain rule for K = 1, recursive rejection sampling without
+sampled drafts (`speculation/sampled.py`): the chain rule for K = 1, recursive rejection sampling without
 replacement (RSD-S, Jeon et al. 2024) for trees (docs/sampling.md). `tree_accept` stays the rule for
 top-K drafts and the reference.
 """
@@ -246,7 +246,7 @@ def recursive_rejection_accept(
 
 
 def residual_tree_accept(
-    tokens: jax.Array,  # [B, D] node tokens of a sampled draft (`tree/sampled.py`)
+    tokens: jax.Array,  # [B, D] node tokens of a sampled draft (`speculation/sampled.py`)
     parent: jax.Array,  # [B, D]
     rank: jax.Array,  # [B, D] sampling order among siblings
     draft_logprobs: jax.Array,  # [B, D, V] log q each node was drawn from (root row unused)

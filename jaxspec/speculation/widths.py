@@ -1,6 +1,6 @@
 """Width chosen per cycle (static buckets): verify only the nodes worth verifying this cycle.
 
-A node's score is log P(the walk reaches it) (tree/values.py), so exp(score) is the token it is
+A node's score is log P(the walk reaches it) (speculation/values.py), so exp(score) is the token it is
 expected to add. After drafting and pruning to D, a cycle counts the nodes whose path value is at
 least `spec.width_threshold` (the root always counts) and verifies the best ones in the smallest of
 the compiled widths `spec.widths` that holds them; at batch > 1 the widest row decides. Each width
