@@ -32,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxspec as js  # noqa: E402
-from jaxspec import stages  # noqa: E402
+from jaxspec.harness import stages  # noqa: E402
 from jaxspec.layers import moe  # noqa: E402
 from jaxspec.ops import quant  # noqa: E402
 from jaxspec.speculation.generate import prefill_for_speculation  # noqa: E402
