@@ -13,7 +13,8 @@ import dataclasses
 import sys
 from typing import Any
 
-from jaxspec.cost import calibrate, latency, terms
+from jaxspec.cost import fit as cost_fit
+from jaxspec.cost import latency, terms
 
 _DRAFT_KINDS = ("mtp_in", "draft_sample", "draft_expand")
 _NO_DRAFT_KERNELS = {k: 0 for k in _DRAFT_KINDS}  # the model before D1
@@ -64,7 +65,7 @@ def _embed_with_collective():
 
 
 def evaluate(design: dict[str, Any]) -> dict[str, Any]:
-    points = copy.deepcopy(calibrate.load_points())
+    points = copy.deepcopy(cost_fit.load_points())
     for p in points:
         if p.get("preset") == "r1-like" and p["role"] == "shape":
             p.update(design.get("r1", {}))
@@ -79,8 +80,8 @@ def evaluate(design: dict[str, Any]) -> dict[str, Any]:
         if "mtp_kernels" in design:
             plain, terms.layer_pass = _mtp_as_main_layer(design["mtp_kernels"])
             kernels["mtp_layer"] = design["mtp_kernels"]
-        fitted = calibrate.fit(points, dataclasses.replace(latency.PRIOR, kernels=tuple(kernels.items())))
-        rows = {r["name"]: r for r in calibrate.residuals(points, fitted)}
+        fitted = cost_fit.fit(points, dataclasses.replace(latency.PRIOR, kernels=tuple(kernels.items())))
+        rows = {r["name"]: r for r in cost_fit.residuals(points, fitted)}
     finally:
         latency.HARDWARE["b200"] = b200
         if plain is not None:

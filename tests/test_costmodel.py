@@ -13,7 +13,8 @@ import pytest
 
 import jaxspec as js
 from jaxspec.cli import main
-from jaxspec.cost import calibrate, latency, routing
+from jaxspec.cost import fit as cost_fit
+from jaxspec.cost import latency, routing
 from jaxspec.cost.terms import Setup, stage_table
 
 GB = 1e9
@@ -117,9 +118,9 @@ def test_analytic_agrees_with_xla_cost_analysis(hidden):
 
 @pytest.fixture(scope="module")
 def calibration():
-    points = calibrate.load_points()
-    fitted = calibrate.fit(points)
-    return fitted, {r["name"]: r for r in calibrate.residuals(points, fitted)}
+    points = cost_fit.load_points()
+    fitted = cost_fit.fit(points)
+    return fitted, {r["name"]: r for r in cost_fit.residuals(points, fitted)}
 
 
 def test_calibration_reproduces_the_v4_points_and_ships_the_fit(calibration):

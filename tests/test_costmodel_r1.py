@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 
 from jaxspec.core.config import SpecConfig
-from jaxspec.cost import calibrate, inventory, latency, routing
+from jaxspec.cost import fit as cost_fit
+from jaxspec.cost import inventory, latency, routing
 from jaxspec.cost.terms import Setup, layer_pass, stage_table
 
 MESH = (1, 8, 1)
@@ -16,7 +17,7 @@ MESH = (1, 8, 1)
 
 @pytest.fixture(scope="module")
 def r1():
-    return calibrate.r1_like()
+    return cost_fit.r1_like()
 
 
 def test_each_draft_step_launches_its_input_and_selection_kernels(r1):
@@ -65,7 +66,7 @@ def test_moe_groups_split_each_expert_over_its_group(r1):
 
 
 def test_r1_structure_keeps_r1_sizes_with_full_context_layers(r1):
-    cfg = calibrate.r1_structure()
+    cfg = cost_fit.r1_structure()
     assert (cfg.num_layers, cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok) == (61, 7168, 256, 8)
     assert set(cfg.layer_types) == {"sliding"} and cfg.sliding_window == 2048 and cfg.num_hash_layers == 0
-    assert calibrate.model_config("r1-structure") == cfg
+    assert cost_fit.model_config("r1-structure") == cfg

@@ -225,7 +225,8 @@ def test_a_candidate_far_behind_ar_is_not_measured_at_larger_buckets(agreeing_pa
 
     def fake_group(params, cfg, methods, prompts, b, *rest):
         measured.append((b, sorted(n for n in methods if n != NO_SPECULATION)))
-        rate = {NO_SPECULATION: 100.0, **{n: 100.0 * speed.get(b, {}).get(n, 0.5) for n in methods if n}}
+        rate = {NO_SPECULATION: 100.0,
+                **{n: 100.0 * speed.get(b, {}).get(n, 0.5) for n in methods if n != NO_SPECULATION}}
         records = [{"batch": b, "spec": n, "seconds": 1000 / r, "generated": 1000, "tokens_per_s": r,
                     "ratio_vs_ar": r / 100, "spread": 0.01, "prompts": 8,
                     **({} if n == NO_SPECULATION else {"tau": 2.0, "cycles": 10})} for n, r in rate.items()]

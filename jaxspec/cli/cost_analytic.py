@@ -49,14 +49,15 @@ def _latency(args: argparse.Namespace, cfg: Any = None) -> Any:
 
 
 def run_calibrate(args: argparse.Namespace, console: Console) -> int:
-    from jaxspec.cost import calibrate, latency
+    from jaxspec.cost import fit as cost_fit
+    from jaxspec.cost import latency
 
-    points = calibrate.load_points(args.calibration)
-    fitted = calibrate.fit(points)
+    points = cost_fit.load_points(args.calibration)
+    fitted = cost_fit.fit(points)
     console.print(f"[bold]fit[/]: launch_us {fitted.launch_us:g}, collective_us {fitted.collective_us:g} (prior "
-                  f"{latency.PRIOR.launch_us:g} / {latency.PRIOR.collective_us:g}, weight {calibrate.PRIOR_WEIGHT}); "
+                  f"{latency.PRIOR.launch_us:g} / {latency.PRIOR.collective_us:g}, weight {cost_fit.PRIOR_WEIGHT}); "
                   f"shipped H200 default: {latency.H200.launch_us:g} / {latency.H200.collective_us:g}")
-    rows = calibrate.residuals(points, fitted)
+    rows = cost_fit.residuals(points, fitted)
     table = Table(title="calibration points (a model, not a measurement)")
     for name in ("point", "role", "what", "published", "model", "residual"):
         table.add_column(name, justify="right" if name in ("published", "model", "residual") else "left")
