@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 . scripts/setup.sh test
-ruff check jaxspec tests bench notebooks
+ruff check jaxspec tests bench notebooks experiments scripts
 # The GPU lowering tests once more under jax 0.12 (.venv312, built once); JAXSPEC_JAX012=0 skips them.
 [ "${JAXSPEC_JAX012:-1}" = 0 ] || bash scripts/test_jax012.sh -q
 # Compiling is most of the suite's time: LLVM without its expensive passes compiles the tiny test

@@ -26,6 +26,7 @@ from jaxspec.speculation.budget import expected_tokens_per_cycle  # noqa: E402
 MAIN = ("gsm8k", "mbpp", "sharegpt")
 LABEL = {"default": "distilled", "one-step": "one-step"}
 DRAWS = 4000
+BATCHES = (1, 4, 16, 32, 64)  # 32: the grid's batch
 
 
 def latest(records, datasets, batch=32):
@@ -123,14 +124,14 @@ def spread(records, datasets):
             continue
         by.setdefault((r["draft"], r["spec"]), {})[r["batch"]] = r
     lines = ["### tau of a fixed spec across batch sizes (same prompts)", "",
-             "| draft | spec | " + " | ".join(f"batch {b}" for b in (1, 4, 16, 64)) + " | max - min |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+             "| draft | spec | " + " | ".join(f"batch {b}" for b in BATCHES) + " | max - min |",
+             "|---|---|" + "---:|" * (len(BATCHES) + 1)]
     for (draft, spec), rs in sorted(by.items()):
         if len(rs) < 2:
             continue
         taus = {b: np.mean([rs[b][ds] for ds in datasets]) for b in rs}
         lines.append(f"| {LABEL[draft]} | {spec} | " + " | ".join(f"{taus[b]:.3f}" if b in taus else "-"
-                                                                  for b in (1, 4, 16, 64))
+                                                                  for b in BATCHES)
                      + f" | {max(taus.values()) - min(taus.values()):.3f} |")
     return lines
 
