@@ -1,8 +1,9 @@
 """Tokens/s of AR and of each (draft, spec), end to end, timed round-robin in one pinned process
 (jaxspec/core/measure.py), per batch size; the verdict on the machine beside the ratios.
 
-    python experiments/report_regime/throughput.py --pairs default:s7_k1_d8,one-step:s7_k1_d8,one-step:s3_k2_d8 \
-        --batches 1,4,16,64 --new-tokens 64 --repeats 5 --core 1 --out results/report_regime/throughput.json
+    XLA_FLAGS=--xla_cpu_multi_thread_eigen=false python experiments/report_regime/throughput.py \
+        --pairs default:s7_k1_d8,one-step:s7_k1_d8,one-step:s3_k4_d8,one-step:s4_k1_d5,one-step:s4_k2_d5 \
+        --batches 1,4,16,64 --new-tokens 64 --repeats 3 --core 1 --out results/report_regime/throughput.json
 
 For each batch size: the first B held-out prompts (GSM8K / MBPP / ShareGPT in turn), every method
 compiled and run once before the timed rounds; tokens/s = generated tokens / median seconds of a
