@@ -12,8 +12,9 @@ where nothing beats plain decoding). A group measured on a loaded machine is mea
 `allow_loaded`: a choice made from a loaded run is what shipped "ar" everywhere before
 (docs/results.md, "Measuring speed").
 
-Earlier versions chose from the sum of separately jitted stages and a predicted tau; the fused loop
-costs 1.2-1.5x that sum and the prediction hid it, so the loop itself is what is timed now.
+Earlier versions chose from the sum of separately jitted stages and a predicted tau; stages timed
+apart under-count the loop (repeated inputs keep the same experts in the cache; docs/speed.md,
+section 3), so the loop itself is what is timed now.
 
 With `projected` (an accelerator of `jaxspec.cost`, e.g. "h200") the choice instead takes the
 cost model's projected AR-step and cycle times for `projected_cfg` on `projected_mesh` with the tau
