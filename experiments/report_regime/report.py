@@ -185,6 +185,48 @@ def figures(rows_by_draft, acc, out):
         fig.savefig(out / "per_depth_acceptance.png", dpi=110)
 
 
+def fig4(out):
+    """Fig. 4 analogue: tree over chain throughput vs batch, measured on this CPU (throughput.json)
+    and projected on 8 x H200 (projection.json); either panel is left out when its data is absent."""
+    from matplotlib.figure import Figure
+
+    thr, proj = out / "throughput.json", out / "projection.json"
+    if not (thr.is_file() or proj.is_file()):
+        return
+    fig = Figure(figsize=(11.5, 3.6))
+    axes = fig.subplots(1, 2, sharey=True)
+    if thr.is_file():
+        data = json.loads(thr.read_text())
+        pairs = {("one-step", 8): ("one-step:s7_k1_d8", "one-step:s3_k4_d8"),
+                 ("one-step", 5): ("one-step:s4_k1_d5", "one-step:s4_k2_d5")}
+        for i, ((draft, d), (chain, tree)) in enumerate(pairs.items()):
+            rows = [(b["batch"], b["methods"]) for b in data["batches"]
+                    if chain in b["methods"] and tree in b["methods"]]
+            gain = [100 * (m[tree]["tokens_per_s"] / m[chain]["tokens_per_s"] - 1) for _, m in rows]
+            axes[0].plot([b for b, _ in rows], gain, marker="o", color=f"C{i}",
+                         label=f"{LABEL[draft]} D={d}: {tree.split(':')[1]} vs {chain.split(':')[1]}")
+        axes[0].set_title("measured, this CPU (one quiet pinned core)", fontsize=9)
+    if proj.is_file():
+        rows = json.loads(proj.read_text())
+        for draft in LABEL:
+            for i, d in enumerate(sorted({r["D"] for r in rows if r["draft"] == draft})):
+                pts = sorted((r["batch"], 100 * (r["tree_over_chain"] - 1))
+                             for r in rows if r["draft"] == draft and r["D"] == d)
+                axes[1].plot([b for b, _ in pts], [g for _, g in pts], marker="o", ms=3, color=f"C{i}",
+                             ls="-" if draft == "one-step" else "--", label=f"{LABEL[draft]} D={d}")
+        axes[1].set_title("projected, v4-flash on 8 x H200 (cost model)", fontsize=9)
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([1, 4, 16, 64], ["1", "4", "16", "64"])
+        ax.set_xlabel("batch")
+        ax.axhline(0, color="k", lw=0.6)
+    axes[0].legend(fontsize=6)
+    axes[1].legend(fontsize=6, ncol=2, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    axes[0].set_ylabel("tree over chain, tokens/s (%)")
+    fig.tight_layout()
+    fig.savefig(out / "fig4_throughput.png", dpi=110)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--records", default="results/report_regime/tau.jsonl")
@@ -214,6 +256,7 @@ def main() -> None:
     (out / "tables.md").write_text("\n".join(text) + "\n")
     (out / "table1.json").write_text(json.dumps(rows_by_draft, indent=1) + "\n")
     figures(rows_by_draft, acc, out)
+    fig4(out)
     print("\n".join(text))
 
 
