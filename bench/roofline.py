@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             # The state is carried: every layer's commit and the MTP refresh are live (a loop that kept
             # one slice of the state let XLA drop the rest and timed 0.03 ms where the commit costs 0.11).
             s, lh = c
-            logits = verify_out.logits + (jnp.sum(lh) > 3e38)  # not hoisted out of the loop
+            logits = bumped(verify_out.logits, lh)  # not hoisted out of the loop
             acceptance = tree_accept(tree.tokens, tree.parent, logits, spec.num_steps)
             return commit_accepted_path(p, cfg, s, tree.tokens, verify_out, acceptance, lh, active)
 

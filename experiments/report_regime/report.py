@@ -197,8 +197,13 @@ def fig4(out):
     axes = fig.subplots(1, 2, sharey=True)
     if thr.is_file():
         data = json.loads(thr.read_text())
-        pairs = {("one-step", 8): ("one-step:s7_k1_d8", "one-step:s3_k4_d8"),
-                 ("one-step", 5): ("one-step:s4_k1_d5", "one-step:s4_k2_d5")}
+        by_budget: dict[tuple[str, int], dict[bool, str]] = {}  # (draft, D) -> {is a chain: "draft:spec"}
+        for pair in data["pairs"]:
+            draft, _, name = pair.partition(":")
+            spec = SpecConfig.parse(name)
+            by_budget.setdefault((draft, spec.num_draft_tokens), {})[spec.topk == 1] = pair
+        pairs = {key: (p[True], p[False]) for key, p in sorted(by_budget.items(), key=lambda kv: -kv[0][1])
+                 if len(p) == 2}  # the budgets measured as both a chain and a tree
         for i, ((draft, d), (chain, tree)) in enumerate(pairs.items()):
             rows = [(b["batch"], b["methods"]) for b in data["batches"]
                     if chain in b["methods"] and tree in b["methods"]]
