@@ -1,15 +1,19 @@
 """jaxspec: tree-structured speculative decoding for DeepSeek-V4-style models in JAX."""
 
-from jaxspec.checkpoint import load_checkpoint, load_hf_checkpoint, save_checkpoint
+from jaxspec.checkpoint import Checkpoint, load_checkpoint, load_hf_checkpoint, save_checkpoint
 from jaxspec.core.config import ModelConfig, SpecConfig
 from jaxspec.model.network import ModelParams, forward, init_params
 from jaxspec.model.placement import memory_plan, shard_params
 from jaxspec.model.runner import prefill_logits
 from jaxspec.model.state import DecodeState, init_state
 from jaxspec.sharding.rules import make_mesh
-from jaxspec.speculation.generate import DecodeOptions, GenerateOutput, generate, speculative_generate
+from jaxspec.speculation.drafter import Draft
+from jaxspec.speculation.generate import GenerateOutput, generate, speculative_generate
+from jaxspec.speculation.inputs import DecodeOptions
 
 __all__ = [
+    "Checkpoint",
+    "Draft",
     "DecodeOptions",
     "DecodeState",
     "GenerateOutput",

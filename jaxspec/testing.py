@@ -78,3 +78,47 @@ def one_shot_greedy(params: ModelParams, cfg: Any, prompt: Any, max_new_tokens: 
         out, state = step(params, state, jnp.asarray([[tokens[-1]]], jnp.int32))
         tokens.append(int(jnp.argmax(out.logits[0, -1])))
     return np.asarray(tokens, np.int32)
+
+
+# ---- one cycle's stages on the MTP draft of `params` (tests, benchmarks, notebooks) ---------------
+
+
+def mtp_models(params: ModelParams) -> Any:
+    """`Models` of params holding an MTP block: the target and that block as its draft."""
+    from jaxspec.model.network import Models
+
+    if params.mtp is None:
+        raise ValueError("these params have no MTP block")
+    return Models(target=params.replace(mtp=None), draft=params.mtp)
+
+
+def mtp_speculator(cfg: Any, spec: Any, rule: str = "greedy", values: Any = None) -> Any:
+    """The static `Speculator` of a cycle of the MTP draft (rule and values: `speculation/policy.py`)."""
+    from jaxspec.core.config import SpecConfig
+    from jaxspec.speculation.cycle import Speculator
+    from jaxspec.speculation.mtp import MTPDrafter
+    from jaxspec.speculation.policy import Policy
+
+    spec = SpecConfig.parse(spec) if isinstance(spec, str) else spec
+    return Speculator(cfg, spec, MTPDrafter(), Policy(rule, values))
+
+
+def mtp_prefill(params: ModelParams, cfg: Any, tokens: Any, lengths: Any, max_len: int, sampling: Any = None,
+                spec: Any = "s1_k1_d2") -> Any:
+    """The `SpecState` a speculative loop of the MTP draft starts from (jitted prefill; `spec` sizes its stats)."""
+    from jaxspec.model.sampling import Sampling
+    from jaxspec.speculation import stages
+
+    sampling = Sampling.create() if sampling is None else sampling
+    return stages.prefill(mtp_speculator(cfg, spec), mtp_models(params), jnp.asarray(tokens, jnp.int32),
+                          jnp.asarray(lengths, jnp.int32), max_len, sampling)
+
+
+def mtp_tree(params: ModelParams, cfg: Any, spec: Any, state: Any, rule: str = "greedy", values: Any = None,
+             sampling: Any = None) -> Any:
+    """The tree the MTP drafter grows from `state` in a cycle of `spec` (jitted `draft_stage`)."""
+    from jaxspec.model.sampling import Sampling
+    from jaxspec.speculation import stages
+
+    sampling = Sampling.create() if sampling is None else sampling
+    return stages.draft(mtp_speculator(cfg, spec, rule, values), mtp_models(params), state, sampling)

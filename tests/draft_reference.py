@@ -1,6 +1,6 @@
-"""The first draft, kept as the test reference of `jaxspec.speculation.draft.draft_tree` (test-only code
-lives in tests/): every step re-runs the MTP block over every slot drafted so far (O(S^2 K)
-token-forwards) and the head over all of them."""
+"""The first draft, kept as the test reference of the MTP drafter's beam (`jaxspec.speculation.mtp`;
+test-only code lives in tests/): every step re-runs the MTP block over every slot drafted so far
+(O(S^2 K) token-forwards) and the head over all of them."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import jax.numpy as jnp
 from jaxspec.core.config import ModelConfig, SpecConfig
 from jaxspec.layers.attention import AttentionContext
 from jaxspec.model.network import ModelParams, mtp_forward
-from jaxspec.model.state import DecodeState
-from jaxspec.speculation.draft import DraftPool, _children
+from jaxspec.speculation.cycle import SpecState
 from jaxspec.speculation.plan import build_plan
+from jaxspec.speculation.tree import DraftPool, Expander
 
 
 def _slot_ancestors(slot_parent: jax.Array, max_depth: int) -> jax.Array:
@@ -24,13 +24,13 @@ def draft_tree_exhaustive(
     params: ModelParams,
     cfg: ModelConfig,
     spec: SpecConfig,
-    state: DecodeState,  # committed; state.mtp_length == state.length - 1
-    root: jax.Array,  # [B] int32 root token (position P)
-    root_hidden: jax.Array,  # [B, hc, d] target streams at position P-1
+    state: SpecState,  # committed; its draft state the MTP ring, root at position P
 ) -> DraftPool:
-    """The first draft, kept as the test reference of `draft_tree`: every step re-runs the MTP block
+    """The first draft, kept as the test reference of the MTP drafter: every step re-runs the MTP block
     over every slot drafted so far (O(S^2 K) token-forwards) and the head over all of them."""
     s_steps, k = spec.num_steps, spec.topk
+    root, mtp = state.root, state.draft
+    root_hidden = mtp.last_hidden  # [B, hc, d] target streams at position P-1
     b = root.shape[0]
     num_slots = 1 + (s_steps - 1) * k
     slot_token = jnp.zeros((b, num_slots), jnp.int32).at[:, 0].set(root)
@@ -39,6 +39,8 @@ def draft_tree_exhaustive(
     slot_depth = jnp.zeros((b, num_slots), jnp.int32)
     slot_filled = jnp.zeros((b, num_slots), bool).at[:, 0].set(True)
     pool = pool_token, pool_parent, pool_score, pool_rank = [], [], [], []
+    pool_depth = []
+    expander = Expander(jnp.float32(0.0), None, None, k)
     # per new slot: its pool index (-1 for the root) and score
     new_slots = jnp.zeros((1,), jnp.int32)
     new_pool_index = jnp.full((b, 1), -1, jnp.int32)
@@ -48,16 +50,18 @@ def draft_tree_exhaustive(
     for step in range(1, s_steps + 1):
         visible = _slot_ancestors(slot_parent, step) & slot_filled[:, None, :]
         ctx = AttentionContext(
-            positions=state.mtp_length[:, None] + slot_depth,
-            committed=state.mtp_length,
+            positions=mtp.length[:, None] + slot_depth,
+            committed=mtp.length,
             visible=visible,
             ancestor_at_depth=jnp.zeros((b, num_slots, num_slots), jnp.int32),
             valid=slot_filled,
         )
-        logits, z, _ = mtp_forward(params, cfg, state, slot_hidden, slot_token, ctx)
+        logits, z, _ = mtp_forward(params, params.mtp, cfg, mtp.ring, slot_hidden, slot_token, ctx)
         n = new_slots.shape[0]
-        for column, values in zip(pool, _children(logits[:, new_slots], new_score, new_pool_index, k), strict=True):
+        children, _ = expander.children(logits[:, new_slots], new_score, new_pool_index, new_slots, step)
+        for column, values in zip(pool, children, strict=True):
             column.append(values)
+        pool_depth.append(jnp.full((b, n * k), step, jnp.int32))
         if step == s_steps:
             break
         # Expand the K best candidates of this step in the next one.
@@ -78,4 +82,5 @@ def draft_tree_exhaustive(
         parent=jnp.concatenate(pool_parent, axis=1),
         score=jnp.concatenate(pool_score, axis=1),
         rank=jnp.concatenate(pool_rank, axis=1),
+        depth=jnp.concatenate(pool_depth, axis=1),
     )

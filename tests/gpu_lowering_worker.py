@@ -22,9 +22,11 @@ from jax import export  # noqa: E402
 import jaxspec as js  # noqa: E402
 from jaxspec.core.gpu_export import TRITON_CALL, cuda_target, expert_stack_dots, kernel_calls  # noqa: E402
 from jaxspec.model import runner  # noqa: E402
+from jaxspec.model.sampling import Sampling  # noqa: E402
 from jaxspec.sharding.active import activate  # noqa: E402
 from jaxspec.sharding.rules import MESH_AXES, check_rules  # noqa: E402
-from jaxspec.speculation.generate import prefill_for_speculation, speculative_cycle  # noqa: E402
+from jaxspec.speculation.cycle import speculative_cycle  # noqa: E402
+from jaxspec.testing import mtp_models, mtp_prefill, mtp_speculator  # noqa: E402
 
 # 8 heads, 8 o_groups, 8 experts of 384: every axis of both meshes divides them, a shard of the
 # hidden width (48) is a multiple of the kernel's 16-wide tiles, and no other weight has its shape.
@@ -36,9 +38,10 @@ def export_cycle(shape, batch):
     mesh = js.make_mesh(*shape)
     S = jax.ShapeDtypeStruct
     params = jax.eval_shape(lambda: js.init_params(CFG, jax.random.key(0)))
-    state, root, hidden = jax.eval_shape(lambda p, t, n: prefill_for_speculation(p, CFG, t, n, 128), params,
-                                         S((batch, 16), jnp.int32), S((batch,), jnp.int32))
-    args = [params, CFG, js.SpecConfig.parse("s3_k2_d6"), state, root, hidden, S((batch,), jnp.bool_)]
+    state = jax.eval_shape(lambda p, t, n: mtp_prefill(p, CFG, t, n, 128, spec="s3_k2_d6"), params,
+                           S((batch, 16), jnp.int32), S((batch,), jnp.int32))
+    args = [mtp_speculator(CFG, "s3_k2_d6"), mtp_models(params), state, jax.eval_shape(Sampling.create),
+            S((batch,), jnp.bool_)]
     rules = check_rules(None)
     static = tuple(i for i, a in enumerate(args) if not runner.is_dynamic(a))
     program, _ = runner._build_program(speculative_cycle, mesh, rules, CFG, args, static, batch)

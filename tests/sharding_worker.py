@@ -30,7 +30,9 @@ import jaxspec as js  # noqa: E402
 from jaxspec import sharding  # noqa: E402
 from jaxspec.model import placement, runner  # noqa: E402
 from jaxspec.model.sampling import Sampling  # noqa: E402
-from jaxspec.speculation.generate import _speculative_loop, length_bucket, prepare_prompts  # noqa: E402
+from jaxspec.speculation.generate import LoopShape, _speculative_loop  # noqa: E402
+from jaxspec.speculation.inputs import length_bucket, prepare_prompts  # noqa: E402
+from jaxspec.testing import mtp_models, mtp_speculator  # noqa: E402
 
 # 8 heads / groups / experts split on every mesh; CSA (hash-routed) + HCA layers, MTP (sliding).
 CFG = js.ModelConfig.preset(
@@ -238,19 +240,20 @@ def main() -> None:
         gen_sampled = js.generate(placed, CFG, PROMPTS, **sampled, mesh=mesh)
         spec_sampled = js.speculative_generate(placed, CFG, PROMPTS, SPEC, **sampled, mesh=mesh)
         # The compiled speculative loop (already compiled by the call above: a cache hit).
-        batch = runner.pad_batch(prepare_prompts(CFG, PROMPTS, NEW_TOKENS + SPEC.num_steps + 1), mesh)
+        batch = runner.pad_batch(prepare_prompts(CFG, PROMPTS, NEW_TOKENS, overshoot=SPEC.num_steps + 1), mesh)
         max_len = length_bucket(
-            int(batch.lengths.max()) + NEW_TOKENS + SPEC.num_steps + 1, CFG.max_position_embeddings, minimum=64
+            batch.tokens.shape[1] + NEW_TOKENS + SPEC.num_steps + 1, CFG.max_position_embeddings, minimum=64
         )
-        args = (placed, CFG, SPEC, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), NEW_TOKENS, max_len,
-                jnp.int32(-1), Sampling(jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0), jax.random.key(0)),
-                "residual")
+        sp = mtp_speculator(CFG, SPEC, "residual")
+        args = (mtp_models(placed), sp, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
+                LoopShape(NEW_TOKENS, max_len), jnp.int32(-1),
+                Sampling(jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0), jax.random.key(0)), np.int32(0))
         compiled = runner.lower_program(_speculative_loop, mesh, args, batch=len(batch.lengths), cfg=CFG).compile()
-        want = placement.param_shardings(CFG, mesh)
         kept = all(
             a.is_equivalent_to(b, x.ndim)
-            for a, b, x in zip(jax.tree.leaves(compiled.input_shardings[0][0]), jax.tree.leaves(want),
-                               jax.tree.leaves(params), strict=True)
+            for a, b, x in zip(jax.tree.leaves(compiled.input_shardings[0][0].target),
+                               jax.tree.leaves(placement.param_shardings(CFG, mesh, params=params.replace(mtp=None))),
+                               jax.tree.leaves(params.replace(mtp=None)), strict=True)
         )
         result["meshes"][",".join(map(str, shape))] = {
             "generate": gen.tokens.tolist(), "generate_lengths": gen.lengths.tolist(),

@@ -15,12 +15,9 @@ from test_sampling import assert_samples_the_target, check_end_to_end
 import jaxspec as js
 from jaxspec.checkpoint import load_checkpoint, save_checkpoint
 from jaxspec.cli import main
-from jaxspec.harness import stages
-from jaxspec.harness.calibrate import calibration_errors, collect, draft_chain_topk, fit
-from jaxspec.speculation import values as values_lib
-from jaxspec.speculation.draft import draft, draft_tree
-from jaxspec.speculation.generate import prefill_for_speculation, speculative_compile_count
-from jaxspec.speculation.plan import build_plan
+from jaxspec.harness.calibrate import calibration_errors, chain_with_children, collect, fit
+from jaxspec.model.network import cpu_layout
+from jaxspec.speculation.generate import speculative_compile_count
 from jaxspec.speculation.values import (
     NUM_RANKS,
     PROB_EDGES,
@@ -30,13 +27,13 @@ from jaxspec.speculation.values import (
     fit_map,
     load_calibration,
     node_log_values,
+    predict,
     resolve_scores,
 )
+from jaxspec.testing import mtp_models, mtp_prefill, mtp_speculator, mtp_tree
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-v4" / "tokenizer.json"
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
-prefill = jax.jit(prefill_for_speculation, static_argnums=(1, 4))
-draft_jit = jax.jit(draft, static_argnums=(1, 2, 6))
 
 
 def synthetic_samples(n=6000, seed=0, depth_gain=0.0):
@@ -55,7 +52,7 @@ def synthetic_samples(n=6000, seed=0, depth_gain=0.0):
 @pytest.fixture(scope="module")
 def calibration(agreeing_params, test_cfg):
     samples, _ = synthetic_samples()
-    return fit({0.0: samples, 1.0: samples}, draft_fingerprint(agreeing_params, test_cfg))
+    return fit({0.0: samples, 1.0: samples}, draft_fingerprint(agreeing_params.mtp, test_cfg))
 
 
 def test_fit_is_monotone_and_calibrated():
@@ -67,7 +64,7 @@ def test_fit_is_monotone_and_calibrated():
     assert np.all(np.diff(g, axis=-1) >= 0)  # nondecreasing in the node's own probability
     assert np.all(np.diff(s[:, 0], axis=-1) >= 0) and np.all(np.diff(s[:, 1:], axis=-1) <= 0)
     assert np.all((g > 0) & (g < 1))
-    fitted = values_lib.predict(greedy, samples["depth"], samples["rank"], samples["own_prob"])
+    fitted = predict(greedy, samples["depth"], samples["rank"], samples["own_prob"])
     # the raw probability underrates rank 0 badly; the fit is close to the truth
     raw_err = expected_calibration_error(samples["own_prob"], samples["label"])
     fit_err = expected_calibration_error(fitted, samples["label"])
@@ -84,10 +81,12 @@ def test_calibration_round_trips_and_checks_its_checkpoint(tmp_path, calibration
     assert load_calibration(path) == calibration
     assert hash(load_calibration(tmp_path)) == hash(calibration)  # static in jit: hashable, equal after a trip
     # float32 cast of the same draft: same fingerprint; another draft: one-line error
-    cast = jax.tree.map(lambda x: x.astype(jnp.float32), agreeing_params)
+    cast = jax.tree.map(lambda x: x.astype(jnp.float32), agreeing_params.mtp)
     assert draft_fingerprint(cast, test_cfg) == calibration.fingerprint
-    with pytest.raises(ValueError, match="fitted for another checkpoint") as e:
-        load_calibration(path, test_params, test_cfg)
+    # the CPU layout of the same weights (one leaf per expert): the same fingerprint
+    assert draft_fingerprint(cpu_layout(agreeing_params.mtp, test_cfg), test_cfg) == calibration.fingerprint
+    with pytest.raises(ValueError, match="fitted for another draft") as e:
+        load_calibration(path, test_params.mtp, test_cfg)
     assert "\n" not in str(e.value)
     data = json.loads(path.read_text())
     data["maps"][0]["table"][0] = 1.5
@@ -99,26 +98,33 @@ def test_calibration_round_trips_and_checks_its_checkpoint(tmp_path, calibration
         load_calibration(path)
 
 
-def test_load_checkpoint_registers_its_calibration_and_rejects_another(tmp_path, calibration, agreeing_params,
-                                                                        test_params, test_cfg):
+def test_load_checkpoint_carries_its_calibration_and_rejects_another(tmp_path, calibration, agreeing_params,
+                                                                     test_params, test_cfg):
     save_checkpoint(tmp_path / "ok", test_cfg, agreeing_params)
     calibration.save(tmp_path / "ok")
-    values_lib._LOADED.clear()
-    _, params, _ = load_checkpoint(tmp_path / "ok")
-    assert resolve_scores(params, test_cfg, js.SpecConfig(2, 2, 4))[1] == calibration
-    assert resolve_scores(test_params, test_cfg, js.SpecConfig(2, 2, 4))[1] is None  # another draft: raw
-    assert resolve_scores(params, test_cfg, js.SpecConfig(2, 2, 4, "draft"))[1] is None
-    values_lib._LOADED.clear()
+    ckpt = load_checkpoint(tmp_path / "ok")
+    assert ckpt.draft.calibration == calibration
+    assert resolve_scores(js.SpecConfig(2, 2, 4), ckpt.draft.calibration)[1] == calibration
+    assert resolve_scores(js.SpecConfig(2, 2, 4), None)[1] is None  # no calibration: raw draft values
+    assert resolve_scores(js.SpecConfig(2, 2, 4, "draft"), calibration)[1] is None
+    # nothing is registered behind the caller's back: params alone speculate with raw values
+    out = js.speculative_generate(ckpt.params, test_cfg, PROMPTS[:1], "s2_k2_d4", max_new_tokens=4)
+    assert out.stats["scores"] == "draft"
+    out = js.speculative_generate(ckpt.params, test_cfg, PROMPTS[:1], "s2_k2_d4", max_new_tokens=4, draft=ckpt.draft)
+    assert out.stats["scores"] == "calibrated"
     save_checkpoint(tmp_path / "other", test_cfg, test_params)
     calibration.save(tmp_path / "other")
-    with pytest.raises(ValueError, match="another checkpoint"):
+    with pytest.raises(ValueError, match="another draft"):
         load_checkpoint(tmp_path / "other")
+    with pytest.raises(ValueError, match="another draft"):
+        js.speculative_generate(test_params, test_cfg, PROMPTS[:1], "s2_k2_d4", max_new_tokens=4,
+                                calibration=tmp_path / "other")
     with pytest.raises(ValueError, match='scores="calibrated" needs a calibration'):
-        resolve_scores(test_params, test_cfg, js.SpecConfig(2, 2, 4, "calibrated"))
+        resolve_scores(js.SpecConfig(2, 2, 4, "calibrated"), None)
     with pytest.raises(ValueError, match="scores must be one of"):
         js.SpecConfig(2, 2, 4, "beam")
-    with pytest.raises(ValueError, match="needs an MTP draft block"):
-        resolve_scores(test_params.replace(mtp=None), test_cfg, js.SpecConfig(2, 2, 4))
+    with pytest.raises(ValueError, match="needs a draft"):
+        js.speculative_generate(test_params.replace(mtp=None), test_cfg, PROMPTS[:1], "s2_k2_d4")
 
 
 def test_calibrated_values_change_the_tree(calibration, test_params, test_cfg):
@@ -126,17 +132,12 @@ def test_calibrated_values_change_the_tree(calibration, test_params, test_cfg):
     accepted 0.5-1) on depth."""
     cfg, params = test_cfg, test_params
     spec = js.SpecConfig(5, 2, 6)
-    state, root, hidden = prefill(params, cfg, jnp.asarray([PROMPTS[0]]), jnp.asarray([7]), 64)
-    raw = draft_jit(params, cfg, spec, state, root, hidden)
-    cal = draft_jit(params, cfg, spec, state, root, hidden, calibration)
+    state = mtp_prefill(params, cfg, [PROMPTS[0]], [7], 64)
+    raw = mtp_tree(params, cfg, spec, state)
+    cal = mtp_tree(params, cfg, spec, state, values=calibration)
     assert not np.array_equal(np.asarray(raw.parent), np.asarray(cal.parent))
-    # the timed stage (what `jaxspec tune` measures) drafts the same trees for the same values
-    for values, want in ((None, raw), (calibration, cal)):
-        got = stages.draft(params, cfg, spec, state, root, hidden, values)
-        assert np.array_equal(np.asarray(got.parent), np.asarray(want.parent))
-        assert np.array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     def depth(tree):
-        return int(np.asarray(build_plan(tree.parent, state.length, 5).depth).max())
+        return int(np.asarray(tree.depth).max())
 
     assert depth(cal) >= depth(raw)
     # scores fall along every path, so pruning keeps ancestors
@@ -175,13 +176,13 @@ def test_calibrated_loop_compiles_once(calibration, agreeing_params, test_cfg):
 
 def test_chain_collection_matches_draft_tree(agreeing_params, test_cfg, calibration):
     cfg, params = test_cfg, agreeing_params
-    state, root, hidden = prefill(params, cfg, jnp.asarray(PROMPTS[2:] * 2), jnp.asarray([9, 9]), 64)
-    chain, top_logp, top_token = jax.jit(draft_chain_topk, static_argnums=(1, 5, 6))(
-        params, cfg, state, root, hidden, 4, 3)
-    pool = jax.jit(draft_tree, static_argnums=(1, 2))(params, cfg, js.SpecConfig(4, 1, 5), state, root, hidden)
-    np.testing.assert_array_equal(np.asarray(chain), np.asarray(pool.token))
-    np.testing.assert_array_equal(np.asarray(top_token[..., 0]), np.asarray(pool.token))
-    np.testing.assert_allclose(np.cumsum(np.asarray(top_logp[..., 0]), 1), np.asarray(pool.score), atol=1e-5)
+    state = mtp_prefill(params, cfg, PROMPTS[2:] * 2, [9, 9], 64)
+    chain, top_logp, top_token = jax.jit(chain_with_children, static_argnums=(0, 3))(
+        mtp_speculator(cfg, "s4_k1_d5"), mtp_models(params), state, 3, jnp.float32(0))
+    tree = mtp_tree(params, cfg, "s4_k1_d5", state)  # the drafter's own sS_k1 chain
+    np.testing.assert_array_equal(np.asarray(chain.tokens), np.asarray(tree.tokens))
+    np.testing.assert_array_equal(np.asarray(top_token[..., 0]), np.asarray(tree.tokens[:, 1:]))
+    np.testing.assert_allclose(np.cumsum(np.asarray(top_logp[..., 0]), 1), np.asarray(tree.score[:, 1:]), atol=1e-5)
     samples = collect(params, cfg, PROMPTS, 0.0, cycles=3, batch_size=4, num_steps=4, topk=3)
     assert set(np.unique(samples["rank"])) == {0, 1, 2} and samples["depth"].max() <= 4
     assert set(np.unique(samples["label"])) <= {0.0, 1.0}
@@ -189,7 +190,7 @@ def test_chain_collection_matches_draft_tree(agreeing_params, test_cfg, calibrat
     assert samples["label"].sum() <= samples["rank"].size / 3 + 1e-6
     errors = calibration_errors(calibration, {0.0: samples})
     assert set(errors["T=0"]) == {"ece_raw", "ece_calibrated", "mean_label", "samples"}
-    with pytest.raises(ValueError, match="needs an MTP draft block"):
+    with pytest.raises(ValueError, match="needs a draft"):
         collect(params.replace(mtp=None), cfg, PROMPTS)
 
 
@@ -205,13 +206,13 @@ def test_calibrate_bad_input_is_one_line(argv, expected, capsys):
     assert expected in message and "\n" not in message
 
 
-def test_calibrate_needs_an_mtp_block(tmp_path):
+def test_calibrate_needs_a_draft(tmp_path):
     cfg = js.ModelConfig.preset("test").replace(num_mtp_layers=0)
     save_checkpoint(tmp_path, cfg, js.init_params(cfg, jax.random.key(0)))
     shutil.copy(TOKENIZER, tmp_path / "tokenizer.json")  # any tokenizer: the MTP check comes first
     with pytest.raises(SystemExit) as e:
         main(["calibrate", "--checkpoint", str(tmp_path)])
-    assert "no MTP draft block" in str(e.value.code) and "\n" not in str(e.value.code)
+    assert "has no draft" in str(e.value.code) and "\n" not in str(e.value.code)
 
 
 CI_SAMPLING = [("s3_k2_d6", "t1", 4096)]
@@ -219,11 +220,7 @@ LONG_SAMPLING = [(spec, t, 20_032) for spec in ("s3_k2_d6", "s5_k2_d6") for t in
 
 
 def _sampling_case(calibration, params, cfg, spec, setting, n):
-    values_lib.register(calibration)  # scores="auto" picks it up for these params
-    try:
-        result = check_end_to_end(params, cfg, spec, setting, n=n)
-    finally:
-        values_lib._LOADED.clear()
+    result = check_end_to_end(params, cfg, spec, setting, n=n, calibration=calibration)
     assert_samples_the_target(result)
     assert result["tau"] > 1.3, result
 
@@ -231,12 +228,12 @@ def _sampling_case(calibration, params, cfg, spec, setting, n):
 @pytest.mark.long  # ~2 minutes; test_sampling's CI case checks the loop's sampling, test_rsd the rules
 @pytest.mark.parametrize("spec,setting,n", CI_SAMPLING)
 def test_calibrated_tree_samples_the_target(calibration, confident_params, test_cfg, spec, setting, n):
-    cal = Calibration(draft_fingerprint(confident_params, test_cfg), calibration.greedy, calibration.sampling)
+    cal = Calibration(draft_fingerprint(confident_params.mtp, test_cfg), calibration.greedy, calibration.sampling)
     _sampling_case(cal, confident_params, test_cfg, spec, setting, n)
 
 
 @pytest.mark.long
 @pytest.mark.parametrize("spec,setting,n", LONG_SAMPLING)
 def test_calibrated_deep_trees_sample_the_target_long(calibration, confident_params, test_cfg, spec, setting, n):
-    cal = Calibration(draft_fingerprint(confident_params, test_cfg), calibration.greedy, calibration.sampling)
+    cal = Calibration(draft_fingerprint(confident_params.mtp, test_cfg), calibration.greedy, calibration.sampling)
     _sampling_case(cal, confident_params, test_cfg, spec, setting, n)

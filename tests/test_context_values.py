@@ -1,5 +1,5 @@
 """Per-context greedy values (tree/values.py `greedy_by_context`, `context_bins`; generate.py
-`loop_context`): the bins follow the sequence's own acceptance, each row reads its own map, the maps
+`Policy.context`): the bins follow the sequence's own acceptance, each row reads its own map, the maps
 round-trip and a file with other bins is a one-line error, and a deep tree (S >= CONTEXT_CAP) ranked
 by them stays token-identical to `generate` and compiles once."""
 
@@ -14,8 +14,10 @@ from test_calibration import PROMPTS, synthetic_samples
 
 import jaxspec as js
 from jaxspec.harness.calibrate import calibration_errors, fit, predict_values
-from jaxspec.speculation.draft import draft
-from jaxspec.speculation.generate import loop_context, prefill_for_speculation, speculative_compile_count
+from jaxspec.speculation.cycle import SpecStats
+from jaxspec.speculation.generate import speculative_compile_count
+from jaxspec.speculation.policy import Policy
+from jaxspec.speculation.tree import Expander
 from jaxspec.speculation.values import (
     CONTEXT_CAP,
     CONTEXT_EDGES,
@@ -25,6 +27,7 @@ from jaxspec.speculation.values import (
     load_calibration,
     node_log_values,
 )
+from jaxspec.testing import mtp_models, mtp_prefill, mtp_speculator
 
 
 def context_samples(seed=0):
@@ -41,7 +44,7 @@ def context_samples(seed=0):
 @pytest.fixture(scope="module")
 def context_calibration(agreeing_params, test_cfg):
     samples = context_samples()
-    return fit({0.0: samples, 1.0: samples}, draft_fingerprint(agreeing_params, test_cfg))
+    return fit({0.0: samples, 1.0: samples}, draft_fingerprint(agreeing_params.mtp, test_cfg))
 
 
 def test_context_bins_follow_the_mean_capped_acceptance(context_calibration):
@@ -50,8 +53,13 @@ def test_context_bins_follow_the_mean_capped_acceptance(context_calibration):
     cycles = jnp.asarray([0, 4, 4, 4, 2, 3])
     np.testing.assert_array_equal(np.asarray(context_bins(capped, cycles)), [1, 0, 1, 1, 2, 2])
     # the loop's stats: depth_hits[:, j] counts cycles that accepted more than j drafts
-    stats = {"depth_hits": jnp.asarray([[3] * 10, [2, 2, 1] + [0] * 7]), "cycles": jnp.asarray([3, 2])}
     spec = js.SpecConfig(10, 2, 12)
+    stats = SpecStats.zeros(spec, 2).replace(depth_hits=jnp.asarray([[3] * 10, [2, 2, 1] + [0] * 7]),
+                                             cycles=jnp.asarray([3, 2]))
+
+    def loop_context(spec, values, stats):
+        return Policy("greedy", values).context(spec, stats)
+
     np.testing.assert_array_equal(np.asarray(loop_context(spec, context_calibration, stats)), [2, 0])  # 8, 2.5
     assert loop_context(spec, None, stats) is None  # no calibration
     assert loop_context(spec, dataclasses.replace(context_calibration, greedy_by_context=()), stats) is None
@@ -97,10 +105,10 @@ def test_context_maps_round_trip_and_other_bins_are_one_line(tmp_path, context_c
 
 def test_the_context_changes_the_tree(context_calibration, test_params, test_cfg):
     cfg, params, spec = test_cfg, test_params, js.SpecConfig(4, 2, 5)
-    state, root, hidden = jax.jit(prefill_for_speculation, static_argnums=(1, 4))(
-        params, cfg, jnp.asarray([PROMPTS[0]] * 3), jnp.asarray([7] * 3), 64)
-    tree = jax.jit(draft, static_argnums=(1, 2, 6))(params, cfg, spec, state, root, hidden, context_calibration,
-                                                  context=jnp.asarray([0, 1, 2]))
+    state = mtp_prefill(params, cfg, [PROMPTS[0]] * 3, [7] * 3, 64, spec=spec)
+    sp = mtp_speculator(cfg, spec, values=context_calibration)
+    expander = Expander(jnp.float32(0), jnp.asarray([0, 1, 2]), None, spec.topk, context_calibration)
+    tree = jax.jit(lambda s, e: sp.drafter.draft(mtp_models(params), cfg, spec, s.draft, s.root, e))(state, expander)
     score = np.asarray(tree.score)
     assert not np.allclose(score[0], score[2])  # same prompt, other context: other values
     parent = np.asarray(tree.parent)

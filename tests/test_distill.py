@@ -1,5 +1,5 @@
 """Draft training sees what inference sees: the unrolled training forward's chain equals
-`draft_tree`'s top-1 chain on the same inputs; the loss trains the MTP block only; data chunks resume."""
+the MTP drafter's top-1 chain on the same inputs; the loss trains the MTP block only; data chunks resume."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ import numpy as np
 import pytest
 
 import jaxspec as js
-from jaxspec.speculation.draft import draft_tree
-from jaxspec.speculation.generate import prefill_for_speculation
-from jaxspec.testing import randomize
+from jaxspec.testing import mtp_prefill, mtp_tree, randomize
 from jaxspec.training import distill
 
 
@@ -30,19 +28,17 @@ def test_unrolled_training_chain_equals_the_drafted_chain(small):
     spec = js.SpecConfig(steps, 1, steps + 1)
     # One program each for every root (prompts padded to one width): roots before, at and after the
     # compressors' block boundaries.
-    prefill = jax.jit(prefill_for_speculation, static_argnums=(1, 4))
-    draft = jax.jit(draft_tree, static_argnums=(1, 2))
     target_pass = jax.jit(distill.target_pass, static_argnums=(1,))
     unrolled = jax.jit(distill.unrolled_draft_logits, static_argnums=(1, 4))
     for r in (0, 9, 21):
         rng = np.random.default_rng(r)
         seq = rng.integers(0, cfg.vocab_size, 40).astype(np.int32)
-        # draft_tree after committing x_0..x_r, with x_{r+1} as the root (as a cycle would)
+        # the drafted chain after committing x_0..x_r, with x_{r+1} as the root (as a cycle would)
         prompt = np.zeros((1, width), np.int32)
         prompt[0, : r + 1] = seq[: r + 1]
-        state, _, hidden = prefill(params, cfg, jnp.asarray(prompt), jnp.asarray([r + 1]), 64)
-        pool = draft(params, cfg, spec, state, jnp.asarray(seq[None, r + 1]), hidden)
-        chain = np.asarray(pool.token[0])  # t_1 .. t_S
+        state = mtp_prefill(params, cfg, prompt, [r + 1], 64, spec=spec)
+        tree = mtp_tree(params, cfg, spec, state.replace(root=jnp.asarray(seq[None, r + 1])))
+        chain = np.asarray(tree.tokens[0, 1:])  # t_1 .. t_S
         # the training forward fed the draft's own tokens after the root
         seq[r + 2 : r + 1 + steps] = chain[: steps - 1]
         target_hidden, _ = target_pass(params, cfg, jnp.asarray(seq[None, :t]))
@@ -50,7 +46,7 @@ def test_unrolled_training_chain_equals_the_drafted_chain(small):
         logp = [jax.nn.log_softmax(x[0, r]) for x in logits]
         assert [int(jnp.argmax(x)) for x in logp] == chain.tolist(), r
         score = np.cumsum([float(x[tok]) for x, tok in zip(logp, chain, strict=True)])
-        np.testing.assert_allclose(score, np.asarray(pool.score[0]), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(score, np.asarray(tree.score[0, 1:]), rtol=1e-5, atol=1e-5)
 
 
 def test_distill_step_trains_the_draft_only(small):

@@ -3,8 +3,6 @@ linearly with its steps (XLA cost analysis on abstract shapes)."""
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,11 +10,11 @@ import pytest
 from draft_reference import draft_tree_exhaustive
 
 import jaxspec as js
-from jaxspec.harness import stages
 from jaxspec.model.network import abstract_params
-from jaxspec.model.state import abstract_state
-from jaxspec.speculation.draft import draft_tree
-from jaxspec.speculation.generate import prefill_for_speculation
+from jaxspec.model.sampling import Sampling
+from jaxspec.speculation import stages
+from jaxspec.speculation.tree import prune_to_budget
+from jaxspec.testing import mtp_models, mtp_prefill, mtp_speculator, mtp_tree
 
 
 def _rel_err(got, want):
@@ -31,25 +29,25 @@ def test_incremental_draft_equals_the_exhaustive_draft(test_params, agreeing_par
     params = test_params if which == "random" else agreeing_params
     cfg, spec = test_cfg, js.SpecConfig.parse(spec)
     tokens = jnp.asarray([[5, 6, 7, 8, 9, 10, 11, 0, 0, 0], [3] + [0] * 9, list(range(40, 50))], jnp.int32)
-    prefill = jax.jit(prefill_for_speculation, static_argnums=(1, 4))
-    state, root, hidden = prefill(params, cfg, tokens, jnp.asarray([7, 1, 10]), 64)
-    run = functools.partial(jax.jit, static_argnums=(1, 2))
-    got = run(draft_tree)(params, cfg, spec, state, root, hidden)
-    want = run(draft_tree_exhaustive)(params, cfg, spec, state, root, hidden)
-    for field in ("token", "parent", "rank"):
+    state = mtp_prefill(params, cfg, tokens, [7, 1, 10], 64)
+    whole = js.SpecConfig(spec.num_steps, spec.topk, spec.max_draft_tokens)  # every candidate kept
+    got = mtp_tree(params, cfg, whole, state)
+    pool = jax.jit(draft_tree_exhaustive, static_argnums=(1, 2))(params, cfg, spec, state)
+    want = prune_to_budget(pool, state.root, whole.num_draft_tokens)
+    for field in ("tokens", "parent", "rank", "depth"):
         np.testing.assert_array_equal(np.asarray(getattr(got, field)), np.asarray(getattr(want, field)))
     assert _rel_err(got.score, want.score) <= 1e-5
 
 
 def test_draft_work_grows_linearly_with_its_steps():
     cfg = js.ModelConfig.preset("tiny")
-    params, state = abstract_params(cfg), abstract_state(cfg, 1, 256)
-    root = jax.ShapeDtypeStruct((1,), jnp.int32)
-    hidden = jax.ShapeDtypeStruct((1, cfg.hc_mult, cfg.hidden_size), jnp.float32)
+    params = abstract_params(cfg)
 
     def flops(name):
-        spec = js.SpecConfig.parse(name)
-        return stages.draft.lower(params, cfg, spec, state, root, hidden).cost_analysis()["flops"]
+        sp = mtp_speculator(cfg, name)
+        state = jax.eval_shape(lambda p: mtp_prefill(p, cfg, jnp.zeros((1, 8), jnp.int32), [8], 256, spec=name),
+                               params)
+        return stages.draft.lower(sp, mtp_models(params), state, Sampling.create()).cost_analysis()["flops"]
 
     ratio = flops("s7_k1_d8") / flops("s4_k1_d5")
     assert ratio <= 2.1, ratio  # 7 / 4 steps; the exhaustive draft measured 3.07

@@ -21,7 +21,7 @@ from jaxspec.checkpoint import drafts
 from jaxspec.checkpoint.drafts import DEFAULT_DRAFT, draft_dir, draft_names, save_draft
 from jaxspec.core.config import ModelConfig
 from jaxspec.model.network import init_params
-from jaxspec.speculation.values import Calibration, ValueMap, draft_fingerprint, registered
+from jaxspec.speculation.values import Calibration, ValueMap, draft_fingerprint
 
 SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-v4"
 
@@ -71,7 +71,7 @@ def test_named_draft_swaps_the_mtp_block_only(saved):
     _, loaded, _ = js.load_checkpoint(folder, draft="other")
     assert _leaves_equal(loaded.mtp, other)
     assert _leaves_equal(loaded.replace(mtp=None), params.replace(mtp=None))  # the target is the checkpoint's
-    assert draft_fingerprint(loaded, cfg) != draft_fingerprint(params, cfg)
+    assert draft_fingerprint(loaded.mtp, cfg) != draft_fingerprint(params.mtp, cfg)
     info = json.loads((Path(folder) / "drafts" / "other" / drafts.INFO).read_text())
     assert info == {"recipe": "test"}
     # only MTP parameters were written: no target arrays in the draft folder
@@ -99,23 +99,23 @@ def _calibration(fingerprint, value):
     return Calibration(fingerprint=fingerprint, greedy=greedy, sampling=())
 
 
-def test_each_draft_registers_its_own_calibration(saved, tmp_path):
+def test_each_draft_carries_its_own_calibration(saved, tmp_path):
     folder, cfg, params, other = saved
     import shutil
 
     copy = tmp_path / "ckpt"
     shutil.copytree(folder, copy)
-    own_fp = draft_fingerprint(params, cfg)
-    other_fp = draft_fingerprint(params.replace(mtp=other), cfg)
+    own_fp = draft_fingerprint(params.mtp, cfg)
+    other_fp = draft_fingerprint(other, cfg)
     _calibration(own_fp, 0.5).save(copy)
     _calibration(other_fp, 0.25).save(copy / "drafts" / "other")
-    _, own, _ = js.load_checkpoint(copy)
-    assert registered(own, cfg).greedy.table[0] == 0.5
-    _, swapped, _ = js.load_checkpoint(copy, draft="other")
-    assert registered(swapped, cfg).greedy.table[0] == 0.25
+    own = js.load_checkpoint(copy).draft
+    assert own.name == DEFAULT_DRAFT and own.calibration.greedy.table[0] == 0.5
+    swapped = js.load_checkpoint(copy, draft="other").draft
+    assert swapped.name == "other" and swapped.calibration.greedy.table[0] == 0.25
     # the default draft's file beside another draft is refused (fitted for other params)
     _calibration(own_fp, 0.5).save(copy / "drafts" / "other")
-    with pytest.raises(ValueError, match="fitted for another checkpoint"):
+    with pytest.raises(ValueError, match="fitted for another draft"):
         js.load_checkpoint(copy, draft="other")
 
 
@@ -141,20 +141,16 @@ def test_calibrate_cli_rejects_an_unknown_draft(saved):
 def _shipped_one_step():
     if not (SHIPPED / "drafts" / "one-step" / drafts.MTP).is_dir():
         pytest.skip("no shipped one-step draft")
-    from jaxspec.cli.common import as_float32
-
-    cfg, params, tok = js.load_checkpoint(SHIPPED, draft="one-step")
-    cfg, params = as_float32(cfg, params)
-    return cfg, params, tok
+    return js.load_checkpoint(SHIPPED, draft="one-step", dtype="float32")
 
 
 def test_shipped_one_step_draft_loads_with_its_calibration():
     if not (SHIPPED / "drafts" / "one-step" / "calibration.json").is_file():
         pytest.skip("no shipped one-step draft")
-    cfg, params, _ = _shipped_one_step()
-    _, own, _ = js.load_checkpoint(SHIPPED)
-    assert draft_fingerprint(params, cfg) != draft_fingerprint(own, cfg)
-    assert registered(params, cfg) is not None and dict(registered(params, cfg).meta).get("draft") == "one-step"
+    ckpt = _shipped_one_step()
+    own = js.load_checkpoint(SHIPPED).draft
+    assert draft_fingerprint(ckpt.draft.params, ckpt.cfg) != draft_fingerprint(own.params, ckpt.cfg)
+    assert dict(ckpt.draft.calibration.meta).get("draft") == "one-step"
 
 
 @pytest.mark.long
@@ -165,11 +161,12 @@ def test_shipped_one_step_draft_greedy_is_generate(spec):
 
     if not data_available():
         pytest.skip("no data")
-    cfg, params, tok = _shipped_one_step()
+    ckpt = _shipped_one_step()
+    cfg, params, tok = ckpt
     prompts = []
     for name in ("gsm8k", "mbpp", "sharegpt"):
         prompts += encode_prompts(tok, load_dataset(name, HELDOUT_SPLITS[name])[:2], 192)
-    out = js.speculative_generate(params, cfg, prompts, spec, max_new_tokens=96)
+    out = js.speculative_generate(params, cfg, prompts, spec, max_new_tokens=96, draft=ckpt.draft)
     ref = js.generate(params, cfg, prompts, max_new_tokens=96)
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     assert out.stats["scores"] == "calibrated"
@@ -179,8 +176,8 @@ def test_shipped_one_step_draft_greedy_is_generate(spec):
 @pytest.mark.parametrize("spec,setting,rule", [("s3_k2_d6", "t1", "residual"), ("s3_k1_d4", "t0.5", "residual"),
                                                ("s2_k4_d9", "t1_p0.9", "target")])
 def test_shipped_one_step_draft_samples_the_target(spec, setting, rule):
-    cfg, params, _ = _shipped_one_step()
-    result = check_end_to_end(params, cfg, spec, setting, accept=rule)
+    ckpt = _shipped_one_step()
+    result = check_end_to_end(ckpt.params, ckpt.cfg, spec, setting, accept=rule, calibration=ckpt.draft.calibration)
     assert_samples_the_target(result)
     assert result["tau"] > 1.2, result
 

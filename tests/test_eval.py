@@ -13,8 +13,9 @@ import pytest
 
 from jaxspec.core.config import SpecConfig
 from jaxspec.harness.eval import SweepConfig, distinct_ngram_ratio
-from jaxspec.harness.report import markdown_table, plot_acceptance, plot_distill_history
+from jaxspec.harness.report import markdown_table, plot_acceptance
 from jaxspec.speculation.budget import matched_linear, sequoia_optimum
+from jaxspec.training.plots import plot_distill_history
 
 
 def _brute_force(p, budget, max_depth):

@@ -25,7 +25,8 @@ from jaxspec.model.sampling import Sampling
 from jaxspec.ops.pallas import chain_compress, tree_attention
 from jaxspec.ops.pallas.grouped_matmul import grouped_matmul
 from jaxspec.ops.quant import abstract_block_scaled
-from jaxspec.speculation.generate import prefill_for_speculation, speculative_cycle
+from jaxspec.speculation.cycle import speculative_cycle
+from jaxspec.testing import mtp_models, mtp_prefill, mtp_speculator
 
 pytestmark = pytest.mark.gpu_lowering
 S = jax.ShapeDtypeStruct
@@ -90,19 +91,19 @@ def test_grouped_matmul_at_v4_flash_expert_shapes_lowers_to_triton(fmt):
 
 
 def _cycle_args(cfg, batch, spec, sampling):
+    """(speculator, models, state, sampling, active) of one cycle of the MTP draft, abstract; sampled
+    children under the residual rule when `sampling`, else the greedy walk."""
     params = jax.eval_shape(lambda: js.init_params(cfg, jax.random.key(0)))
     tokens, lengths = S((batch, 16), I32), S((batch,), I32)
-    state, root, hidden = jax.eval_shape(lambda p, t, n: prefill_for_speculation(p, cfg, t, n, 256),
-                                         params, tokens, lengths)
-    extra = ()
-    if sampling:
-        extra = (jax.eval_shape(lambda: Sampling.create(0.7, top_k=20)), S((batch,), I32))
-    return (params, cfg, js.SpecConfig.parse(spec), state, root, hidden, S((batch,), jnp.bool_), *extra)
+    state = jax.eval_shape(lambda p, t, n: mtp_prefill(p, cfg, t, n, 256, spec=spec), params, tokens, lengths)
+    settings = jax.eval_shape(lambda: Sampling.create(0.7 if sampling else 0.0, top_k=20 if sampling else None))
+    sp = mtp_speculator(cfg, spec, "residual" if sampling else "greedy")
+    return (sp, mtp_models(params), state, settings, S((batch,), jnp.bool_))
 
 
 def _check_cycle(cfg, batch, spec="s3_k2_d6", sampling=False):
     args = _cycle_args(cfg, batch, spec, sampling)
-    text = export_for_cuda(speculative_cycle, *args, static_argnums=(1, 2))
+    text = export_for_cuda(speculative_cycle, *args, static_argnums=(0,))
     calls = kernel_calls(text)
     assert any(n.startswith("tree_attention_") for n in calls), calls
     assert calls["chain_compress"] > 0, calls

@@ -10,15 +10,23 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "jaxspec"
 
-# Lower rooms first. A module may import modules of its own rank or below, never above.
+# The rooms of docs/layout.md, lower first: a module imports only modules of its own room or of a room
+# listed before it (`test_rooms_import_only_rooms_below_them`). The top-level package (`jaxspec`,
+# `jaxspec.__main__`) is the API above them all; `jaxspec.testing` (test-only helpers) sits above speculation.
+ROOMS = ["core", "ops", "sharding", "layers", "model", "speculation", "testing", "checkpoint", "cost", "training",
+         "harness", "cli"]
+
+# Within and across the rooms, modules in finer ranks, lower first: a module may import modules of its own
+# rank or below, never above.
 RANKS = [
     # plain-int checks below everything; the rooms' __init__ files hold a docstring and nothing else
     ("jaxspec.core.checks", "jaxspec.core", "jaxspec.model", "jaxspec.training", "jaxspec.harness"),
     # The safetensors reader, the FP8 / FP4 formats and the damaged-file errors need numpy only (the
     # checkpoint package's __init__ is higher, so only checkpoint modules may import them).
     ("jaxspec.core.config", "jaxspec.core.programs", "jaxspec.core.measure", "jaxspec.core.gpu_export",
-     "jaxspec.training.tokenizer", "jaxspec.training.data", "jaxspec.training.optim", "jaxspec.speculation.auto",
-     "jaxspec.checkpoint.safetensors_io", "jaxspec.checkpoint.quant", "jaxspec.checkpoint.errors"),
+     "jaxspec.core.stream", "jaxspec.training.tokenizer", "jaxspec.training.data", "jaxspec.training.optim",
+     "jaxspec.speculation.auto", "jaxspec.checkpoint.safetensors_io", "jaxspec.checkpoint.quant",
+     "jaxspec.checkpoint.errors"),
     ("jaxspec.ops", "jaxspec.sharding.rules"),
     ("jaxspec.sharding.active", "jaxspec.sharding"),
     ("jaxspec.ops.pallas",),
@@ -26,12 +34,14 @@ RANKS = [
     ("jaxspec.model.state", "jaxspec.model.sampling"),
     ("jaxspec.model.network",),
     ("jaxspec.model.prefill",),
-    ("jaxspec.model.placement", "jaxspec.model.runner", "jaxspec.testing", "jaxspec.model.prefill_plan"),
+    ("jaxspec.model.placement", "jaxspec.model.runner", "jaxspec.model.prefill_plan"),
     ("jaxspec.speculation",),
-    ("jaxspec.speculation.generate",),
+    ("jaxspec.speculation.cycle",),
+    ("jaxspec.speculation.generate", "jaxspec.speculation.stages"),
+    ("jaxspec.testing",),
     # What runs the model: loading and measuring below, the loops that drive them above.
     ("jaxspec.checkpoint", "jaxspec.harness.stages", "jaxspec.harness.report", "jaxspec.training.packing",
-     "jaxspec.cost"),
+     "jaxspec.training.plots", "jaxspec.cost"),
     ("jaxspec.cost.xla", "jaxspec.harness.eval", "jaxspec.training.train"),
     ("jaxspec.harness.tune", "jaxspec.training.distill", "jaxspec.harness.calibrate",
      "jaxspec.harness.calibrate_residual"),
@@ -138,6 +148,28 @@ def test_imports_flow_from_higher_rooms_to_lower_ones():
     assert upward == [], "imports of a higher room: " + ", ".join(f"{m} -> {d}" for m, d in upward)
 
 
+def _room(module: str) -> int | None:
+    """Index in ROOMS of a module's room (None: the top-level package)."""
+    parts = module.split(".")
+    if len(parts) < 2 or parts[1] == "__main__":
+        return None
+    if parts[1] not in ROOMS:
+        raise AssertionError(f"{module} is in no room of tests/test_imports.py ROOMS (docs/layout.md): place it")
+    return ROOMS.index(parts[1])
+
+
+def test_rooms_import_only_rooms_below_them():
+    """The contract of docs/layout.md, checked on rooms, not only modules: no arrow from a room to one above it."""
+    up = sorted({(ROOMS[_room(m)], ROOMS[_room(d)]) for m, deps in _graph().items() for d in deps
+                 if _room(m) is not None and _room(d) is not None and _room(d) > _room(m)})
+    assert up == [], "a room imports a room above it: " + ", ".join(f"{a} -> {b}" for a, b in up)
+
+
+def test_the_rooms_are_the_package_folders():
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders | {"testing"} == set(ROOMS)
+
+
 @pytest.mark.parametrize("room", ["jaxspec.layers", "jaxspec.ops.pallas", "jaxspec.ops"])
 def test_layers_and_kernels_import_nothing_above_them(room):
     allowed = {
@@ -157,6 +189,7 @@ def test_the_detectors_fire():
     graph = _graph()
     assert "jaxspec.sharding" in graph["jaxspec.layers.moe"]  # a submodule import counts its package
     assert _rank("jaxspec.layers.attention") > _rank("jaxspec.ops.pallas.tree_attention")
+    assert _room("jaxspec.cost.xla") > _room("jaxspec.speculation.cycle")
 
 
 def test_no_module_is_longer_than_the_limit():

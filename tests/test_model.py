@@ -104,31 +104,30 @@ def test_mtp_chunked_equals_sequential(test_params, test_cfg):
     out, state = extend(params, cfg, state_lib.init_state(cfg, b, 64), tokens[:, :t], jnp.ones((b, t), bool))
 
     @functools.partial(jax.jit, static_argnums=(1,))
-    def mtp_step(params, cfg, state, hidden, next_tokens):
+    def mtp_step(params, cfg, ring, length, hidden, next_tokens):
         valid = jnp.ones(next_tokens.shape, bool)
-        ctx = model.causal_context(state.mtp_length, valid)
-        logits, z, rows = model.mtp_forward(params, cfg, state, hidden, next_tokens, ctx)
-        return logits, z, state_lib.commit_mtp(cfg, state, rows, ctx.positions, valid)
+        ctx = model.causal_context(length, valid)
+        logits, z, rows = model.mtp_forward(params, params.mtp, cfg, ring, hidden, next_tokens, ctx)
+        length = length + next_tokens.shape[1]
+        return logits, z, state_lib.commit_layer(cfg, "sliding", ring, rows, ctx.positions, valid, length), length
 
-    all_logits, all_z, s_all = mtp_step(params, cfg, state, out.hidden, tokens[:, 1:])
-    s = state
+    ring, length = state_lib.layer_state(cfg, "sliding", b, 64), jnp.zeros((b,), jnp.int32)
+    all_logits, all_z, ring_all, _ = mtp_step(params, cfg, ring, length, out.hidden, tokens[:, 1:])
     for i in range(t):
-        logits, z, s = mtp_step(params, cfg, s, out.hidden[:, i : i + 1], tokens[:, i + 1 : i + 2])
+        step_in = (out.hidden[:, i : i + 1], tokens[:, i + 1 : i + 2])
+        logits, z, ring, length = mtp_step(params, cfg, ring, length, *step_in)
         assert _rel(logits[:, 0], all_logits[:, i]) <= 1e-5
         assert _rel(z[:, 0], all_z[:, i]) <= 1e-5
-    assert _rel(s.mtp.swa_kv, s_all.mtp.swa_kv) <= 1e-5
-    np.testing.assert_array_equal(np.asarray(s.mtp_length), [t, t])
+    assert _rel(ring.swa_kv, ring_all.swa_kv) <= 1e-5
+    np.testing.assert_array_equal(np.asarray(length), [t, t])
 
 
 def test_no_mtp_refuses(test_cfg):
     cfg = test_cfg.replace(num_mtp_layers=0)
     params = js.init_params(cfg, jax.random.key(0))
     assert params.mtp is None
-    state = state_lib.init_state(cfg, 1, 16)
-    ctx = model.causal_context(state.mtp_length, jnp.ones((1, 1), bool))
-    hidden = jnp.zeros((1, 1, cfg.hc_mult, cfg.hidden_size))
-    with pytest.raises(ValueError, match="no MTP block"):
-        model.mtp_forward(params, cfg, state, hidden, jnp.zeros((1, 1), jnp.int32), ctx)
+    with pytest.raises(ValueError, match="no MTP block; pass draft="):
+        js.speculative_generate(params, cfg, [[1, 2]], "s2_k1_d3")
 
 
 @pytest.mark.parametrize("name,expected", [("v4-flash", 284e9), ("v4-pro", 1.6e12)])

@@ -19,7 +19,7 @@ from jaxspec.model import network as model
 from jaxspec.model import prefill
 from jaxspec.model.state import init_state
 from jaxspec.speculation.generate import compile_count
-from jaxspec.testing import one_shot_greedy, randomize
+from jaxspec.testing import mtp_prefill, one_shot_greedy, randomize
 
 LENGTHS = [1, 31, 32, 33]  # one ragged batch: shorter than, equal to and across chunk multiples
 
@@ -64,14 +64,13 @@ def test_speculation_state_chunked_equals_one_shot(test_params, test_cfg):
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
     lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
-    run = jax.jit(prefill.prefill_for_speculation, static_argnums=(1, 4))
-    ref = run(test_params, test_cfg.replace(prefill_chunk=64), jnp.asarray(tokens), lengths, max_len)
-    got = run(test_params, test_cfg.replace(prefill_chunk=4), jnp.asarray(tokens), lengths, max_len)
-    np.testing.assert_array_equal(got[1], ref[1])  # root
-    assert _max_rel(got[2], ref[2]) <= 1e-5  # last hidden
-    for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(ref[0]), strict=True):
+    ref = mtp_prefill(test_params, test_cfg.replace(prefill_chunk=64), tokens, lengths, max_len)
+    got = mtp_prefill(test_params, test_cfg.replace(prefill_chunk=4), tokens, lengths, max_len)
+    np.testing.assert_array_equal(got.root, ref.root)
+    assert _max_rel(got.draft.last_hidden, ref.draft.last_hidden) <= 1e-5
+    for a, b in zip(jax.tree.leaves((got.target, got.draft)), jax.tree.leaves((ref.target, ref.draft)), strict=True):
         if jnp.issubdtype(a.dtype, jnp.integer):
-            np.testing.assert_array_equal(a, b)  # lengths, mtp_length
+            np.testing.assert_array_equal(a, b)  # the target's and the MTP ring's lengths
         else:
             assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * max(float(jnp.max(jnp.abs(b))), 1.0)
 

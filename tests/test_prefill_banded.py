@@ -20,7 +20,7 @@ from jaxspec.layers.banded import band_block
 from jaxspec.model import network as model
 from jaxspec.model import prefill
 from jaxspec.model.state import init_state
-from jaxspec.testing import one_shot_greedy, randomize
+from jaxspec.testing import mtp_prefill, one_shot_greedy, randomize
 
 
 def _max_rel(a, b):
@@ -62,19 +62,18 @@ def test_banded_greedy_generate_equals_one_shot(test_params, test_cfg):
 
 
 def test_banded_speculation_state_equals_dense(test_params, test_cfg):
-    """The MTP ring is filled through the banded path too: the whole state after
-    `prefill_for_speculation` with banded chunks (256) equals dense chunks (64, <= 2 blocks)."""
+    """The MTP ring is filled through the banded path too: the whole state after the speculative
+    prefill with banded chunks (256) equals dense chunks (64, <= 2 blocks)."""
     rng = np.random.default_rng(1)
     lengths = [300, 256, 77]
     tokens = np.zeros((3, 300), np.int32)
     for i, n in enumerate(lengths):
         tokens[i, :n] = rng.integers(0, test_cfg.vocab_size, n)
-    run = jax.jit(prefill.prefill_for_speculation, static_argnums=(1, 4))
-    args = (jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32), 320)
-    ref = run(test_params, test_cfg.replace(prefill_chunk=64), *args)
-    got = run(test_params, test_cfg.replace(prefill_chunk=256), *args)
-    np.testing.assert_array_equal(got[1], ref[1])  # root
-    for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(ref[0]), strict=True):
+    args = (tokens, lengths, 320)
+    ref = mtp_prefill(test_params, test_cfg.replace(prefill_chunk=64), *args)
+    got = mtp_prefill(test_params, test_cfg.replace(prefill_chunk=256), *args)
+    np.testing.assert_array_equal(got.root, ref.root)
+    for a, b in zip(jax.tree.leaves((got.target, got.draft)), jax.tree.leaves((ref.target, ref.draft)), strict=True):
         if jnp.issubdtype(a.dtype, jnp.integer):
             np.testing.assert_array_equal(a, b)
         else:

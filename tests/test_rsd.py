@@ -24,13 +24,13 @@ import pytest
 from test_sampling import ALPHA, assert_samples_the_target, check_end_to_end, chi_square_p
 
 import jaxspec as js
-from jaxspec.model.sampling import Sampling, processed_logprobs
+from jaxspec.model.sampling import Sampling, node_keys, processed_logprobs
 from jaxspec.speculation import verify
 from jaxspec.speculation.generate import speculative_compile_count
 from jaxspec.speculation.sampled import SampledDraft, make_sampled_draft, prior_log_values, sampled_children
+from jaxspec.speculation.tree import Tree
 from jaxspec.speculation.verify import (
     chain_residual_accept,
-    node_keys,
     recursive_rejection_accept,
     residual_tree_accept,
 )
@@ -105,8 +105,10 @@ def _rows(target, draft, parent, rank, depth, n, chain, sampling, variant):
     parent_a, rank_a = (jnp.broadcast_to(x, (n, d)) for x in (parent, rank))
     if chain:  # nodes 0..3 in order: the loop's K = 1 rule
         max_depth, nodes = 3, 4
-        acc = residual_tree_accept(tokens[:, :nodes], parent_a[:, :nodes], rank_a[:, :nodes], q[:, :nodes],
-                                   t_logits[:, :nodes], max_depth, 1, sampling, cycle)
+        chain_tree = Tree(tokens[:, :nodes], parent_a[:, :nodes], jnp.broadcast_to(depth[:nodes], (n, nodes)),
+                          rank_a[:, :nodes], jnp.zeros((n, nodes)), q[:, :nodes])
+        acc = residual_tree_accept(chain_tree, t_logits[:, :nodes], max_depth, 1, sampling,
+                                   node_keys(sampling.key, cycle, nodes))
     else:
         logp = processed_logprobs(t_logits, sampling.temperature, sampling.top_k, sampling.top_p)
         verify._residual_step = _step_without_residual if variant == "no_residual" else _EXACT_STEP

@@ -3,7 +3,7 @@ tree/sampled.py): the tree shape then varies per row and cycle, the kept childre
 prefix of its sampling order, and the output still follows the target exactly.
 
 CI: the synthetic Markov models of test_rsd.py (vocabulary 8, fp32) drafted by the engine's own
-`sampled_children` in draft_tree's beam (s3_k2_d5: 10 candidates, 4 kept), pruned by `prune_to_budget`,
+`sampled_children` in the engine's beam (s3_k2_d5: 10 candidates, 4 kept), pruned by `prune_to_budget`,
 accepted by `residual_tree_accept`; 20k rows against the target's joint law of the first 3 tokens.
 A value that reads the child's own q(x) (forbidden) fails the same check. Long: the same through
 `speculative_generate` on the test model, and the shapes of the real draft.
@@ -16,17 +16,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import struct
 from test_rsd import NUM_EMITTED, VOCAB, markov_model
 from test_sampling import ALPHA, assert_samples_the_target, check_end_to_end, chi_square_p
 
 import jaxspec as js
-from jaxspec.model.prefill import prefill_for_speculation
-from jaxspec.model.sampling import Sampling, processed_logprobs
-from jaxspec.speculation.draft import DraftPool, _children, prune_to_budget
-from jaxspec.speculation.rules import draft_and_prune
-from jaxspec.speculation.sampled import make_sampled_draft, residual_table, sampled_children
+from jaxspec.model.sampling import Sampling, node_keys, processed_logprobs
+from jaxspec.speculation.sampled import make_sampled_draft, residual_table
+from jaxspec.speculation.tree import Expander, grow_beam, prune_to_budget
 from jaxspec.speculation.values import DEPTH_EDGES, NUM_RANKS, PROB_EDGES, Calibration, ValueMap
 from jaxspec.speculation.verify import residual_tree_accept
+from jaxspec.testing import mtp_prefill, mtp_tree
 
 SHAPE = (len(DEPTH_EDGES) + 1, NUM_RANKS, len(PROB_EDGES) + 1)
 
@@ -63,42 +63,34 @@ def calibration_with(maps):
 SPEC = js.SpecConfig.parse("s3_k2_d5")
 
 
+@struct.dataclass
+class _Forbidden(Expander):
+    """The engine's children, valued (when `own_prob`, traced) by the child's own draft probability:
+    the forbidden value, which must fail the check."""
+
+    own_prob: jax.Array = None  # [] bool
+
+    def children(self, logits, score, pool_index, slots, depth):
+        (token, parent, value, rank), logq = super().children(logits, score, pool_index, slots, depth)
+        b, k = score.shape[0], self.k
+        own = jnp.take_along_axis(logq, token.reshape(b, -1, k), axis=2).reshape(b, -1)
+        value = jnp.where(self.own_prob, jnp.repeat(score, k, axis=1) + own, value)
+        return (token, parent, value, rank), logq
+
+
 @functools.partial(jax.jit, static_argnums=(2, 4))
 def _synthetic_cycle(target, draft, n, sampling, values, own_prob):
-    """n rows of one cycle: draft_tree's beam over the Markov draft with `sampled_children`, pruned,
-    accepted, continued with exact target draws -> (first 3 tokens [n, 3], accepted [n], tree)."""
+    """n rows of one cycle: the engine's beam (`tree.grow_beam`) over the Markov draft with sampled
+    children, pruned, accepted, continued with exact target draws -> (first 3 tokens [n, 3], accepted [n], tree)."""
     s_steps, k = SPEC.num_steps, SPEC.topk
     cycle = jnp.zeros((n,), jnp.int32)
     sampler = make_sampled_draft(SPEC, sampling, cycle, None, values.residual)
     root = jnp.asarray(ROOTS, jnp.int32)[jnp.arange(n) % len(ROOTS)]
-    slots, tok, pool_index, score = jnp.zeros((1,), jnp.int32), root[:, None], jnp.full((n, 1), -1), jnp.zeros((n, 1))
-    cols, slot_q, q_slot, offset = ([], [], [], []), [], [], 0
-    for step in range(1, s_steps + 1):
-        logits = draft[step - 1][tok]  # [n, slots this step, V]: the Markov draft after depth step - 1
-        children, logq = sampled_children(logits, score, slots, step, sampler, _children(logits, score, pool_index, k))
-        # own_prob (traced: one program for both): the forbidden value, the child's own draft probability
-        own = jnp.take_along_axis(logq, children[0].reshape(n, -1, k), axis=2).reshape(n, -1)
-        value = jnp.where(own_prob, jnp.repeat(score, k, axis=1) + own, children[2])
-        children = (children[0], children[1], value, children[3])
-        for col, c in zip(cols, children, strict=True):
-            col.append(c)
-        slot_q.append(logq)
-        q_slot.append(jnp.broadcast_to(jnp.repeat(slots, k), (n, slots.shape[0] * k)))
-        if step == s_steps:
-            break
-        _, best = jax.lax.top_k(cols[2][-1], k)
-        tok = jnp.take_along_axis(cols[0][-1], best, axis=1)
-        slots = jnp.arange(1 + (step - 1) * k, 1 + step * k, dtype=jnp.int32)
-        pool_index, score = offset + best, jnp.take_along_axis(cols[2][-1], best, axis=1)
-        offset += cols[0][-1].shape[1]
-    pool = DraftPool(*(jnp.concatenate(c, axis=1) for c in cols), q=jnp.concatenate(slot_q, axis=1),
-                     q_slot=jnp.concatenate(q_slot, axis=1))
+    expander = _Forbidden(sampling.temperature, None, sampler, k, values, own_prob=own_prob)
+    pool = grow_beam(SPEC, expander, root, lambda tok, parent, step, carry: (draft[step - 1][tok], carry), None)
     tree = prune_to_budget(pool, root, SPEC.num_draft_tokens)
-    depth = jnp.zeros_like(tree.parent)
-    for _ in range(s_steps):
-        depth = jnp.where(jnp.arange(depth.shape[1]) == 0, 0, jnp.take_along_axis(depth, tree.parent, axis=1) + 1)
-    acc = residual_tree_accept(tree.tokens, tree.parent, tree.rank, tree.q, target[depth, tree.tokens], s_steps, k,
-                               sampling, cycle)
+    keys = node_keys(sampling.key, cycle, SPEC.num_draft_tokens)
+    acc = residual_tree_accept(tree, target[tree.depth, tree.tokens], s_steps, k, sampling, keys)
     path = jnp.take_along_axis(tree.tokens, acc.path_nodes, axis=1)
     slot = jnp.arange(s_steps + 1)[None, :]
     drafted = jnp.concatenate([path[:, 1:], jnp.zeros((n, 1), jnp.int32)], axis=1)
@@ -150,11 +142,9 @@ def test_value_reading_the_childs_own_probability_is_caught():
     assert p < ALPHA, (p, accepted)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 6))
 def _draft(params, cfg, spec, tokens, lengths, sampling, values):
-    state, root, hidden = prefill_for_speculation(params, cfg, tokens, lengths, 64, sampling)
-    cycle = jnp.zeros((tokens.shape[0],), jnp.int32)
-    return draft_and_prune(params, cfg, spec, state, root, hidden, "residual", sampling, cycle, values=values)
+    state = mtp_prefill(params, cfg, tokens, lengths, 64, sampling, spec=spec)
+    return mtp_tree(params, cfg, spec, state, "residual", values, sampling)
 
 
 @pytest.mark.long  # ~1 minute of compiling on one core; the synthetic test above checks the same in CI

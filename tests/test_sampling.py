@@ -23,8 +23,8 @@ import pytest
 from scipy import stats as scipy_stats
 
 import jaxspec as js
-from jaxspec.model.sampling import Sampling, gumbel_choice, processed_logprobs
-from jaxspec.speculation.verify import chain_residual_accept, greedy_accept, node_keys, target_choice, tree_accept
+from jaxspec.model.sampling import Sampling, gumbel_choice, node_keys, processed_logprobs
+from jaxspec.speculation.verify import chain_residual_accept, greedy_accept, target_accept
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 SETTINGS = {"t0.5": (0.5, None, None), "t1": (1.0, None, None), "t1_p0.9": (1.0, None, 0.9)}
@@ -120,6 +120,11 @@ def exact_emission_law(tokens, parent, probs):
     return law
 
 
+def tree_accept(tokens, parent, logits, max_depth, sampling, cycle):
+    """The loop's target-only rule with its per-node keys (`accept_stage` under "target")."""
+    return target_accept(tokens, parent, logits, max_depth, sampling, node_keys(sampling.key, cycle, tokens.shape[1]))
+
+
 @functools.partial(jax.jit, static_argnums=(3, 4, 6))
 def _accept_many(tokens, parent, logits, max_depth, n, sampling, accept=tree_accept):
     """One tree accepted by n independent rows (row keys differ) -> [n, NUM_EMITTED] emitted, -1 padded."""
@@ -145,7 +150,8 @@ def lossy_accept(tokens, parent, logits, max_depth, sampling, cycle, threshold=0
     good = (p_child >= threshold * at_parent.max(-1)) & (jnp.arange(d)[None, :] > 0)
     hit = (parent[:, None, :] == jnp.arange(d)[None, :, None]) & good[:, None, :]  # [B, D(node), D(child)]
     forced = jnp.take_along_axis(tokens, jnp.argmax(hit, axis=-1), axis=1)
-    choice = jnp.where(jnp.any(hit, axis=-1), forced, target_choice(logits, sampling, cycle))
+    keys = node_keys(sampling.key, cycle, d)
+    choice = jnp.where(jnp.any(hit, axis=-1), forced, gumbel_choice(logits, keys, sampling))
     return greedy_accept(tokens, parent, choice, max_depth)
 
 

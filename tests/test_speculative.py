@@ -13,14 +13,11 @@ import pytest
 import jaxspec as js
 from jaxspec.model import network as model
 from jaxspec.model import state as state_lib
-from jaxspec.speculation.commit import commit_accepted_path
-from jaxspec.speculation.generate import (
-    draft_and_verify,
-    prefill_for_speculation,
-    speculative_compile_count,
-    speculative_cycle,
-)
+from jaxspec.model.sampling import Sampling
+from jaxspec.speculation.cycle import accept_stage, commit_stage, draft_stage, plan_stage, verify_stage
+from jaxspec.speculation.generate import speculative_compile_count
 from jaxspec.speculation.plan import build_plan, verify_context
+from jaxspec.testing import mtp_models, mtp_prefill, mtp_speculator
 
 
 def completes_block(plan, ratio: int) -> jax.Array:
@@ -149,59 +146,55 @@ def test_batch_sizes_and_eos(agreeing_params, test_cfg, batch):
     assert out.lengths[0] <= 11
 
 
-cycle = jax.jit(speculative_cycle, static_argnums=(1, 2))
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def cycle(sp, models, state, poisoned):
+    """One cycle by its stages; `poisoned`: the verify scratch of every node off the accepted path set to
+    NaN before the commit. The commit must read only the accepted path, so nothing may change.
+    -> (state, tree, acceptance)."""
+    sampling = Sampling.create()
+    tree = draft_stage(sp, models, state, sampling)
+    verify_out = verify_stage(sp, models, state.target, tree, plan_stage(sp, state.target, tree))
+    acc = accept_stage(sp, tree, verify_out.logits, sampling, state.stats.cycles)
+    if poisoned:
+        off_path = ~acc.path_mask  # [B, D]
+
+        def poison(x):
+            if x is None or not jnp.issubdtype(x.dtype, jnp.floating):
+                return x
+            return jnp.where(off_path.reshape(off_path.shape + (1,) * (x.ndim - 2)), jnp.nan, x)
+
+        verify_out = verify_out.replace(rows=jax.tree.map(poison, verify_out.rows), hidden=poison(verify_out.hidden))
+    state, _ = commit_stage(sp, models, state, tree, verify_out, acc, jnp.ones(state.root.shape, bool))
+    return state, tree, acc
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def poisoned_cycle(params, cfg, spec, state, root, last_hidden, active):
-    """`speculative_cycle` with the verify scratch of every node off the accepted path set to NaN
-    before the commit: the commit must read only the accepted path, so nothing may change."""
-    tree, verify_out, acc = draft_and_verify(params, cfg, spec, state, root, last_hidden)
-    off_path = ~acc.path_mask  # [B, D]
-
-    def poison(x):
-        if x is None or not jnp.issubdtype(x.dtype, jnp.floating):
-            return x
-        return jnp.where(off_path.reshape(off_path.shape + (1,) * (x.ndim - 2)), jnp.nan, x)
-
-    verify_out = verify_out.replace(rows=jax.tree.map(poison, verify_out.rows), hidden=poison(verify_out.hidden))
-    state, last_hidden = commit_accepted_path(params, cfg, state, tree.tokens, verify_out, acc, last_hidden, active)
-    return state, last_hidden, tree, acc
-
-
-def _prefilled(params, cfg, prompts, max_len=128):
-    """Target prefill + MTP prefill, as the speculative loop does; -> state, root, last_hidden, tokens, lengths."""
+def _prefilled(params, cfg, prompts, spec, max_len=128):
+    """Target prefill + the drafter following it, as the speculative loop does; -> SpecState."""
     b, width = len(prompts), max(len(p) for p in prompts)
     tokens = np.zeros((b, width), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
-    lengths = jnp.asarray([len(p) for p in prompts])
-    tokens = jnp.asarray(tokens)
-    state, root, last_hidden = prefill_for_speculation(params, cfg, tokens, lengths, max_len)
-    return state, root, last_hidden, tokens, lengths
+    return mtp_prefill(params, cfg, tokens, [len(p) for p in prompts], max_len, spec=spec)
 
 
 def test_poisoned_rejected_branches_do_not_leak_and_state_equals_prefill(agreeing_params, test_cfg):
     cfg, params = test_cfg, agreeing_params
     spec = js.SpecConfig.parse("s4_k4_d16")
-    state, root, hidden, prompt_tokens, lengths = _prefilled(params, cfg, PROMPTS)
-    clean = (state, root, hidden)
-    poisoned = (state, root, hidden)
-    active = jnp.ones((len(PROMPTS),), bool)
+    sp, models = mtp_speculator(cfg, spec), mtp_models(params)
+    clean = poisoned = _prefilled(params, cfg, PROMPTS, spec)
     accepted = [[] for _ in PROMPTS]
     rejected_any = False
     for _ in range(8):
-        s1, h1, tree, acc = cycle(params, cfg, spec, clean[0], clean[1], clean[2], active)
-        s2, h2, _, acc2 = poisoned_cycle(params, cfg, spec, poisoned[0], poisoned[1], poisoned[2], active)
+        s1, tree, acc = cycle(sp, models, clean, False)
+        s2, _, _ = cycle(sp, models, poisoned, True)
         rejected_any |= bool(np.any(~np.asarray(acc.path_mask)))
-        for x, y in zip(jax.tree.leaves((s1, h1)), jax.tree.leaves((s2, h2)), strict=True):
+        for x, y in zip(jax.tree.leaves(s1), jax.tree.leaves(s2), strict=True):
             assert not np.isnan(np.asarray(y, np.float64)).any()
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
         path_tokens = np.take_along_axis(np.asarray(tree.tokens), np.asarray(acc.path_nodes), axis=1)
         for i in range(len(PROMPTS)):
             accepted[i].extend(path_tokens[i, : int(acc.num_accepted[i]) + 1].tolist())
-        clean = (s1, acc.bonus, h1)
-        poisoned = (s2, acc2.bonus, h2)
+        clean, poisoned = s1, s2
     assert rejected_any
     # The committed target state equals a plain prefill of prompt + committed tokens.
     full = [list(p) + a for p, a in zip(PROMPTS, accepted, strict=True)]
@@ -211,7 +204,7 @@ def test_poisoned_rejected_branches_do_not_leak_and_state_equals_prefill(agreein
         tokens[i, : len(f)] = f
     valid = jnp.arange(width)[None, :] < jnp.asarray([len(f) for f in full])[:, None]
     _, reference = extend(params, cfg, state_lib.init_state(cfg, len(full), 128), jnp.asarray(tokens), valid)
-    final = clean[0]
+    final = clean.target
     np.testing.assert_array_equal(np.asarray(final.length), np.asarray(reference.length))
     for x, y in zip(jax.tree.leaves(final.layers), jax.tree.leaves(reference.layers), strict=True):
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
@@ -247,7 +240,7 @@ def test_bad_inputs(test_params, test_cfg):
         js.speculative_generate(
             test_params, test_cfg, np.ones((2, 4), np.int32), "s3_k2_d6", max_new_tokens=4, prompt_lengths=[4, 4, 4]
         )
-    with pytest.raises(ValueError, match="MTP draft block"):
+    with pytest.raises(ValueError, match="no MTP block; pass draft="):
         no_mtp = test_cfg.replace(num_mtp_layers=0)
         js.speculative_generate(test_params, no_mtp, PROMPTS, "s3_k2_d6", max_new_tokens=4)
     assert js.SpecConfig.parse("s3_k2_d6") == js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6)

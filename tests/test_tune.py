@@ -174,29 +174,25 @@ def test_tune_resumes_from_the_groups_it_finished(agreeing_params, test_cfg, tmp
     assert tune_lib._finished_groups(progress, same).keys() == {"1:a", "2:a"}
 
 
-def test_load_checkpoint_registers_its_tune_json_for_spec_auto(tmp_path, agreeing_params, test_params, test_cfg):
-    """A checkpoint folder holding tune.json needs no tuning= for spec="auto"; other params still do."""
+def test_load_checkpoint_carries_its_tune_json_for_spec_auto(tmp_path, agreeing_params, test_params, test_cfg):
+    """A checkpoint's draft holding tune.json needs no tuning= for spec="auto"; bare params still do."""
     from jaxspec.checkpoint import load_checkpoint, save_checkpoint
-    from jaxspec.speculation import auto as tuning_lib
 
     save_checkpoint(tmp_path, test_cfg, agreeing_params)
     Tuning({4: "s3_k2_d6"}, (), 32).save(tmp_path)
-    tuning_lib._LOADED.clear()
-    cfg, params, _ = load_checkpoint(tmp_path)
-    out = js.speculative_generate(params, cfg, PROMPTS, "auto", max_new_tokens=16)
+    ckpt = load_checkpoint(tmp_path)
+    cfg, params, _ = ckpt
+    out = js.speculative_generate(params, cfg, PROMPTS, "auto", max_new_tokens=16, draft=ckpt.draft)
     assert out.stats["spec"] == "s3_k2_d6"
     np.testing.assert_array_equal(out.tokens, js.generate(params, cfg, PROMPTS, max_new_tokens=16).tokens)
-    with pytest.raises(ValueError, match="tuning="):  # another draft: nothing registered for it
-        js.speculative_generate(test_params, test_cfg, PROMPTS, "auto", max_new_tokens=8)
-    tuning_lib._LOADED.clear()
+    with pytest.raises(ValueError, match="tuning="):  # params alone: nothing registered behind the caller's back
+        js.speculative_generate(params, cfg, PROMPTS, "auto", max_new_tokens=8)
 
 
 def test_the_shipped_checkpoint_carries_its_tuning():
     """checkpoints/tiny-v4/tune.json parses, covers the batch buckets it was measured for, and
-    load_checkpoint registers it for spec="auto"."""
+    load_checkpoint carries it with the draft, for spec="auto"."""
     from jaxspec.checkpoint import load_checkpoint
-    from jaxspec.speculation import auto as tuning_lib
-    from jaxspec.speculation.values import draft_fingerprint
 
     shipped = load_tuning("checkpoints/tiny-v4")
     assert sorted(shipped.choices) == [1, 4, 16, 64]
@@ -205,13 +201,11 @@ def test_the_shipped_checkpoint_carries_its_tuning():
     assert sorted({(v["batch"], v["dataset"]) for v in shipped.verdicts}) == [
         (b, d) for b in (1, 4, 16, 64) for d in ("gsm8k", "mbpp", "sharegpt")]
     assert all(v["clean"] for v in shipped.verdicts)
-    tuning_lib._LOADED.clear()
-    cfg, params, _ = load_checkpoint("checkpoints/tiny-v4")
-    assert tuning_lib.registered_tuning(draft_fingerprint(params, cfg)) == shipped
+    ckpt = load_checkpoint("checkpoints/tiny-v4")
+    assert ckpt.draft.tuning == shipped
     for b in (1, 3, 64, 200):  # every batch size maps to a bucket's choice
         spec = shipped.spec_for(b)
-        assert spec is None or spec.validate_for(cfg) is None
-    tuning_lib._LOADED.clear()
+        assert spec is None or spec.validate_for(ckpt.cfg) is None
 
 
 def test_a_candidate_far_behind_ar_is_not_measured_at_larger_buckets(agreeing_params, test_cfg, monkeypatch):

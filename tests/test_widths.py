@@ -1,9 +1,8 @@
-"""Width chosen per cycle (tree/widths.py): `shrink` keeps what pruning the pool to that budget keeps,
+"""Width chosen per cycle (`speculation/cycle.py`): `shrink` keeps what pruning the pool to that budget keeps,
 the width follows the widest active row, spec names carry the widths, and the loop with per-cycle
 widths stays exact (greedy token-identical to `generate`, one compile; the chi-square harness at
 T = 0.6 / 1.0 under both rules in the long tier)."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,9 +10,10 @@ from test_sampled_values import branchy_map, calibration_with
 from test_sampling import assert_samples_the_target, check_end_to_end
 
 import jaxspec as js
-from jaxspec.speculation.draft import Tree, draft_tree, prune_to_budget
-from jaxspec.speculation.generate import prefill_for_speculation, speculative_compile_count
-from jaxspec.speculation.widths import choose_width, shrink
+from jaxspec.speculation.cycle import choose_width
+from jaxspec.speculation.generate import speculative_compile_count
+from jaxspec.speculation.tree import DraftPool, Tree, prune_to_budget, shrink
+from jaxspec.testing import mtp_prefill, mtp_tree
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
 
@@ -31,14 +31,17 @@ def test_spec_names_carry_the_widths():
 
 
 def test_shrink_keeps_what_pruning_the_pool_keeps(test_params, test_cfg):
-    cfg, params, spec = test_cfg, test_params, js.SpecConfig(4, 2, 8)
-    state, root, hidden = jax.jit(prefill_for_speculation, static_argnums=(1, 4))(
-        params, cfg, jnp.asarray(PROMPTS[2:] * 2), jnp.asarray([9, 9]), 64)
-    pool = jax.jit(draft_tree, static_argnums=(1, 2))(params, cfg, spec, state, root, hidden)
-    tree = prune_to_budget(pool, root, 8)
+    cfg, params = test_cfg, test_params
+    whole = js.SpecConfig(4, 2, js.SpecConfig(4, 2, 8).max_draft_tokens)  # the tree of every candidate = the pool
+    state = mtp_prefill(params, cfg, PROMPTS[2:] * 2, [9, 9], 64, spec=whole)
+    every = mtp_tree(params, cfg, whole, state)
+    pool = DraftPool(token=every.tokens[:, 1:], parent=every.parent[:, 1:] - 1, score=every.score[:, 1:],
+                     rank=every.rank[:, 1:], depth=every.depth[:, 1:])
+    tree = prune_to_budget(pool, state.root, 8)
+    np.testing.assert_array_equal(np.asarray(tree.tokens), np.asarray(mtp_tree(params, cfg, "s4_k2_d8", state).tokens))
     for width in (2, 4, 5, 8):
-        got, want = shrink(tree, width), prune_to_budget(pool, root, width)
-        for name in ("tokens", "parent", "rank", "score"):
+        got, want = shrink(tree, width), prune_to_budget(pool, state.root, width)
+        for name in ("tokens", "parent", "depth", "rank", "score"):
             np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), name)
 
 
@@ -49,7 +52,7 @@ def test_the_widest_active_row_decides():
                          [0.0, log(0.9), log(0.8), log(0.7), log(0.6), log(0.5)],  # all 6
                          [0.0, log(0.2), log(0.1), log(0.1), log(0.1), log(0.1)]], jnp.float32)  # the root only
     zeros = jnp.zeros((3, 6), jnp.int32)
-    tree = Tree(tokens=zeros, parent=zeros, rank=zeros, score=score)
+    tree = Tree(tokens=zeros, parent=zeros, depth=zeros, rank=zeros, score=score)
     def width(active):
         return spec.widths[int(choose_width(spec, tree, jnp.asarray(active)))]
 

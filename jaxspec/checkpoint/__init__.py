@@ -11,9 +11,9 @@
 
 from jaxspec.checkpoint.hf_load import HFCheckpoint, LoadStats, load_hf_checkpoint, open_hf_checkpoint
 from jaxspec.checkpoint.hf_save import save_hf_checkpoint
-from jaxspec.checkpoint.native import load_checkpoint, save_checkpoint
+from jaxspec.checkpoint.native import Checkpoint, load_checkpoint, save_checkpoint
 
 __all__ = [
-    "HFCheckpoint", "LoadStats", "load_checkpoint", "load_hf_checkpoint", "open_hf_checkpoint", "save_checkpoint",
-    "save_hf_checkpoint",
+    "Checkpoint", "HFCheckpoint", "LoadStats", "load_checkpoint", "load_hf_checkpoint", "open_hf_checkpoint",
+    "save_checkpoint", "save_hf_checkpoint",
 ]

@@ -20,8 +20,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxspec.checkpoint.errors import one_line
 from jaxspec.core.config import ModelConfig
 from jaxspec.model.network import MTPParams, abstract_params
+from jaxspec.speculation.auto import TUNING_FILE, Tuning, load_tuning
+from jaxspec.speculation.drafter import Draft, Unreadable
+from jaxspec.speculation.mtp import MTPDrafter
+from jaxspec.speculation.values import CALIBRATION_FILE, Calibration, check_fitted, load_calibration
 
 DRAFTS = "drafts"
 DEFAULT_DRAFT = "default"  # the checkpoint's own params/mtp
@@ -48,6 +53,42 @@ def draft_dir(path: str | os.PathLike, name: str | None) -> str:
     if not isinstance(name, str) or name not in names:
         raise ValueError(f"checkpoint {path!r} has no draft {name!r}; drafts: {', '.join(names)}")
     return os.path.join(path, DRAFTS, name)
+
+
+def sidecar_values(folder: str, draft: Any, cfg: ModelConfig
+                   ) -> tuple[Calibration | Unreadable | None, Tuning | Unreadable | None]:
+    """The calibration.json and tune.json a draft's folder holds (None where absent). A calibration fitted
+    for another draft is an error here; a file that cannot be read is kept as `Unreadable` (its one-line
+    error raised when speculation uses it, with a warning now)."""
+    calibration = tuning = None
+    path = os.path.join(folder, CALIBRATION_FILE)
+    if os.path.isfile(path):
+        try:
+            calibration = load_calibration(path)
+        except (ValueError, OSError) as e:
+            calibration = _unreadable(path, e)
+        else:
+            check_fitted(calibration, draft, cfg, path)  # fitted for this draft, or a one-line error now
+    path = os.path.join(folder, TUNING_FILE)
+    if os.path.isfile(path):
+        try:
+            tuning = load_tuning(path)
+        except (ValueError, OSError) as e:
+            tuning = _unreadable(path, e)
+    return calibration, tuning
+
+
+def _unreadable(path: str, error: Exception) -> Unreadable:
+    import warnings
+
+    message = one_line(error).removeprefix(f"{path}: ").removeprefix(f"{path} ")
+    warnings.warn(f"{path} is unreadable ({message}); speculation will not use it", stacklevel=3)
+    return Unreadable(path, message)
+
+
+def mtp_draft(name: str, mtp: MTPParams, calibration: Any, tuning: Any) -> Draft:
+    """The Draft of an MTP block (a checkpoint's own, or drafts/<name>/mtp)."""
+    return Draft(name, MTPDrafter(), mtp, calibration, tuning)
 
 
 def abstract_mtp(cfg: ModelConfig) -> MTPParams:

@@ -1,5 +1,7 @@
 """Our own checkpoint format: a folder holding `config.json` (`dataclasses.asdict(ModelConfig)`),
-`params/` (an orbax PyTree checkpoint of `ModelParams`) and, optionally, `tokenizer.json`."""
+`params/` (an orbax PyTree checkpoint of `ModelParams`) and, optionally, `tokenizer.json`, the draft's
+`calibration.json` (`jaxspec calibrate`) and `tune.json` (`jaxspec tune`), and more drafts under
+`drafts/<name>/` (`checkpoint/drafts.py`). `load_checkpoint` returns all of it as one `Checkpoint` value."""
 
 from __future__ import annotations
 
@@ -13,11 +15,10 @@ import jax.numpy as jnp
 
 from jaxspec.checkpoint import drafts, errors
 from jaxspec.core.config import ModelConfig
-from jaxspec.model.network import ModelParams, abstract_params
+from jaxspec.model.network import ModelParams, abstract_params, cpu_layout
 from jaxspec.model.placement import param_shardings, sharded_abstract
 from jaxspec.ops.quant import BlockScaled
-from jaxspec.speculation.auto import TUNING_FILE, load_tuning, register_tuning
-from jaxspec.speculation.values import CALIBRATION_FILE, draft_fingerprint, load_calibration
+from jaxspec.speculation.drafter import Draft
 
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
@@ -87,21 +88,44 @@ def save_checkpoint(path: str | os.PathLike, cfg: ModelConfig, params: ModelPara
         os.remove(tok_path)
 
 
-def load_checkpoint(
-    path: str | os.PathLike, mesh: Any = None, rules: dict[str, Any] | None = None, draft: str | None = None
-) -> tuple[ModelConfig, ModelParams, Any]:
-    """-> (cfg, params, tokenizer or None) from a folder written by `save_checkpoint`; its
-    calibration.json (`jaxspec calibrate`), if any, must be the draft's and becomes its default;
-    its tune.json (`jaxspec tune`), if any, is what spec="auto" uses for these params.
+@dataclasses.dataclass(frozen=True, eq=False)
+class Checkpoint:
+    """A loaded checkpoint and everything that belongs to it. Unpacks as `cfg, params, tokenizer`."""
 
-    `draft`: None (or "default") keeps the checkpoint's own MTP block; a name from
-    `checkpoint.drafts.draft_names(path)` swaps in drafts/<name>/ (`checkpoint/drafts.py`), whose own
-    calibration.json and tune.json are then the ones registered.
+    cfg: ModelConfig
+    params: ModelParams  # the target (its `mtp` is the chosen draft's when that is an MTP block)
+    tokenizer: Any  # a `tokenizers.Tokenizer`, or None
+    draft: Draft | None  # the draft to speculate with (`speculative_generate(..., draft=ckpt.draft)`)
+    path: str
+
+    def __iter__(self):
+        return iter((self.cfg, self.params, self.tokenizer))
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({self.path!r}, {self.cfg.num_layers} layers, {self.cfg.dtype}, draft={self.draft!r})"
+
+
+def load_checkpoint(
+    path: str | os.PathLike, mesh: Any = None, rules: dict[str, Any] | None = None, draft: str | None = None,
+    *, dtype: str | None = None, cpu_experts: bool = False,
+) -> Checkpoint:
+    """-> a `Checkpoint` (cfg, params, tokenizer or None, the draft, the folder) from a folder written by
+    `save_checkpoint`; `cfg, params, tok = load_checkpoint(path)` still unpacks.
+
+    `draft`: None (or "default") takes the checkpoint's own draft (its MTP block, with the folder's
+    calibration.json and tune.json); a name from `checkpoint.drafts.draft_names(path)` takes
+    drafts/<name>/ with its own. A damaged calibration.json or tune.json does not stop the load: it is
+    reported (one line naming the file) when speculation asks for it. `dtype` ("float32" / "bfloat16")
+    casts the weights: float32 for exact comparisons (the README's dtype condition).
 
     With `mesh` (see `jaxspec.make_mesh`) every leaf is restored straight into its parameter
     sharding (`placement.param_shardings(cfg, mesh, rules)`): each device reads only its slice.
+    `cpu_experts`: routed experts come back one leaf per expert (`model.cpu_layout`), which the CPU path
+    reads in place (the same outputs, faster on a CPU; no effect under a mesh or off a CPU).
     """
     path = os.path.abspath(os.fspath(path))
+    if os.path.isfile(path):
+        raise ValueError(f"checkpoint {path!r} is a file; a checkpoint is a folder holding {CONFIG} and {PARAMS}/")
     if not os.path.isdir(path):
         raise ValueError(f"checkpoint folder {path!r} does not exist")
     cfg_path, params_dir = os.path.join(path, CONFIG), os.path.join(path, PARAMS)
@@ -113,6 +137,8 @@ def load_checkpoint(
         cfg = _cfg_from_json(data)
     except (TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"{cfg_path} is not a jaxspec ModelConfig: {errors.one_line(e)}") from None
+    if dtype is not None and dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be None, 'float32' or 'bfloat16', got {dtype!r}")
     abstract = abstract_params(cfg)
     placed = abstract if mesh is None else sharded_abstract(abstract, param_shardings(cfg, mesh, rules))
     params = _restore(params_dir, abstract, placed, path)
@@ -121,6 +147,8 @@ def load_checkpoint(
         mtp = _restore(os.path.join(sidecars, drafts.MTP), abstract.mtp, placed.mtp, sidecars)
         params = params.replace(mtp=mtp)
         check_structure(cfg, params)
+    if dtype is not None and dtype != cfg.dtype:
+        cfg, params = cast(cfg, params, dtype)
     tokenizer = None
     tok_path = os.path.join(path, TOKENIZER)
     if os.path.isfile(tok_path):
@@ -130,13 +158,19 @@ def load_checkpoint(
             tokenizer = Tokenizer.from_file(tok_path)
         except Exception as e:  # tokenizers raises a bare Exception on a malformed file
             raise ValueError(f"{tok_path} is damaged or not a tokenizer: {errors.one_line(e)}") from None
-    if os.path.isfile(os.path.join(sidecars, CALIBRATION_FILE)) and params.mtp is not None:
-        # checked against these params and registered: speculative_generate ranks by it by default
-        load_calibration(os.path.join(sidecars, CALIBRATION_FILE), params, cfg)
-    if os.path.isfile(os.path.join(sidecars, TUNING_FILE)) and params.mtp is not None:
-        # what speculative_generate(spec="auto") reads for these params when no tuning= is given
-        register_tuning(draft_fingerprint(params, cfg), load_tuning(sidecars))
-    return cfg, params, tokenizer
+    own = drafts.sidecar_values(sidecars, params.mtp, cfg) if params.mtp is not None else (None, None)
+    if cpu_experts and mesh is None:
+        params = cpu_layout(params, cfg)
+    name = draft or drafts.DEFAULT_DRAFT
+    found = None if params.mtp is None else drafts.mtp_draft(name, params.mtp, *own)
+    return Checkpoint(cfg=cfg, params=params, tokenizer=tokenizer, draft=found, path=path)
+
+
+def cast(cfg: ModelConfig, params: ModelParams, dtype: str) -> tuple[ModelConfig, ModelParams]:
+    """`cfg` and `params` in another dtype: every leaf takes the dtype the new config implies (norms,
+    sinks and other float32 leaves stay float32)."""
+    cfg = cfg.replace(dtype=dtype)
+    return cfg, jax.tree.map(lambda x, a: x.astype(a.dtype), params, abstract_params(cfg))
 
 
 def _restore(params_dir: str, abstract: Any, placed: Any, path: str) -> Any:

@@ -59,28 +59,29 @@ def run(args: argparse.Namespace, console: Console) -> int:
         raise ValueError(f"--temperatures must be > 0 (greedy is always fitted), got {list(args.temperatures)}")
     sidecars = draft_dir(os.path.expanduser(args.checkpoint), args.draft)  # a bad name fails before the load
     model = load_model(args, console, need_tokenizer="calibrate")
-    if model.params.mtp is None:
-        raise ValueError(f"checkpoint {args.checkpoint!r} has no MTP draft block: nothing to calibrate")
+    if model.draft is None:
+        raise ValueError(f"checkpoint {args.checkpoint!r} has no draft: nothing to calibrate")
     temps = (0.0, *sorted(set(args.temperatures)))
     prompts = train_prompts(args, model.tokenizer)
     t0 = time.perf_counter()
     run_args = (args.cycles, args.batch_size, args.steps, args.topk)
-    train = {t: collect(model.params, model.cfg, prompts, t, *run_args) for t in temps}
+    train = {t: collect(model.params, model.cfg, prompts, t, *run_args, draft=model.draft) for t in temps}
     console.print(f"collected {sum(s['label'].size for s in train.values())} nodes from {len(prompts)} train "
                   f"prompts in {time.perf_counter() - t0:.0f} s")
     meta = {"datasets": ",".join(args.datasets), "train_prompts_per_dataset": args.num_prompts,
             "cycles": args.cycles, "steps": args.steps, "topk": args.topk,
             "checkpoint": os.path.basename(os.path.normpath(args.checkpoint)), "draft": args.draft or "default"}
-    calibration = fit(train, draft_fingerprint(model.params, model.cfg), meta)
+    calibration = fit(train, draft_fingerprint(model.draft.params, model.cfg), meta)
     out = calibration.save(args.out or sidecars)
-    load_calibration(out, model.params, model.cfg)  # what load_checkpoint will read must parse and match
+    load_calibration(out, model.draft.params, model.cfg)  # what load_checkpoint will read must parse and match
     console.print(f"saved to {out}")
     if args.heldout:
         heldout_prompts = []
         for name in args.datasets:
             examples = load_dataset(name, HELDOUT_SPLITS[name], root=args.data_root)[: args.heldout]
             heldout_prompts += encode_prompts(model.tokenizer, examples, args.max_prompt_tokens)
-        heldout = {t: collect(model.params, model.cfg, heldout_prompts, t, *run_args, seed=1) for t in temps}
+        heldout = {t: collect(model.params, model.cfg, heldout_prompts, t, *run_args, seed=1, draft=model.draft)
+                   for t in temps}
         errors = calibration_errors(calibration, heldout)
         console.print_json(data=errors)
         out.with_name(out.stem + "_heldout_ece.json").write_text(json.dumps(errors, indent=1) + "\n")

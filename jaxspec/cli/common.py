@@ -159,15 +159,7 @@ class LoadedModel:
     params: Any  # ModelParams
     tokenizer: Any  # tokenizers.Tokenizer or None
     description: str
-
-
-def as_float32(cfg, params):
-    """bf16 matmuls are slow on a CPU; checkpoints are stored in bf16 only for size."""
-    import jax
-    import jax.numpy as jnp
-
-    cast = jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
-    return cfg.replace(dtype="float32"), cast
+    draft: Any = None  # the Draft to speculate with (its calibration and tuning), None without one
 
 
 def load_model(args: argparse.Namespace, console: Console | None = None, *, need_tokenizer: str | None = None,
@@ -187,6 +179,8 @@ def load_model(args: argparse.Namespace, console: Console | None = None, *, need
     from jaxspec.core.config import ModelConfig
     from jaxspec.model.network import abstract_params, init_params
     from jaxspec.ops.quant import is_quantized
+    from jaxspec.speculation.drafter import Draft
+    from jaxspec.speculation.mtp import MTPDrafter
 
     checkpoint = getattr(args, "checkpoint", None)
     if checkpoint is not None:
@@ -206,11 +200,13 @@ def load_model(args: argparse.Namespace, console: Console | None = None, *, need
         if draft is not None and not os.path.isdir(os.path.join(path, "params")):
             raise ValueError(f"--draft {draft} selects a draft of a jaxspec checkpoint; {checkpoint!r} is not one")
         if os.path.isdir(os.path.join(path, "params")):
-            cfg, params, tokenizer = load_checkpoint(path, draft=draft)
+            # bf16 matmuls are slow on a CPU; checkpoints are stored in bf16 only for size
+            dtype = "float32" if jax.default_backend() == "cpu" else None
+            ckpt = load_checkpoint(path, draft=draft, dtype=dtype, cpu_experts=mesh is None)
+            cfg, params, tokenizer, found = ckpt.cfg, ckpt.params, ckpt.tokenizer, ckpt.draft
             if draft is not None:
                 note += f", draft {draft!r}"
-            if cfg.dtype != "float32" and jax.default_backend() == "cpu":
-                cfg, params = as_float32(cfg, params)
+            if dtype is not None:
                 note += ", cast to float32 for the CPU"
         elif is_release:
             dtype = "float32" if jax.default_backend() == "cpu" else None
@@ -225,8 +221,10 @@ def load_model(args: argparse.Namespace, console: Console | None = None, *, need
                              "*.safetensors (a DeepSeek-V4 release)")
         if need_tokenizer and tokenizer is None:
             raise ValueError(f"checkpoint {checkpoint!r} has no tokenizer.json; {need_tokenizer} encodes text prompts")
+        if not os.path.isdir(os.path.join(path, "params")):
+            found = None if params.mtp is None else Draft("default", MTPDrafter(), params.mtp)
         return LoadedModel(cfg, params, tokenizer,
-                           f"checkpoint {path} (loaded in {time.perf_counter() - t0:.1f} s{note})")
+                           f"checkpoint {path} (loaded in {time.perf_counter() - t0:.1f} s{note})", found)
     if need_tokenizer:
         raise ValueError(f"{need_tokenizer} needs --checkpoint (a folder with tokenizer.json)")
     if getattr(args, "weights", "plain") == "fp8":
@@ -242,7 +240,8 @@ def load_model(args: argparse.Namespace, console: Console | None = None, *, need
         )
     params = init_params(cfg, jax.random.key(seed))
     return LoadedModel(cfg, params, None,
-                       f"preset {preset!r}, [bold yellow]random init[/] (seed {seed}): output is noise")
+                       f"preset {preset!r}, [bold yellow]random init[/] (seed {seed}): output is noise",
+                       None if params.mtp is None else Draft("default", MTPDrafter(), params.mtp))
 
 
 def hf_tokenizer(path: str) -> Any:

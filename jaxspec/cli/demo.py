@@ -191,8 +191,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
         )
     else:
         console.print(f"compile: 0 s (program already compiled; first run {cold_s:.2f} s)")
-    if args.spec.lower() != "none" and cfg.has_mtp and params.mtp is not None:
-        _demo_speculative(args, console, cfg, params, prompts, kwargs, out, generated / warm_s)
+    if args.spec.lower() != "none" and model.draft is not None:
+        _demo_speculative(args, console, cfg, params, prompts, dict(kwargs, draft=model.draft), out,
+                          generated / warm_s)
     if jax.default_backend() == "cpu":
         console.print("[dim]these are CPU numbers[/]")
     return 0
@@ -209,7 +210,7 @@ def _demo_speculative(args, console, cfg, params, prompts, kwargs, reference, ar
     if args.spec.lower() == "auto":
         if args.checkpoint is None:
             raise ValueError("--spec auto reads the checkpoint's tune.json: pass --checkpoint")
-        spec = auto_spec(os.path.expanduser(args.checkpoint), len(prompts))
+        spec = auto_spec(kwargs["draft"].tuning or os.path.expanduser(args.checkpoint), len(prompts))
         if spec is None:
             console.print(f"tune.json chose no speculation for batch {len(prompts)}: autoregressive is fastest")
             return

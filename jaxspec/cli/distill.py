@@ -176,7 +176,7 @@ def _draft_export(args: argparse.Namespace, cfg: Any):
     """Save the MTP block alone as CHECKPOINT/drafts/NAME/ in the checkpoint's stored dtypes."""
     from jaxspec.checkpoint.drafts import save_draft
     from jaxspec.checkpoint.errors import read_json
-    from jaxspec.harness.report import plot_distill_history
+    from jaxspec.training.plots import plot_distill_history
 
     stored = cfg.replace(dtype=read_json(os.path.join(args.checkpoint, "config.json"))["dtype"])
 

@@ -88,7 +88,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     args.resume_hint = f"finished (dataset, batch) groups are kept in {args.out}/runs.jsonl: rerun the same command " \
                        "to continue"
     records = run_sweep(model.params, model.cfg, model.tokenizer, sweep, args.out, resume=not args.fresh,
-                        data_root=args.data_root)
+                        data_root=args.data_root, draft=model.draft)
     console.print((Path(args.out) / "table.md").read_text())
     loaded = {(r["dataset"], r["batch_size"]): r["measurement"]["reasons"] for r in records
               if r.get("measurement") and not r["measurement"]["clean"]}

@@ -104,7 +104,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     tuning = tune(model.params, model.cfg, prompts, args.batch_sizes, args.candidates, args.new_tokens,
                   repeats=args.repeats, allow_loaded=args.allow_loaded, projected=args.projected,
                   projected_cfg=projected_cfg, projected_mesh=projected_mesh, resume=progress,
-                  prune_below=args.prune_below or None)
+                  prune_below=args.prune_below or None, draft=model.draft)
     out = tuning.save(out)
     console.print(tuning_table(tuning))
     console.print("chosen: " + ", ".join(f"batch {b}: {name}" for b, name in tuning.choices.items()))

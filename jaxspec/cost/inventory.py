@@ -15,12 +15,13 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from jaxspec.core.config import ModelConfig
 from jaxspec.model.network import abstract_params
 from jaxspec.model.placement import _path_str, param_specs, state_specs
-from jaxspec.model.state import abstract_state
+from jaxspec.model.state import abstract_state, layer_state
 from jaxspec.sharding.active import as_tuple
 from jaxspec.sharding.rules import DATA, TENSOR
 
@@ -170,10 +171,21 @@ class LayerState:
 
 
 @functools.lru_cache(maxsize=32)
+@struct.dataclass
+class _States:
+    """The states a cycle reads, by unit: the target's layers and the MTP draft's ring."""
+
+    layers: tuple[Any, ...]
+    mtp: Any
+
+
 def state_layers(cfg: ModelConfig, mesh: tuple[int, int, int], batch: int, context: int) -> dict[str, LayerState]:
     """Per device: {"layers.i" / "mtp": LayerState} from `abstract_state` and the state's rules."""
     sizes = dict(zip((DATA, TENSOR, "expert"), mesh, strict=True))
-    state = abstract_state(cfg, batch, context)
+    target = abstract_state(cfg, batch, context)
+    # the MTP draft keeps its own window ring beside the target's state
+    mtp = jax.eval_shape(lambda: layer_state(cfg, "sliding", batch, context)) if cfg.has_mtp else None
+    state = _States(layers=target.layers, mtp=mtp)
     specs = jax.tree.leaves(state_specs(cfg, state, sizes), is_leaf=lambda s: isinstance(s, P))
     flat = jax.tree_util.tree_flatten_with_path(state)[0]
     acc: dict[str, dict[str, float]] = {}

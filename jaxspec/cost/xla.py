@@ -32,13 +32,16 @@ import numpy as np
 from jax.extend.core import DropVar, Var, jaxprs_in_params
 
 from jaxspec.core.config import ModelConfig, SpecConfig
-from jaxspec.harness import stages
-from jaxspec.model.network import WEIGHTS, abstract_params
+from jaxspec.model.network import WEIGHTS, Models, abstract_params
 from jaxspec.model.runner import lower_program
+from jaxspec.model.sampling import Sampling
 from jaxspec.model.state import abstract_state
 from jaxspec.ops.quant import SCOPE, count_weight_reads
 from jaxspec.sharding.active import is_dynamic
 from jaxspec.sharding.rules import DATA, check_mesh
+from jaxspec.speculation import stages
+from jaxspec.speculation.cycle import SpecState, SpecStats, Speculator
+from jaxspec.speculation.mtp import MTPDrafter
 
 STAGES = ("ar", "draft", "plan", "verify", "commit")
 # Layers lowered whole up to this depth; deeper models are costed per layer kind (exact: additive).
@@ -92,24 +95,23 @@ def project_seconds(cost: StageCost, acc: Accelerator, overhead_s: float) -> flo
 
 
 def _abstract_inputs(cfg: ModelConfig, spec: SpecConfig | None, batch: int, context: int) -> dict[str, Any]:
-    """ShapeDtypeStructs of every stage's arguments (the tree and verify output by eval_shape)."""
+    """ShapeDtypeStructs of every stage's arguments (the tree and verify output by eval_shape), for a
+    greedy cycle of the model's MTP draft."""
     sds = jax.ShapeDtypeStruct
     params = abstract_params(cfg)
     state = abstract_state(cfg, batch, context)
-    out = {
-        "params": params,
-        "state": state,
-        "last": sds((batch,), jnp.int32),
-        "hidden": sds((batch, cfg.hc_mult, cfg.hidden_size), jnp.dtype(cfg.dtype)),
-        "active": sds((batch,), jnp.bool_),
-    }
+    out = {"params": params, "state": state, "last": sds((batch,), jnp.int32)}
     if spec is not None:
-        tree = jax.eval_shape(lambda p, s, r, h: stages.draft(p, cfg, spec, s, r, h), params, state, out["last"],
-                              out["hidden"])
-        plan = jax.eval_shape(lambda parent, length: stages.plan(spec, parent, length), tree.parent, state.length)
-        verify_out = jax.eval_shape(lambda p, s, t, pl: stages.verify(p, cfg, s, t, pl), params, state, tree.tokens,
-                                    plan)
-        out.update(tree=tree, plan=plan, verify_out=verify_out)
+        sp = Speculator(cfg, spec, MTPDrafter())
+        models = Models(target=params.replace(mtp=None), draft=params.mtp)
+        draft_state = jax.eval_shape(lambda: sp.drafter.init_state(cfg, batch, context))
+        full = SpecState(target=state, draft=draft_state, root=out["last"],
+                         stats=jax.eval_shape(lambda: SpecStats.zeros(spec, batch)))
+        sampling = jax.eval_shape(Sampling.create)
+        tree = jax.eval_shape(lambda m, s, g: stages.draft(sp, m, s, g), models, full, sampling)
+        plan = jax.eval_shape(lambda s, t: stages.plan(sp, s, t), state, tree)
+        verify_out = jax.eval_shape(lambda m, s, t, p: stages.verify(sp, m, s, t, p), models, state, tree, plan)
+        out.update(sp=sp, models=models, full=full, sampling=sampling, tree=tree, plan=plan, verify_out=verify_out)
     return out
 
 
@@ -118,14 +120,13 @@ def _stage_call(name: str, cfg: ModelConfig, spec: SpecConfig | None, x: dict[st
     if name == "ar":
         return stages.ar_step, (x["params"], cfg, x["state"], x["last"])
     if name == "draft":
-        return stages.draft, (x["params"], cfg, spec, x["state"], x["last"], x["hidden"])
+        return stages.draft, (x["sp"], x["models"], x["full"], x["sampling"])
     if name == "plan":
-        return stages.plan, (spec, x["tree"].parent, x["state"].length)
+        return stages.plan, (x["sp"], x["state"], x["tree"])
     if name == "verify":
-        return stages.verify, (x["params"], cfg, x["state"], x["tree"].tokens, x["plan"])
+        return stages.verify, (x["sp"], x["models"], x["state"], x["tree"], x["plan"])
     if name == "commit":
-        return stages.accept, (x["params"], cfg, spec, x["state"], x["tree"], x["verify_out"], x["hidden"],
-                               x["active"])
+        return stages.commit, (x["sp"], x["models"], x["full"], x["tree"], x["verify_out"], x["sampling"])
     raise ValueError(f"unknown stage {name!r}; stages: {STAGES}")
 
 

@@ -21,13 +21,22 @@ import numpy as np
 
 from jaxspec.core.config import ModelConfig, SpecConfig
 from jaxspec.core.programs import bounded_jit
-from jaxspec.layers.attention import AttentionContext
-from jaxspec.model.network import ModelParams, forward, mtp_forward
+from jaxspec.model.network import ModelParams, Models
 from jaxspec.model.sampling import Sampling, processed_logprobs
-from jaxspec.model.state import DecodeState
-from jaxspec.speculation.commit import commit_accepted_path
-from jaxspec.speculation.generate import length_bucket, prefill_for_speculation, prepare_prompts
-from jaxspec.speculation.plan import build_plan, verify_context
+from jaxspec.speculation.cycle import (
+    SpecState,
+    Speculator,
+    accept_stage,
+    commit_stage,
+    plan_stage,
+    prefill,
+    verify_stage,
+)
+from jaxspec.speculation.drafter import Draft
+from jaxspec.speculation.generate import draft_of
+from jaxspec.speculation.inputs import length_bucket, prepare_prompts
+from jaxspec.speculation.policy import Policy
+from jaxspec.speculation.tree import Expander, Tree
 from jaxspec.speculation.values import (
     CONTEXT_CAP,
     CONTEXT_EDGES,
@@ -39,105 +48,61 @@ from jaxspec.speculation.values import (
     fit_map,
     predict,
 )
-from jaxspec.speculation.verify import tree_accept
 
 COLLECT_STEPS = 10  # chain depth drafted per cycle (deeper nodes share the last depth bin)
 COLLECT_TOPK = 4  # ranks recorded at every chain node (3+ share the last rank bin)
 FIELDS = ("depth", "rank", "own_prob", "parent_top1", "label", "context")
 
 
-def draft_chain(
-    params: ModelParams,
-    cfg: ModelConfig,
-    state: DecodeState,  # committed; state.mtp_length == state.length - 1
-    root: jax.Array,  # [B] int32
-    root_hidden: jax.Array,  # [B, hc, d]
-    num_steps: int,
-    choose: Callable[[int, jax.Array], tuple[jax.Array, Any]],  # (step, logits [B, V]) -> (token [B], record)
-) -> tuple[jax.Array, list[Any]]:
-    """An MTP chain of `num_steps` steps from the root, each step's token picked by `choose`; each step
-    reads the committed MTP ring plus the chain's own earlier steps, as `draft_tree`'s sS_k1 chain
-    does -> (chain [B, S], the records `choose` returned, one per step)."""
-    b = root.shape[0]
-    scratch_kv = jnp.zeros((b, num_steps, cfg.head_dim), jnp.dtype(cfg.dtype))
-    scratch_pos = jnp.zeros((b, num_steps), jnp.int32)
-    token, hidden = root[:, None], root_hidden[:, None]
-    chain, records = [], []
-    for step in range(num_steps):
-        positions = state.mtp_length[:, None] + step  # [B, 1]
-        ctx = AttentionContext(
-            positions=positions,
-            committed=state.mtp_length,
-            visible=jnp.ones((b, 1, 1), bool),
-            ancestor_at_depth=jnp.zeros((b, 1, 1), jnp.int32),
-            valid=jnp.ones((b, 1), bool),
-            prior_kv=scratch_kv,
-            prior_positions=scratch_pos,
-            prior_visible=jnp.broadcast_to(jnp.arange(num_steps) < step, (b, 1, num_steps)),
-        )
-        logits, z, rows = mtp_forward(params, cfg, state, hidden, token, ctx)
-        scratch_kv = scratch_kv.at[:, step].set(rows.kv[:, 0].astype(scratch_kv.dtype))
-        scratch_pos = scratch_pos.at[:, step].set(positions[:, 0])
-        next_token, record = choose(step, logits[:, 0])
-        records.append(record)
-        chain.append(next_token)
-        token, hidden = next_token[:, None], z
-    return jnp.stack(chain, 1), records
+def chain_with_children(sp: Speculator, models: Models, state: SpecState, k: int, temperature: jax.Array
+                        ) -> tuple[Tree, jax.Array, jax.Array]:
+    """The top-1 chain the drafter drafts for sS_k1, plus the top-k of the draft's distribution at every
+    chain node -> (the chain as a tree of S+1 nodes, top_logp [B, S, k], top_token [B, S, k]).
+
+    One beam that expands only the best candidate of each step, k children each: the chain, and every
+    child a tree node whose parent is on the accepted path could have (its ancestors are the accepted
+    path, so it sees exactly this draft state); their outcomes are read off the chain's verify."""
+    s = sp.spec.num_steps
+    wide = SpecConfig(s, k, 1 + k * s)
+    expander = Expander(temperature, None, None, k=k, expand=1)  # raw draft log-probs: rank 0 leads
+    full = sp.drafter.draft(models, sp.cfg, wide, state.draft, state.root, expander)
+    b = full.tokens.shape[0]
+    top_token = full.tokens[:, 1:].reshape(b, s, k)
+    top_logp = (full.score - jnp.take_along_axis(full.score, full.parent, axis=1))[:, 1:].reshape(b, s, k)
+    nodes = jnp.arange(s + 1, dtype=jnp.int32)
+    zeros = jnp.zeros((b, s + 1), jnp.int32)
+    chain = Tree(
+        tokens=jnp.concatenate([state.root[:, None], top_token[:, :, 0]], axis=1),
+        parent=zeros + jnp.maximum(nodes - 1, 0), depth=zeros + nodes, rank=zeros,
+        score=jnp.concatenate([jnp.zeros((b, 1)), jnp.cumsum(top_logp[:, :, 0], axis=1)], axis=1),
+    )
+    return chain, top_logp, top_token
 
 
-def draft_chain_topk(
-    params: ModelParams,
-    cfg: ModelConfig,
-    state: DecodeState,  # committed; state.mtp_length == state.length - 1
-    root: jax.Array,  # [B] int32
-    root_hidden: jax.Array,  # [B, hc, d]
-    num_steps: int,
-    k: int,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The top-1 chain `draft_tree` drafts for s{num_steps}_k1, plus the top-k of the draft's
-    distribution at every chain node -> chain [B, S], top_logp [B, S, k], top_token [B, S, k].
-
-    A tree node whose parent is on the accepted path sees exactly the draft state of this chain
-    (its ancestors are the accepted path), so every sibling's features and outcome can be read off
-    the chain without verifying the siblings."""
-
-    def top(step, logits):
-        top_logp, top_token = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)  # [B, k]
-        return top_token[:, 0].astype(jnp.int32), (top_logp, top_token.astype(jnp.int32))
-
-    chain, records = draft_chain(params, cfg, state, root, root_hidden, num_steps, top)
-    return chain, jnp.stack([r[0] for r in records], 1), jnp.stack([r[1] for r in records], 1)
-
-
-@functools.partial(bounded_jit, static_argnums=(1, 4, 5, 6, 7))
+@functools.partial(bounded_jit, static_argnums=(1, 4))
 def _collect_loop(
-    params: ModelParams,
-    cfg: ModelConfig,
+    models: Models,
+    sp: Speculator,  # an sS_k1 chain under the target-only rule (greedy at temperature 0)
     prompt_tokens: jax.Array,  # [B, Sb] int32
     prompt_lengths: jax.Array,  # [B] int32
-    num_steps: int,
-    k: int,
-    cycles: int,
-    max_len: int,
+    shape: tuple[int, int, int],  # (k, cycles, max_len)
     sampling: Sampling,
 ):
     """-> per cycle [C, B, S, k]: top_logp, label, mask (parent accepted), and [C, B] the sequence's
     context bin before the cycle (`context_bins`, as the loop computes it); depth = S index + 1, rank = k index."""
+    k, cycles, max_len = shape
+    num_steps = sp.spec.num_steps
     bb = prompt_tokens.shape[0]
     greedy = sampling.temperature <= 0
-    state, root, last_hidden = prefill_for_speculation(params, cfg, prompt_tokens, prompt_lengths, max_len, sampling)
-    parent = jnp.broadcast_to(jnp.maximum(jnp.arange(num_steps + 1, dtype=jnp.int32) - 1, 0), (bb, num_steps + 1))
+    state = prefill(sp, models, prompt_tokens, prompt_lengths, max_len, sampling)
 
     def body(carry, _):
-        state, root, last_hidden, cycle, capped = carry
-        context = context_bins(capped, cycle)
-        chain, top_logp, top_token = draft_chain_topk(params, cfg, state, root, last_hidden, num_steps, k)
-        tokens = jnp.concatenate([root[:, None], chain], axis=1)  # [B, S+1]
-        plan = build_plan(parent, state.length, num_steps)
-        out = forward(params, cfg, state, tokens, verify_context(plan, state.length))
-        acc = tree_accept(tokens, parent, out.logits, num_steps, sampling, cycle)
-        active = jnp.ones((bb,), bool)
-        state, last_hidden = commit_accepted_path(params, cfg, state, tokens, out, acc, last_hidden, active)
+        state, capped = carry
+        context = context_bins(capped, state.stats.cycles)
+        chain, top_logp, top_token = chain_with_children(sp, models, state, k, sampling.temperature)
+        out = verify_stage(sp, models, state.target, chain, plan_stage(sp, state.target, chain))
+        acc = accept_stage(sp, chain, out.logits, sampling, state.stats.cycles)
+        state, _ = commit_stage(sp, models, state, chain, out, acc, jnp.ones((bb,), bool))
         parent_logits = out.logits[:, :-1]  # [B, S, V] the target after chain node d-1
 
         def argmax_label():  # greedy: the child is the target's argmax after its parent
@@ -151,30 +116,27 @@ def _collect_loop(
         depth = jnp.arange(1, num_steps + 1)[None, :, None]
         mask = jnp.broadcast_to(depth <= acc.num_accepted[:, None, None] + 1, label.shape)  # parent on the path
         capped = capped + jnp.minimum(acc.num_accepted, CONTEXT_CAP)
-        return (state, acc.bonus, last_hidden, cycle + 1, capped), (top_logp, label, mask, context)
+        return (state, capped), (top_logp, label, mask, context)
 
-    carry = (state, root, last_hidden, jnp.zeros((bb,), jnp.int32), jnp.zeros((bb,), jnp.int32))
-    _, records = jax.lax.scan(body, carry, None, length=cycles)
+    _, records = jax.lax.scan(body, (state, jnp.zeros((bb,), jnp.int32)), None, length=cycles)
     return records
 
 
 def chain_cycles_in_slices(
-    params: ModelParams,
-    cfg: ModelConfig,
+    sp: Speculator,
     prompts: Sequence[Sequence[int]],
     cycles: int,
-    num_steps: int,
     batch_size: int,
     run: Callable[[jax.Array, jax.Array, int], tuple[jax.Array, ...]],  # (tokens, lengths, max_len) -> records
 ) -> Iterator[list[np.ndarray]]:
     """The prompts in slices of `batch_size` rows (one program for every slice, the last one padded),
-    each through `run`, a jitted loop of `cycles` s{num_steps}_k1 chain cycles -> per slice its records
+    each through `run`, a jitted loop of `cycles` chain cycles of `sp` -> per slice its records
     [C, b, ...] with the padding rows cut. Checks what `generate` checks first."""
-    if params.mtp is None:
-        raise ValueError("calibration needs an MTP draft block; these params have none")
     if not prompts:
         raise ValueError("no prompts to calibrate on")
-    SpecConfig(num_steps, 1, num_steps + 1).validate_for(cfg)
+    cfg, num_steps = sp.cfg, sp.spec.num_steps
+    sp.spec.validate_for(cfg)
+    sp.drafter.check(cfg, sp.spec)
     generated = cycles * (num_steps + 1) + 1
     batch = prepare_prompts(cfg, prompts, generated)  # the checks `generate` makes, and the width bucket
     sb = batch.tokens.shape[1]
@@ -187,6 +149,11 @@ def chain_cycles_in_slices(
         yield [np.asarray(x)[:, :n] for x in run(jnp.asarray(tokens), jnp.asarray(lengths), max_len)]
 
 
+def chain_speculator(cfg: ModelConfig, draft: Draft, num_steps: int, rule: str) -> Speculator:
+    """The sS_k1 chain calibration runs, under `rule` (speculation/policy.py), raw draft values."""
+    return Speculator(cfg, SpecConfig(num_steps, 1, num_steps + 1), draft.drafter, Policy(rule))
+
+
 def collect(
     params: ModelParams,
     cfg: ModelConfig,
@@ -197,14 +164,19 @@ def collect(
     num_steps: int = COLLECT_STEPS,
     topk: int = COLLECT_TOPK,
     seed: int = 0,
+    *,
+    draft: Draft | None = None,
 ) -> dict[str, np.ndarray]:
-    """Node samples (FIELDS) of `cycles` chain cycles per prompt, greedy or sampled at `temperature`."""
+    """Node samples (FIELDS) of `cycles` chain cycles per prompt, greedy or sampled at `temperature`, of
+    `draft` (default: the MTP block of `params`)."""
+    draft = draft_of(params, cfg, draft)
     sampling = Sampling.create(temperature, key=jax.random.key(seed))
+    sp = chain_speculator(cfg, draft, num_steps, "target")
+    models = Models(target=params.replace(mtp=None), draft=draft.params)
     parts: dict[str, list[np.ndarray]] = {f: [] for f in FIELDS}
     for top_logp, label, mask, context in chain_cycles_in_slices(
-        params, cfg, prompts, cycles, num_steps, batch_size,
-        lambda tokens, lengths, max_len: _collect_loop(params, cfg, tokens, lengths, num_steps, topk, cycles, max_len,
-                                                       sampling),
+        sp, prompts, cycles, batch_size,
+        lambda tokens, lengths, max_len: _collect_loop(models, sp, tokens, lengths, (topk, cycles, max_len), sampling),
     ):  # [C, b, S, k]
         keep = mask.astype(bool)
         depth = np.broadcast_to(np.arange(1, num_steps + 1)[:, None], mask.shape)
@@ -319,4 +291,4 @@ def plot_reliability(calibration: Calibration, heldout: dict[float, dict[str, np
     plt.close(fig)
 
 
-__all__ = ["collect", "fit", "calibration_errors", "plot_reliability", "draft_fingerprint", "draft_chain_topk"]
+__all__ = ["collect", "fit", "calibration_errors", "plot_reliability", "draft_fingerprint", "chain_with_children"]

@@ -26,38 +26,24 @@ import numpy as np
 
 from jaxspec.core.config import ModelConfig
 from jaxspec.core.programs import bounded_jit
-from jaxspec.harness.calibrate import chain_cycles_in_slices, draft_chain
-from jaxspec.model.network import ModelParams, forward
+from jaxspec.harness.calibrate import chain_cycles_in_slices, chain_speculator
+from jaxspec.model.network import ModelParams, Models
 from jaxspec.model.sampling import Sampling, processed_logprobs
-from jaxspec.model.state import DecodeState
-from jaxspec.speculation.commit import commit_accepted_path
-from jaxspec.speculation.generate import prefill_for_speculation
-from jaxspec.speculation.plan import build_plan, verify_context
+from jaxspec.speculation.cycle import (
+    Speculator,
+    accept_stage,
+    commit_stage,
+    draft_stage,
+    plan_stage,
+    prefill,
+    verify_stage,
+)
+from jaxspec.speculation.drafter import Draft
+from jaxspec.speculation.generate import draft_of
 from jaxspec.speculation.values import Calibration, ValueMap, fit_map
-from jaxspec.speculation.verify import _residual_step, chain_residual_accept, node_keys
+from jaxspec.speculation.verify import _residual_step
 
 FIELDS = ("depth", "rank", "parent_top1", "parent_entropy", "label")
-
-
-def draft_chain_sampled(
-    params: ModelParams,
-    cfg: ModelConfig,
-    state: DecodeState,  # committed; state.mtp_length == state.length - 1
-    root: jax.Array,  # [B] int32
-    root_hidden: jax.Array,  # [B, hc, d]
-    num_steps: int,
-    sampling: Sampling,
-    keys: jax.Array,  # [B, S] typed keys, one per chain token
-) -> tuple[jax.Array, jax.Array]:
-    """A chain whose every token is a draw from the draft's processed distribution -> (chain [B, S],
-    log q [B, S, V]: the distribution chain token j was drawn from)."""
-    def draw(step, logits):
-        logq = processed_logprobs(logits, sampling.temperature, sampling.top_k, sampling.top_p)  # [B, V]
-        token = jax.vmap(lambda key, lq: jax.random.categorical(key, lq))(keys[:, step], logq).astype(jnp.int32)
-        return token, logq
-
-    chain, logqs = draft_chain(params, cfg, state, root, root_hidden, num_steps, draw)
-    return chain, jnp.stack(logqs, 1)
 
 
 def replay_labels(
@@ -86,37 +72,30 @@ def replay_labels(
     return jnp.mean(jax.vmap(one)(jax.random.split(key, replays)), axis=0)
 
 
-@functools.partial(bounded_jit, static_argnums=(1, 4, 5, 6, 7, 9))
+@functools.partial(bounded_jit, static_argnums=(1, 4))
 def _collect_residual_loop(
-    params: ModelParams,
-    cfg: ModelConfig,
+    models: Models,
+    sp: Speculator,  # an sS_k1 chain under the residual rule: the loop's own K = 1 sampled program
     prompt_tokens: jax.Array,  # [B, Sb] int32
     prompt_lengths: jax.Array,  # [B] int32
-    num_steps: int,
-    k: int,
-    cycles: int,
-    max_len: int,
+    shape: tuple[int, int, int, int],  # (k, cycles, max_len, replays)
     sampling: Sampling,
-    replays: int,
 ):
     """-> per cycle [C, B, S, ...]: label [.., k], parent top-1 and entropy, mask (parent on the path)."""
+    k, cycles, max_len, replays = shape
+    num_steps = sp.spec.num_steps
     bb = prompt_tokens.shape[0]
-    state, root, last_hidden = prefill_for_speculation(params, cfg, prompt_tokens, prompt_lengths, max_len, sampling)
-    parent = jnp.broadcast_to(jnp.maximum(jnp.arange(num_steps + 1, dtype=jnp.int32) - 1, 0), (bb, num_steps + 1))
+    state = prefill(sp, models, prompt_tokens, prompt_lengths, max_len, sampling)
     label_key = jax.random.fold_in(sampling.key, 0x5EED)  # apart from the loop's node keys
 
-    def body(carry, _):
-        state, root, last_hidden, cycle = carry
-        keys = node_keys(sampling.key, cycle, 2 * num_steps + 1)
-        chain, logq = draft_chain_sampled(params, cfg, state, root, last_hidden, num_steps, sampling,
-                                          keys[:, num_steps + 1:])
-        tokens = jnp.concatenate([root[:, None], chain], axis=1)  # [B, S+1]
-        plan = build_plan(parent, state.length, num_steps)
-        out = forward(params, cfg, state, tokens, verify_context(plan, state.length))
+    def body(state, _):
+        cycle = state.stats.cycles
+        chain = draft_stage(sp, models, state, sampling)  # each chain token a draw from the draft's processed q
+        out = verify_stage(sp, models, state.target, chain, plan_stage(sp, state.target, chain))
+        acc = accept_stage(sp, chain, out.logits, sampling, cycle)
+        state, _ = commit_stage(sp, models, state, chain, out, acc, jnp.ones((bb,), bool))
+        logq = chain.q[:, 1:]  # [B, S, V] the distribution chain token j was drawn from
         logp = processed_logprobs(out.logits, sampling.temperature, sampling.top_k, sampling.top_p)  # [B, S+1, V]
-        acc = chain_residual_accept(tokens, logq, logp, keys[:, : num_steps + 1])
-        state, last_hidden = commit_accepted_path(params, cfg, state, tokens, out, acc, last_hidden,
-                                                  jnp.ones((bb,), bool))
         vocab = logq.shape[-1]
         label = replay_labels(logq.reshape(-1, vocab), jnp.exp(logp[:, :-1]).reshape(-1, vocab),
                               jax.random.fold_in(label_key, cycle[0]), k, replays).reshape(bb, num_steps, k)
@@ -124,10 +103,9 @@ def _collect_residual_loop(
         top1 = jnp.max(q, -1)  # [B, S]
         entropy = -jnp.sum(jnp.where(q > 0, q * logq, 0.0), -1)
         mask = jnp.arange(1, num_steps + 1)[None, :] <= acc.num_accepted[:, None] + 1  # parent on the path
-        return (state, acc.bonus, last_hidden, cycle + 1), (label, top1, entropy, mask)
+        return state, (label, top1, entropy, mask)
 
-    carry = (state, root, last_hidden, jnp.zeros((bb,), jnp.int32))
-    _, records = jax.lax.scan(body, carry, None, length=cycles)
+    _, records = jax.lax.scan(body, state, None, length=cycles)
     return records
 
 
@@ -143,16 +121,22 @@ def collect_residual(
     replays: int = 8,
     top_p: float | None = None,
     seed: int = 0,
+    *,
+    draft: Draft | None = None,
 ) -> dict[str, np.ndarray]:
-    """Node samples (FIELDS) of `cycles` sampled chain cycles per prompt at `temperature`."""
+    """Node samples (FIELDS) of `cycles` sampled chain cycles per prompt at `temperature`, of `draft`
+    (default: the MTP block of `params`)."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 for residual values, got {temperature}")
+    draft = draft_of(params, cfg, draft)
     sampling = Sampling.create(temperature, top_p=top_p, key=jax.random.key(seed))
+    sp = chain_speculator(cfg, draft, num_steps, "residual")
+    models = Models(target=params.replace(mtp=None), draft=draft.params)
     parts: dict[str, list[np.ndarray]] = {f: [] for f in FIELDS}
     for label, top1, entropy, mask in chain_cycles_in_slices(
-        params, cfg, prompts, cycles, num_steps, batch_size,
-        lambda tokens, lengths, max_len: _collect_residual_loop(params, cfg, tokens, lengths, num_steps, topk, cycles,
-                                                                max_len, sampling, replays),
+        sp, prompts, cycles, batch_size,
+        lambda tokens, lengths, max_len: _collect_residual_loop(models, sp, tokens, lengths,
+                                                                (topk, cycles, max_len, replays), sampling),
     ):  # label [C, b, S, k]; the rest [C, b, S]
         keep = np.broadcast_to(mask[..., None], label.shape)
         parts["depth"].append(np.broadcast_to(np.arange(1, num_steps + 1)[:, None], label.shape)[keep])
@@ -174,4 +158,4 @@ def with_residual(calibration: Calibration, maps: Sequence[ValueMap]) -> Calibra
     return dataclasses.replace(calibration, residual=tuple(sorted(maps, key=lambda m: m.temperature)))
 
 
-__all__ = ["collect_residual", "fit_residual", "with_residual", "draft_chain_sampled", "replay_labels"]
+__all__ = ["collect_residual", "fit_residual", "with_residual", "replay_labels"]

@@ -27,7 +27,9 @@ from jaxspec.harness.report import write_report
 from jaxspec.model.network import ModelParams
 from jaxspec.sharding.rules import make_mesh
 from jaxspec.speculation.budget import sequoia_optimum
-from jaxspec.speculation.generate import batch_bucket, generate, speculative_generate, summarize_stats
+from jaxspec.speculation.drafter import Draft
+from jaxspec.speculation.generate import generate, speculative_generate, summarize_stats
+from jaxspec.speculation.inputs import batch_bucket
 from jaxspec.training.data import DATASETS, HELDOUT_SPLITS, load_dataset
 from jaxspec.training.tokenizer import encode
 
@@ -57,9 +59,11 @@ def run_batch(
     devices: Sequence[jax.Device] | None = None,
     longest_prompt: int | None = None,
     pad_batch_to: int | None = None,
+    *,
+    draft: Draft | None = None,
 ) -> dict[str, Any]:
-    """Greedy generation of one prompt batch with `generate` / `speculative_generate`, data-parallel
-    over the local devices; -> tokens, lengths, stats, seconds.
+    """Greedy generation of one prompt batch with `generate` / `speculative_generate` (of `draft`: its
+    calibration ranks the trees), data-parallel over the local devices; -> tokens, lengths, stats, seconds.
 
     Prompts are padded to `longest_prompt` (the longest of a whole dataset) and the batch to
     `pad_batch_to` rows, so every batch of a sweep reuses one compiled program and no timing
@@ -83,13 +87,11 @@ def run_batch(
     if spec is None:
         out = generate(params, cfg, tokens, **kwargs)
     else:
-        out = speculative_generate(params, cfg, tokens, spec, **kwargs)
+        out = speculative_generate(params, cfg, tokens, spec, **kwargs, draft=draft)
     seconds = time.perf_counter() - start
     n = len(prompts)
-    if spec is None:
-        stats = {"steps": out.stats["decode_steps"]}
-    else:
-        stats = summarize_stats({k: np.asarray(v)[:n] for k, v in out.stats["per_sequence"].items()}, spec)
+    per_sequence = {k: np.asarray(v)[:n] for k, v in out.stats["per_sequence"].items()}
+    stats = summarize_stats(per_sequence, out.stats["spec"], out.stats["decode_steps"], out.stats["scores"])
     return {
         "tokens": out.tokens[:n],
         "lengths": out.lengths[:n],
@@ -110,6 +112,8 @@ def timed_methods(
     pad_batch_to: int,
     devices: Sequence[jax.Device] | None = None,
     describe: Callable[[str], None] | None = None,
+    *,
+    draft: Draft | None = None,
 ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     """Every method over every prompt batch, timed as the measurement discipline says (`jaxspec.core.measure`).
 
@@ -120,7 +124,7 @@ def timed_methods(
     "round_seconds", "generated", "tokens_per_s", "outputs": the first pass's `run_batch` results},
     the Watch's verdict, with the first method as the reference)."""
     run = {name: functools.partial(run_batch, params, cfg, spec, max_new_tokens=max_new_tokens, devices=devices,
-                                   longest_prompt=longest_prompt, pad_batch_to=pad_batch_to)
+                                   longest_prompt=longest_prompt, pad_batch_to=pad_batch_to, draft=draft)
            for name, spec in methods.items()}
     first = {}
     for name, call in run.items():
@@ -149,7 +153,7 @@ def timed_methods(
 
 def measure_rank_acceptance(
     params: ModelParams, cfg: ModelConfig, prompts: list[list[int]], width: int = 4, max_new_tokens: int = 64,
-    batch_size: int = 16,
+    batch_size: int = 16, *, draft: Draft | None = None,
 ) -> np.ndarray:
     """p[k] = P(the k-th ranked draft child is the accepted one), from a one-level tree of `width`."""
     spec = SpecConfig(1, width, width + 1)
@@ -159,7 +163,7 @@ def measure_rank_acceptance(
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
         result = run_batch(
-            params, cfg, spec, chunk, max_new_tokens, longest_prompt=longest, pad_batch_to=batch_size
+            params, cfg, spec, chunk, max_new_tokens, longest_prompt=longest, pad_batch_to=batch_size, draft=draft
         )
         hist += np.asarray(result["stats"]["rank_histogram"], float)
         cycles += result["stats"]["cycles"]
@@ -245,8 +249,11 @@ def run_sweep(
     progress: bool = True,
     resume: bool = False,
     data_root: str | Path | None = None,
+    *,
+    draft: Draft | None = None,
 ) -> list[dict[str, Any]]:
-    """Run every (dataset, spec, batch size) and write runs.jsonl, table.md and the figures.
+    """Run every (dataset, spec, batch size) of `draft` (default: the MTP block of `params`) and write
+    runs.jsonl, table.md and the figures.
 
     resume=True keeps the (dataset, batch size) groups an earlier, interrupted run of the same sweep
     finished in out_dir/runs.jsonl and runs the rest; a half-finished group is run again whole, so
@@ -279,13 +286,14 @@ def run_sweep(
             if not batches_left[name]:
                 continue
             prompts = prompts_by_dataset[name]
-            acceptance = measure_rank_acceptance(params, cfg, prompts, sweep.rank_width)
+            acceptance = measure_rank_acceptance(params, cfg, prompts, sweep.rank_width, draft=draft)
             for batch_size in batches_left[name]:
                 batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
                 methods = {"ar": None, **{spec.name: spec for spec in specs}}
                 timed, verdict = timed_methods(
                     params, cfg, methods, batches, sweep.max_new_tokens, sweep.repeats, longest, batch_size, devices,
-                    lambda text, name=name, b=batch_size: bar.update(task, description=f"{name} b={b} {text}"))
+                    lambda text, name=name, b=batch_size: bar.update(task, description=f"{name} b={b} {text}"),
+                    draft=draft)
                 for method, spec in methods.items():
                     record = _sweep_record(name, batch_size, spec, len(prompts), sweep, timed[method], verdict,
                                            acceptance, timed["ar"]["tokens_per_s"])

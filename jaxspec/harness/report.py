@@ -176,37 +176,6 @@ def plot_acceptance(before: list[dict[str, Any]], after: list[dict[str, Any]], s
     return Path(path)
 
 
-def plot_distill_history(history: Sequence[dict[str, Any]], path: str | Path) -> Path:
-    """Top-1 agreement with the target and KL(target || draft) per draft depth over a distillation run
-    (`jaxspec distill`'s distill.json history): held-out evaluations as markers, the training batches'
-    values as a moving average of 20 steps."""
-    from matplotlib.figure import Figure
-
-    heldout = [h for h in history if "heldout" in h]
-    train = [h for h in history if "train_agree1" in h]
-    rows = heldout[0]["heldout"] if heldout else {k[len("train_"):]: v for k, v in train[0].items()
-                                                   if k.startswith("train_")}
-    depths = sorted(int(k[len("agree"):]) for k in rows if k.startswith("agree"))
-    fig = Figure(figsize=(9, 3.4))
-    axes = dict(zip(("agree", "kl"), fig.subplots(1, 2), strict=True))
-    for metric, ax in axes.items():
-        for d in depths:
-            color = f"C{d - 1}"
-            if len(train) >= 20 and f"train_{metric}{d}" in train[0]:  # a one-step draft trains depth 1 only
-                values = np.convolve([h[f"train_{metric}{d}"] for h in train], np.ones(20) / 20, mode="valid")
-                ax.plot([h["step"] for h in train][19:], values, color=color, lw=0.8, alpha=0.6)
-            if heldout:
-                ax.plot([h["step"] for h in heldout], [h["heldout"][f"{metric}{d}"] for h in heldout],
-                        color=color, marker="o", label=f"depth {d} (held out)")
-        ax.set_xlabel("optimizer step")
-        ax.legend(fontsize=7)
-    axes["agree"].set_ylabel("draft top-1 == target top-1")
-    axes["kl"].set_ylabel("KL(target || draft), nats")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return Path(path)
-
-
 def comparison_table(rows: Sequence[dict[str, Any]]) -> str:
     lines = [
         "| dataset | batch | chosen | chosen tok/s | best in sweep | best tok/s | AR tok/s | chosen/best | chosen/AR |",

@@ -36,9 +36,11 @@ from jaxspec import cost as costmodel
 from jaxspec.core.checks import is_int
 from jaxspec.core.config import ModelConfig, SpecConfig
 from jaxspec.harness.eval import timed_methods
-from jaxspec.model.network import ModelParams, check_params, cpu_layout
+from jaxspec.model.network import ModelParams, check_params
 from jaxspec.speculation.auto import NO_SPECULATION, Tuning
-from jaxspec.speculation.generate import batch_bucket, length_bucket, prepare_prompts
+from jaxspec.speculation.drafter import Draft
+from jaxspec.speculation.generate import draft_of
+from jaxspec.speculation.inputs import batch_bucket, length_bucket, prepare_prompts
 
 # Chains from 1 to 15 draft steps, the report's K = 2 trees, and per-cycle widths: what can pay on a
 # CPU at batch 1 (long chains: a cycle costs less than its tokens' AR steps) and at large batches
@@ -51,13 +53,12 @@ PRUNE_BELOW = 0.9  # x AR at one bucket below which a candidate is not measured 
 MIN_PROMPTS = 8  # prompts per dataset and bucket: a batch-1 figure averages 8 prompts, a batch-64 one holds 64
 
 
-def _check(cfg: ModelConfig, params: ModelParams, batch_sizes: Sequence[int], candidates: Sequence[Any],
-           repeats: int) -> list[SpecConfig]:
+def _check(cfg: ModelConfig, params: ModelParams, draft: Draft | None, batch_sizes: Sequence[int],
+           candidates: Sequence[Any], repeats: int) -> tuple[Draft, list[SpecConfig]]:
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
     check_params(params, cfg)
-    if params.mtp is None:
-        raise ValueError("tuning speculation needs an MTP draft block; these params have none")
+    draft = draft_of(params, cfg, draft)
     if not batch_sizes or any(not is_int(b) or b < 1 for b in batch_sizes):
         raise ValueError(f"batch sizes must be ints >= 1, got {list(batch_sizes)}")
     if not is_int(repeats) or repeats < 1:
@@ -67,7 +68,8 @@ def _check(cfg: ModelConfig, params: ModelParams, batch_sizes: Sequence[int], ca
         raise ValueError("need at least one candidate spec")
     for spec in specs:
         spec.validate_for(cfg)
-    return specs
+        draft.drafter.check(cfg, spec)
+    return draft, specs
 
 
 def tune(
@@ -86,6 +88,8 @@ def tune(
     projected_cfg: ModelConfig | None = None,
     projected_mesh: tuple[int, int, int] = (1, 1, 1),
     prune_below: float | None = PRUNE_BELOW,
+    *,
+    draft: Draft | None = None,
 ) -> Tuning:
     """Time AR and every candidate end to end per batch bucket and dataset; choose per bucket.
 
@@ -101,12 +105,11 @@ def tune(
     """
     from rich.progress import Progress, TimeElapsedColumn
 
-    specs = _check(cfg, params, batch_sizes, candidates, repeats)
+    draft, specs = _check(cfg, params, draft, batch_sizes, candidates, repeats)
     if not prompts or any(not p for p in prompts.values()):
         raise ValueError("need at least one prompt per dataset")
     if projected is not None:
         costmodel.hardware(projected)  # a ValueError naming the known ones
-    params = cpu_layout(params, cfg)
     max_steps = max(s.num_steps for s in specs)
     rows = {name: _checked_prompts(cfg, p, max_new_tokens + max_steps + 1) for name, p in prompts.items()}
     longest = max(len(p) for ps in rows.values() for p in ps)
@@ -125,7 +128,7 @@ def tune(
                 key = f"{b}:{name}"
                 if key not in finished:
                     group = _measure_group(params, cfg, methods, ps, b, max_new_tokens, repeats, retries, longest,
-                                           lambda text, k=key: bar.update(task, description=f"{k} {text}"))
+                                           lambda text, k=key: bar.update(task, description=f"{k} {text}"), draft)
                     if not group["verdict"]["clean"] and not allow_loaded:
                         raise ValueError(f"batch {b}, {name}: the machine stayed loaded over {retries + 1} tries ("
                                          f"{'; '.join(group['verdict']['reasons'])}); tune on a quiet machine "
@@ -160,7 +163,7 @@ def _checked_prompts(cfg: ModelConfig, prompts: Sequence[Sequence[int]], room: i
     return [batch.tokens[i, : int(batch.lengths[i])].tolist() for i in range(batch.batch)]
 
 
-def _measure_group(params, cfg, methods, prompts, b, max_new_tokens, repeats, retries, longest, describe):
+def _measure_group(params, cfg, methods, prompts, b, max_new_tokens, repeats, retries, longest, describe, draft):
     """AR and every candidate over max(b, MIN_PROMPTS) prompts (cycled if too few) in batches of b, timed
     round-robin; retried while the machine is loaded -> {"records": [...], "verdict": ...}."""
     count = max(b, MIN_PROMPTS)
@@ -168,7 +171,7 @@ def _measure_group(params, cfg, methods, prompts, b, max_new_tokens, repeats, re
     batches = [chosen[i : i + b] for i in range(0, count, b)]
     for attempt in range(retries + 1):
         timed, verdict = timed_methods(params, cfg, methods, batches, max_new_tokens, repeats, longest, b,
-                                       describe=describe)
+                                       describe=describe, draft=draft)
         if verdict["clean"]:
             break
         describe(f"loaded ({'; '.join(verdict['reasons'])}): measuring again ({attempt + 1}/{retries})")

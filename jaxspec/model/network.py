@@ -27,7 +27,7 @@ from jaxspec.layers.mhc import (
     init_hyper_conn,
     init_hyper_head,
 )
-from jaxspec.layers.moe import UNION_MAX_EXPERTS, MoEParams, init_moe, moe, unstack_experts
+from jaxspec.layers.moe import UNION_MAX_EXPERTS, MoEParams, init_moe, moe, stack_experts, unstack_experts
 from jaxspec.layers.mtp import MTPInputParams, init_mtp_input, mtp_inputs
 from jaxspec.model import state as state_lib
 from jaxspec.model.state import DecodeState
@@ -65,10 +65,21 @@ class ModelParams:
 
 
 @struct.dataclass
+class Models:
+    """A target and its draft's own parameters (MTPParams, a DSpark draft's, ...): what speculation runs."""
+
+    target: ModelParams
+    draft: Any
+
+
+@struct.dataclass
 class ForwardOutput:
     logits: jax.Array  # [B, T, V] fp32
     hidden: jax.Array  # [B, T, hc, d] final streams before hc_head (the MTP draft's input)
     rows: tuple[AttentionRows, ...]  # per layer, for `state.commit`
+    # [B, T, n*d]: per layer of `forward(capture=...)`, the mean over the hc streams of its output (a
+    # DSpark draft's input); None without capture
+    captured: jax.Array | None = None
 
 
 def _init_block(cfg: ModelConfig, key: jax.Array, kind: str, hash_routed: bool) -> BlockParams:
@@ -170,42 +181,35 @@ def causal_context(committed: jax.Array, valid: jax.Array, band: int = 0) -> Att
     )
 
 
-def head_logits(params: ModelParams, cfg: ModelConfig, streams: jax.Array, mtp: bool = False) -> jax.Array:
-    """[B, T, hc, d] streams -> [B, T, V] fp32 logits (main or MTP hc_head + norm, shared head)."""
-    hh, norm = (params.mtp.hc_head, params.mtp.norm) if mtp else (params.hc_head, params.norm)
-    x = rms_norm(hc_head(hh, cfg, streams), norm, cfg.rms_norm_eps)
+def head_logits(params: ModelParams, cfg: ModelConfig, streams: jax.Array, final: Any = None) -> jax.Array:
+    """[B, T, hc, d] streams -> [B, T, V] fp32 logits: hc_head + norm, then the shared head. `final`:
+    a draft's own hc_head and norm (its params: MTPParams, ...), None = the target's."""
+    top = params if final is None else final
+    x = rms_norm(hc_head(top.hc_head, cfg, streams), top.norm, cfg.rms_norm_eps)
     return jnp.einsum("btd,dv->btv", x, params.head, preferred_element_type=jnp.float32)
 
 
-_CPU_LAYOUTS: list[tuple[tuple, ModelParams]] = []  # (the params' leaves, their CPU layout), newest last
-_CPU_LAYOUTS_KEPT = 2
-
-
-def cpu_layout(params: ModelParams, cfg: ModelConfig) -> ModelParams:
-    """`params` with every routed expert weight unstacked into per-expert leaves (`moe.unstack_experts`)
-    when they live on CPU devices, unsharded, and the CPU path reads experts in place (at most
-    UNION_MAX_EXPERTS experts, k < E); else `params` itself. The same values: outputs are bit-identical,
-    a CPU step skips one copy of every selected expert (docs/results.md, "Routed experts on the CPU").
-
-    Called outside jit by the decoding entry points; the last two results are kept (keyed by the
-    identity of the immutable leaves, which each entry holds), so repeated calls convert once."""
+def cpu_layout(params: Any, cfg: ModelConfig) -> Any:
+    """`params` (ModelParams, a draft's params, any tree of blocks) with every routed expert weight
+    unstacked into per-expert leaves (`moe.unstack_experts`) when they live on one CPU device and the
+    CPU path reads experts in place (at most UNION_MAX_EXPERTS experts, k < E); else `params` itself.
+    The same values: outputs are bit-identical, a CPU step skips one copy of every selected expert
+    (docs/results.md, "Routed experts on the CPU"). Outside jit, once: `load_checkpoint` does it."""
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    leaves = tuple(jax.tree.leaves(params))
+    leaves = jax.tree.leaves(params)
     if not (k < e <= UNION_MAX_EXPERTS) or not leaves or not all(_on_one_cpu(x) for x in leaves):
         return params
-    for kept, converted in _CPU_LAYOUTS:
-        if len(kept) == len(leaves) and all(a is b for a, b in zip(kept, leaves, strict=True)):
-            return converted
+    return _map_moe(params, lambda m: m.replace(experts=unstack_experts(m.experts)))
 
-    def unstack(block: BlockParams) -> BlockParams:
-        return block.replace(ffn=block.ffn.replace(experts=unstack_experts(block.ffn.experts)))
 
-    mtp = params.mtp
-    converted = params.replace(layers=tuple(unstack(b) for b in params.layers),
-                               mtp=None if mtp is None else mtp.replace(block=unstack(mtp.block)))
-    _CPU_LAYOUTS.append((leaves, converted))
-    del _CPU_LAYOUTS[:-_CPU_LAYOUTS_KEPT]
-    return converted
+def standard_layout(params: Any) -> Any:
+    """The inverse of `cpu_layout`: stacked expert weights, as stored."""
+    return _map_moe(params, lambda m: m.replace(experts=stack_experts(m.experts)))
+
+
+def _map_moe(tree: Any, fn: Any) -> Any:
+    return jax.tree.map(lambda x: fn(x) if isinstance(x, MoEParams) else x, tree,
+                        is_leaf=lambda x: isinstance(x, MoEParams))
 
 
 def _on_one_cpu(x: Any) -> bool:
@@ -237,15 +241,21 @@ def forward(
     state: DecodeState,
     tokens: jax.Array,  # [B, T] int32
     ctx: AttentionContext,
+    capture: tuple[int, ...] = (),
 ) -> ForwardOutput:
-    """Target forward over T new tokens; reads `state`, writes nothing (see `state.commit`)."""
+    """Target forward over T new tokens; reads `state`, writes nothing (see `state.commit`).
+    capture: layer ids whose output streams, averaged over the hyper-connection copies, come back in
+    `ForwardOutput.captured` (concatenated in the order given)."""
     check_params(params, cfg)
     streams = jnp.broadcast_to(params.embed[tokens][:, :, None, :], (*tokens.shape, cfg.hc_mult, cfg.hidden_size))
-    all_rows = []
+    all_rows, captured = [], {}
     for i, kind in enumerate(cfg.layer_types):
         streams, rows = block(params.layers[i], cfg, kind, streams, tokens, state.layers[i], ctx)
         all_rows.append(rows)
-    return ForwardOutput(logits=head_logits(params, cfg, streams), hidden=streams, rows=tuple(all_rows))
+        if i in capture:
+            captured[i] = jnp.mean(streams.astype(jnp.float32), axis=2).astype(streams.dtype)
+    return ForwardOutput(logits=head_logits(params, cfg, streams), hidden=streams, rows=tuple(all_rows),
+                         captured=jnp.concatenate([captured[i] for i in capture], axis=-1) if capture else None)
 
 
 def extend(
@@ -255,30 +265,31 @@ def extend(
     tokens: jax.Array,  # [B, T] int32, left-aligned
     valid: jax.Array,  # [B, T] bool (ragged chunks: a prefix of each row is valid)
     banded: bool = True,
+    capture: tuple[int, ...] = (),
 ) -> tuple[ForwardOutput, DecodeState]:
     """Append a chunk of tokens to every sequence: forward, then commit every valid token.
 
-    banded: read a long chunk block by block (`layers.banded`; False: the dense [T, T] reference)."""
+    banded: read a long chunk block by block (`layers.banded`; False: the dense [T, T] reference).
+    capture: as `forward`'s."""
     ctx = causal_context(state.length, valid, band_block(cfg, tokens.shape[1]) if banded else 0)
-    out = forward(params, cfg, state, tokens, ctx)
+    out = forward(params, cfg, state, tokens, ctx, capture)
     return out, state_lib.commit(cfg, state, out.rows, ctx.positions, valid)
 
 
 def mtp_forward(
-    params: ModelParams,
+    params: ModelParams,  # the target: its embedding and head
+    mtp: MTPParams,
     cfg: ModelConfig,
-    state: DecodeState,
+    ring: state_lib.LayerState,  # the MTP block's committed window ring
     hidden: jax.Array,  # [B, T, hc, d] streams (target's, or the MTP's own when drafting deeper)
     next_tokens: jax.Array,  # [B, T] token at position i+1 for the step at position i
-    ctx: AttentionContext,  # positions/committed refer to MTP positions (state.mtp_length)
+    ctx: AttentionContext,  # positions / committed are MTP positions (position i consumes token i+1)
 ) -> tuple[jax.Array, jax.Array, AttentionRows]:
     """One MTP step per new position: -> logits for position i+2 [B, T, V], MTP streams Z
     [B, T, hc, d] (fed back as `hidden` for the next draft step), window rows to commit."""
-    if params.mtp is None or state.mtp is None:
-        raise ValueError("this model has no MTP block (num_mtp_layers=0); speculation needs one")
-    u = mtp_inputs(params.mtp.inputs, cfg, hidden, params.embed[next_tokens])
-    z, rows = block(params.mtp.block, cfg, "sliding", u, next_tokens, state.mtp, ctx)
-    return head_logits(params, cfg, z, mtp=True), z, rows
+    u = mtp_inputs(mtp.inputs, cfg, hidden, params.embed[next_tokens])
+    z, rows = block(mtp.block, cfg, "sliding", u, next_tokens, ring, ctx)
+    return head_logits(params, cfg, z, mtp), z, rows
 
 
 def check_logits_inputs(params: ModelParams, cfg: Any, tokens: Any) -> jax.Array:

@@ -16,6 +16,7 @@ block's rows the same way; a chunk longer than the window ring sees its own earl
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -25,10 +26,8 @@ from flax import struct
 from jaxspec.core.checks import is_power_of_two, next_power_of_two
 from jaxspec.core.config import ModelConfig
 from jaxspec.core.programs import bounded_jit
-from jaxspec.layers.banded import band_block
 from jaxspec.model import state as state_lib
-from jaxspec.model.network import ModelParams, causal_context, check_logits_inputs, extend, mtp_forward
-from jaxspec.model.sampling import Sampling, sample_tokens
+from jaxspec.model.network import ForwardOutput, ModelParams, check_logits_inputs, extend
 from jaxspec.sharding.active import constrain_state
 
 MIN_DEFAULT_CHUNK, MAX_DEFAULT_CHUNK = 256, 2048
@@ -63,26 +62,33 @@ def effective_chunk(cfg: ModelConfig, width: int, chunk: int | None = None) -> i
 @struct.dataclass
 class PrefillOutput:
     last_logits: jax.Array  # [B, V] fp32 logits at each row's last prompt token
-    last_hidden: jax.Array  # [B, hc, d] target streams at each row's last prompt token
     logits: jax.Array | None = None  # [B, S, V] fp32 every position (all_logits=True only)
+    followed: Any = None  # what `follow` made of the chunks (a draft's state), when given
+
+
+# follow(carry, out, tokens [B, C], positions [B, C], valid [B, C]) -> carry, after every chunk: a draft
+# model's state follows the prompt's committed rows as they are made (speculation/drafter.py).
+Follow = Callable[[Any, ForwardOutput, jax.Array, jax.Array, jax.Array], Any]
 
 
 def chunked_prefill(
     params: ModelParams,
     cfg: ModelConfig,
-    state: state_lib.DecodeState,  # fresh (length 0) when mtp=True
+    state: state_lib.DecodeState,
     tokens: jax.Array,  # [B, S] int32, left-aligned, zero padded
     lengths: jax.Array,  # [B] int32 prompt tokens per row, >= 1
     *,
     chunk: int | None = None,
-    mtp: bool = False,
     all_logits: bool = False,
     banded: bool = True,
+    capture: tuple[int, ...] = (),
+    follow: tuple[Follow, Any] | None = None,
 ) -> tuple[PrefillOutput, state_lib.DecodeState]:
     """Append each row's prompt to `state` chunk by chunk (traceable; call it inside a jit).
 
-    mtp: also fill the MTP ring over the prompt (position i consumes (H_i, token i+1), i < P-1), as
-    `speculative_generate` needs. all_logits: keep the logits of every position ([B, S, V]).
+    all_logits: keep the logits of every position ([B, S, V]). follow: (function, initial carry), called
+    after each chunk with what it committed (a draft's state following the prompt, `PrefillOutput.followed`);
+    capture: the target layers whose hyper-connection means the follower reads (`forward`).
     banded: a chunk longer than two query blocks reads its own keys block by block (`layers.banded`,
     linear in the chunk); False: the dense [chunk, chunk] reference.
     """
@@ -91,16 +97,14 @@ def chunked_prefill(
         raise ValueError(f"the prompt width {s} is longer than the state can hold (max_len={state.max_len})")
     c = effective_chunk(cfg, s, chunk)
     num_slots = -(-s // c)
-    # One spare column so the MTP's next-token slice of the last chunk stays in bounds.
-    padded = jnp.pad(tokens, ((0, 0), (0, num_slots * c + 1 - s)))
+    padded = jnp.pad(tokens, ((0, 0), (0, num_slots * c - s)))
     num_chunks = (jnp.max(lengths) + c - 1) // c  # traced: the loop bound, not the program
     batch_index = jnp.arange(b)
     index = jnp.arange(c, dtype=jnp.int32)
-    dtype = jnp.dtype(cfg.dtype)
     out0 = PrefillOutput(
         last_logits=jnp.zeros((b, cfg.vocab_size), jnp.float32),
-        last_hidden=jnp.zeros((b, cfg.hc_mult, cfg.hidden_size), dtype),
         logits=jnp.zeros((b, num_slots * c, cfg.vocab_size), jnp.float32) if all_logits else None,
+        followed=None if follow is None else follow[1],
     )
 
     def body(carry):
@@ -108,60 +112,22 @@ def chunked_prefill(
         start = step * c
         chunk_tokens = jax.lax.dynamic_slice_in_dim(padded, start, c, axis=1)  # [B, C]
         valid = (start + index)[None, :] < lengths[:, None]
-        out, state = extend(params, cfg, state, chunk_tokens, valid, banded=banded)
+        positions = state.length[:, None] + index[None, :]
+        out, state = extend(params, cfg, state, chunk_tokens, valid, banded=banded, capture=capture)
         last = lengths - 1 - start  # [B] index of the row's last prompt token in this chunk
         here = (last >= 0) & (last < c)
         at = jnp.clip(last, 0, c - 1)
-        acc = acc.replace(
-            last_logits=jnp.where(here[:, None], out.logits[batch_index, at], acc.last_logits),
-            last_hidden=jnp.where(here[:, None, None], out.hidden[batch_index, at], acc.last_hidden),
-        )
+        acc = acc.replace(last_logits=jnp.where(here[:, None], out.logits[batch_index, at], acc.last_logits))
         if all_logits:
             acc = acc.replace(logits=jax.lax.dynamic_update_slice_in_dim(acc.logits, out.logits, start, axis=1))
-        if mtp:
-            next_tokens = jax.lax.dynamic_slice_in_dim(padded, start + 1, c, axis=1)
-            mtp_valid = (start + index)[None, :] < (lengths - 1)[:, None]
-            ctx = causal_context(state.mtp_length, mtp_valid, band_block(cfg, c) if banded else 0)
-            _, _, rows = mtp_forward(params, cfg, state, out.hidden, next_tokens, ctx)
-            state = state_lib.commit_mtp(cfg, state, rows, ctx.positions, mtp_valid)
+        if follow is not None:
+            acc = acc.replace(followed=follow[0](acc.followed, out, chunk_tokens, positions, valid))
         return step + 1, constrain_state(state), acc
 
     _, state, acc = jax.lax.while_loop(lambda carry: carry[0] < num_chunks, body, (jnp.int32(0), state, out0))
     if all_logits:
         acc = acc.replace(logits=acc.logits[:, :s])
     return acc, state
-
-
-def prefill_for_speculation(
-    params: ModelParams,
-    cfg: ModelConfig,
-    prompt_tokens: jax.Array,  # [B, S] int32, left-aligned, zero padded
-    prompt_lengths: jax.Array,  # [B] int32, >= 1
-    max_len: int,
-    sampling: Sampling | None = None,
-) -> tuple[state_lib.DecodeState, jax.Array, jax.Array]:
-    """Target prefill + the MTP ring over the prompt, chunked; -> (state, root [B], last_hidden [B, hc, d]).
-
-    The root is the first generated token, drawn exactly as `generate` draws it (greedy when
-    `sampling` is None), not yet committed: it is the root of the first cycle's tree.
-    """
-    if prompt_tokens.ndim != 2 or prompt_lengths.shape != prompt_tokens.shape[:1]:
-        raise ValueError(
-            f"prompt_tokens must be [B, S] and prompt_lengths [B], got {prompt_tokens.shape} and {prompt_lengths.shape}"
-        )
-    bb, sb = prompt_tokens.shape
-    if sb > max_len:
-        raise ValueError(f"max_len={max_len} is shorter than the prompt width {sb}")
-    state = constrain_state(state_lib.init_state(cfg, bb, max_len))
-    out, state = chunked_prefill(params, cfg, state, prompt_tokens, prompt_lengths, mtp=True)
-    if sampling is None:
-        root = jnp.argmax(out.last_logits, axis=-1).astype(jnp.int32)
-    else:
-        root = sample_tokens(
-            out.last_logits, jax.random.fold_in(sampling.key, 0), sampling.temperature, sampling.top_k,
-            sampling.top_p,
-        )
-    return state, root, out.last_hidden
 
 
 def chunked_logits(params: ModelParams, cfg: ModelConfig, tokens: Any, chunk: int | None = None) -> jax.Array:

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspec.core import programs
 from jaxspec.core.config import ModelConfig
-from jaxspec.model.network import ModelParams, check_logits_inputs
+from jaxspec.model.network import ModelParams, Models, check_logits_inputs
 from jaxspec.model.placement import param_shardings, shard_params
 from jaxspec.model.prefill import chunked_logits, jitted_chunked_logits, prefill_chunk
 from jaxspec.sharding.active import activate, is_dynamic
@@ -45,7 +45,7 @@ def _program(
     data_split = mesh.shape[DATA] > 1 and batch % mesh.shape[DATA] == 0
     rows = NamedSharding(mesh, P(DATA))
     for i in dynamic:
-        if isinstance(args[i], ModelParams):
+        if isinstance(args[i], (ModelParams, Models)):
             args[i] = shard_params(args[i], cfg, mesh, rules)
         elif data_split:
             # Batch rows go to their data shard before the call (an explicit-axis reshard); inside,
@@ -91,7 +91,7 @@ def _build_program(raw, mesh, rules, cfg, args, static, batch):
     # Global shapes, as traced without a mesh (the unsharded types: no data-split inputs).
     out_shapes = jax.eval_shape(fn, *jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), dyn_args))
     if data_manual:
-        in_specs = tuple(P() if isinstance(a, ModelParams) else jax.tree.map(batch_spec, a) for a in dyn_args)
+        in_specs = tuple(P() if isinstance(a, (ModelParams, Models)) else jax.tree.map(batch_spec, a) for a in dyn_args)
         # Scalars (step counters) come back per shard, [data], and are reduced by `post`.
         out_specs = jax.tree.map(lambda s: P(DATA) if s.ndim == 0 else batch_spec(s), out_shapes)
 
@@ -111,7 +111,7 @@ def _build_program(raw, mesh, rules, cfg, args, static, batch):
             return out
 
     in_shardings = tuple(
-        param_shardings(cfg, mesh, rules, a) if isinstance(a, ModelParams)
+        param_shardings(cfg, mesh, rules, a) if isinstance(a, (ModelParams, Models))
         else jax.tree.map(lambda x: NamedSharding(mesh, batch_spec(x) if data_manual else P()), a)
         for a in dyn_args
     )
@@ -198,7 +198,8 @@ def on_mesh(jitted: Any, mesh: jax.sharding.Mesh | None, batch: int, rules: Mapp
         return jitted
 
     def call(*args):
-        cfg = next((a for a in args if isinstance(a, ModelConfig)), None)
+        cfgs = (a if isinstance(a, ModelConfig) else getattr(a, "cfg", None) for a in args)
+        cfg = next((c for c in cfgs if isinstance(c, ModelConfig)), None)
         if cfg is None:
             raise ValueError("a sharded program needs a ModelConfig among its arguments")
         return run_sharded(jitted, mesh, args, batch=batch, cfg=cfg, rules=rules)

@@ -129,3 +129,24 @@ def gumbel_choice(
 
     # A cond, not a select: greedy runs skip the vocab sort and the noise entirely.
     return jax.lax.cond(sampling.temperature > 0, draw, greedy)
+
+
+def node_keys(
+    key: jax.Array,  # [] typed key
+    cycle: jax.Array,  # [B] int32 per-sequence cycle counter
+    num_nodes: int,
+) -> jax.Array:
+    """-> [B, N] independent keys of a speculative cycle's nodes: fold(fold(fold(key, cycle + 1), row), node).
+
+    fold_in(key, 0) is left to the first token (sampled from the prefill, as `generate` does).
+    Folding in the global row makes a sequence's draws independent of the batch bucket it lands
+    in and of how the batch is split over devices.
+    """
+    rows = global_rows(cycle.shape[0])
+    nodes = jnp.arange(num_nodes, dtype=jnp.int32)
+
+    def per_row(c, r):
+        k = jax.random.fold_in(jax.random.fold_in(key, c + 1), r)
+        return jax.vmap(lambda i: jax.random.fold_in(k, i))(nodes)
+
+    return jax.vmap(per_row)(cycle.astype(jnp.int32), rows)

@@ -34,8 +34,6 @@ class LayerState:
 class DecodeState:
     layers: tuple[LayerState, ...]
     length: jax.Array = axes("batch")  # [B] int32 committed tokens per sequence
-    mtp: LayerState | None  # window ring of the MTP block
-    mtp_length: jax.Array = axes("batch")  # [B] int32 MTP positions filled (position i consumes token i+1)
     max_len: int = struct.field(pytree_node=False, default=0)
 
     @property
@@ -43,7 +41,8 @@ class DecodeState:
         return self.length.shape[0]
 
 
-def _layer_state(cfg: ModelConfig, kind: str, batch: int, max_len: int) -> LayerState:
+def layer_state(cfg: ModelConfig, kind: str, batch: int, max_len: int) -> LayerState:
+    """An empty state of one layer of `kind` (a draft's sliding-window block: "sliding")."""
     dtype = jnp.dtype(cfg.dtype)
     c, ci = cfg.head_dim, cfg.index_head_dim
     swa = jnp.zeros((batch, cfg.sliding_window, c), dtype)
@@ -68,16 +67,14 @@ def _layer_state(cfg: ModelConfig, kind: str, batch: int, max_len: int) -> Layer
 
 
 def init_state(cfg: ModelConfig, batch: int, max_len: int) -> DecodeState:
-    """An empty state for `batch` sequences of up to `max_len` tokens."""
+    """An empty target state for `batch` sequences of up to `max_len` tokens (a draft keeps its own)."""
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
     if max_len < 1 or max_len > cfg.max_position_embeddings:
         raise ValueError(f"max_len must be in [1, {cfg.max_position_embeddings}], got {max_len}")
     return DecodeState(
-        layers=tuple(_layer_state(cfg, kind, batch, max_len) for kind in cfg.layer_types),
+        layers=tuple(layer_state(cfg, kind, batch, max_len) for kind in cfg.layer_types),
         length=jnp.zeros((batch,), jnp.int32),
-        mtp=_layer_state(cfg, "sliding", batch, max_len) if cfg.has_mtp else None,
-        mtp_length=jnp.zeros((batch,), jnp.int32),
         max_len=max_len,
     )
 
@@ -145,11 +142,3 @@ def commit(
         for kind, layer, layer_rows in zip(cfg.layer_types, state.layers, rows, strict=True)
     )
     return state.replace(layers=layers, length=new_length)
-
-
-def commit_mtp(
-    cfg: ModelConfig, state: DecodeState, rows: AttentionRows, positions: jax.Array, take: jax.Array
-) -> DecodeState:
-    new_length = state.mtp_length + jnp.sum(take, axis=1).astype(jnp.int32)
-    mtp = commit_layer(cfg, "sliding", state.mtp, rows, positions, take, new_length)
-    return state.replace(mtp=mtp, mtp_length=new_length)

@@ -1,6 +1,6 @@
 """The chooser's result, `tune.json`: the spec (or no speculation) per batch bucket and every
 measurement behind it. Written by `jaxspec tune` (`jaxspec.harness.tune.tune`), read here by
-`speculative_generate(spec="auto", tuning=...)`; this module needs nothing but the configs.
+`speculative_generate(spec="auto", ...)` from the draft's tuning; this module needs nothing but the configs.
 """
 
 from __future__ import annotations
@@ -74,26 +74,19 @@ class Tuning:
 
 
 def load_tuning(path: str | Path) -> Tuning:
-    """Read a tuning written by `jaxspec tune`: the JSON file, or the checkpoint folder holding it."""
+    """Read a tuning written by `jaxspec tune`: the JSON file, or the checkpoint folder holding it; a
+    damaged file is a one-line ValueError naming it."""
     path = Path(path).expanduser()
     if path.is_dir():
         path = path / TUNING_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no tuning at {str(path)!r}; run `jaxspec tune --checkpoint FOLDER` first")
-    return Tuning.from_json(json.loads(path.read_text()))
-
-
-_LOADED: dict[str, Tuning] = {}  # draft fingerprint -> the tune.json loaded beside those params
-
-
-def register_tuning(fingerprint: str, tuning: Tuning) -> None:
-    """Make `tuning` what spec="auto" reads for params with this draft fingerprint
-    (`load_checkpoint` registers the tune.json it finds beside the params)."""
-    _LOADED[fingerprint] = tuning
-
-
-def registered_tuning(fingerprint: str) -> Tuning | None:
-    return _LOADED.get(fingerprint)
+    try:
+        return Tuning.from_json(json.loads(path.read_text()))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not JSON: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
 def as_tuning(tuning: Tuning | str | Path) -> Tuning:

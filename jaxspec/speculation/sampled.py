@@ -33,9 +33,8 @@ import numpy as np
 from flax import struct
 
 from jaxspec.core.config import SpecConfig
-from jaxspec.model.sampling import Sampling, processed_logprobs
+from jaxspec.model.sampling import Sampling, node_keys, processed_logprobs
 from jaxspec.speculation.values import NUM_RANKS, PROB_EDGES, ValueMap, depth_bin
-from jaxspec.speculation.verify import node_keys
 
 # A-priori P(the accepted child has rank r | its parent was reached), for the residual rule on a good
 # draft: the first draw is accepted most of the time, later ones only from the residual's leftovers.

@@ -26,7 +26,6 @@ counts and makes each row monotone with pool-adjacent-violators: simple and insp
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import hashlib
 import json
@@ -39,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.core.config import ModelConfig, SpecConfig
+from jaxspec.model.network import standard_layout
 
 CALIBRATION_FILE = "calibration.json"
 PROB_EDGES = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)  # 13 bins
@@ -137,42 +137,20 @@ class Calibration:
         return path
 
 
-# ---- which checkpoint a calibration belongs to -------------------------------------------------
+# ---- which draft a calibration belongs to ------------------------------------------------------
 
 
-_FINGERPRINTS: collections.OrderedDict[tuple, tuple[tuple, str]] = collections.OrderedDict()
-_FINGERPRINTS_KEPT = 4
-
-
-def draft_fingerprint(params: Any, cfg: ModelConfig) -> str:
-    """sha256 over the architecture (dtype excluded) and a strided sample of every MTP leaf, rounded
-    to bfloat16: the same for a bf16 checkpoint and its float32 cast, different for another draft.
-
-    Sampling the leaves costs ~10 ms (a device read per leaf), which every `speculative_generate`
-    call would pay: the last few results are kept, keyed by the identity of the (immutable) leaves,
-    which each entry holds on to so an id cannot be reused for other arrays."""
-    if params.mtp is None:
-        raise ValueError("a calibration is for an MTP draft block; these params have none")
-    leaves = tuple(jax.tree.leaves(params.mtp))
-    if any(isinstance(x, jax.core.Tracer) for x in leaves):
-        return _fingerprint(params, cfg)
-    key = (cfg, tuple(id(x) for x in leaves))
-    hit = _FINGERPRINTS.get(key)
-    if hit is not None and all(a is b for a, b in zip(hit[0], leaves, strict=True)):
-        _FINGERPRINTS.move_to_end(key)
-        return hit[1]
-    fingerprint = _fingerprint(params, cfg)
-    _FINGERPRINTS[key] = (leaves, fingerprint)
-    while len(_FINGERPRINTS) > _FINGERPRINTS_KEPT:
-        _FINGERPRINTS.popitem(last=False)
-    return fingerprint
-
-
-def _fingerprint(params: Any, cfg: ModelConfig) -> str:
+def draft_fingerprint(draft: Any, cfg: ModelConfig) -> str:
+    """sha256 over the architecture (dtype excluded) and a strided sample of every leaf of the draft's
+    parameters (`Draft.params`), rounded to bfloat16: the same for a bf16 checkpoint and its float32 cast,
+    different for another draft."""
+    if draft is None:
+        raise ValueError("a calibration is for a draft; these params have none")
+    draft = standard_layout(draft)  # the same for a CPU layout of the same weights
     # Settings of how the model is run, not of what it computes, stay out (dtype, kernels, prefill chunk).
     arch = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("dtype", "attention_impl", "prefill_chunk")}
     h = hashlib.sha256(json.dumps(arch, sort_keys=True, default=str).encode())
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params.mtp)[0]:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(draft)[0]:
         flat = jnp.ravel(leaf)
         stride = max(1, flat.shape[0] // 1024)
         sample = np.asarray(jax.device_get(flat[::stride][:1024].astype(jnp.bfloat16))).view(np.uint16)
@@ -180,28 +158,9 @@ def _fingerprint(params: Any, cfg: ModelConfig) -> str:
     return h.hexdigest()[:16]
 
 
-_LOADED: dict[str, Calibration] = {}
-
-
-def register(calibration: Calibration) -> None:
-    """Make `calibration` the default node values of every params with its fingerprint
-    (`load_checkpoint` registers the calibration.json it finds beside the params)."""
-    _LOADED[calibration.fingerprint] = calibration
-
-
-def registered(params: Any, cfg: ModelConfig) -> Calibration | None:
-    """The registered calibration for these params, or None (also when they cannot be fingerprinted)."""
-    if not _LOADED or params.mtp is None:
-        return None
-    try:
-        return _LOADED.get(draft_fingerprint(params, cfg))
-    except Exception:  # e.g. arrays spread over processes: no default calibration, raw scores
-        return None
-
-
-def load_calibration(path: str | Path, params: Any = None, cfg: ModelConfig | None = None) -> Calibration:
-    """Read calibration.json (the file or the checkpoint folder); with params and cfg, check it was
-    fitted for them (one-line ValueError otherwise) and register it as their default."""
+def load_calibration(path: str | Path, draft: Any = None, cfg: ModelConfig | None = None) -> Calibration:
+    """Read calibration.json (the file or the checkpoint folder); with the draft's parameters and cfg,
+    check it was fitted for them (one-line ValueError otherwise)."""
     path = Path(path).expanduser()
     if path.is_dir():
         path = path / CALIBRATION_FILE
@@ -209,46 +168,38 @@ def load_calibration(path: str | Path, params: Any = None, cfg: ModelConfig | No
         raise FileNotFoundError(f"no calibration at {str(path)!r}; run `jaxspec calibrate --checkpoint FOLDER`")
     try:
         data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not JSON: {e}") from None
     calibration = Calibration.from_json(data, str(path))
-    if params is not None and cfg is not None:
-        expected = draft_fingerprint(params, cfg)
-        if calibration.fingerprint != expected:
-            raise ValueError(
-                f"{path} was fitted for another checkpoint (draft fingerprint {calibration.fingerprint}, these "
-                f"params are {expected}); re-run `jaxspec calibrate` for them"
-            )
-        register(calibration)
+    if draft is not None and cfg is not None:
+        check_fitted(calibration, draft, cfg, str(path))
     return calibration
 
 
-def resolve_scores(params: Any, cfg: ModelConfig, spec: SpecConfig,
-                   calibration: Any = None) -> tuple[SpecConfig, Calibration | None]:
+def check_fitted(calibration: Calibration, draft: Any, cfg: ModelConfig, source: str = "the calibration") -> None:
+    """One-line ValueError unless `calibration` was fitted for this draft's parameters."""
+    expected = draft_fingerprint(draft, cfg)
+    if calibration.fingerprint != expected:
+        raise ValueError(f"{source} was fitted for another draft (fingerprint {calibration.fingerprint}, this "
+                         f"draft is {expected}); re-run `jaxspec calibrate` for it")
+
+
+def resolve_scores(spec: SpecConfig, calibration: Calibration | None) -> tuple[SpecConfig, Calibration | None]:
     """-> (spec with scores "calibrated" or "draft", the node values to rank by or None).
 
-    "draft": raw draft log-probs. "auto": `calibration` (a `Calibration`, or its file / checkpoint
-    folder, checked against these params), else the one `load_checkpoint` registered for them,
-    else raw. "calibrated": like auto, but no calibration is an error.
+    "draft": raw draft log-probs. "auto": `calibration` where there is one, else raw. "calibrated": like
+    auto, but no calibration is an error.
     """
-    if params.mtp is None:
-        raise ValueError("speculation needs an MTP draft block; these params have none")
+    if calibration is not None and not isinstance(calibration, Calibration):
+        raise ValueError(f"calibration must be a Calibration, its file or a checkpoint folder, got {calibration!r}")
     if spec.scores == "draft":
-        if calibration is not None:
-            raise ValueError('calibration= is unused with scores="draft"; pass one or the other')
         return spec, None
     if calibration is None:
-        values = registered(params, cfg)
-    elif isinstance(calibration, Calibration):
-        values = calibration
-    else:
-        values = load_calibration(calibration, params, cfg)
-    if values is None:
         if spec.scores == "calibrated":
             raise ValueError('scores="calibrated" needs a calibration: calibration= (a Calibration or its file), '
-                             "or a checkpoint with calibration.json (`jaxspec calibrate`)")
+                             "or a draft with one (load_checkpoint of a folder with calibration.json)")
         return dataclasses.replace(spec, scores="draft"), None
-    return dataclasses.replace(spec, scores="calibrated"), values
+    return dataclasses.replace(spec, scores="calibrated"), calibration
 
 
 # ---- the values in a drafting step ------------------------------------------------------------

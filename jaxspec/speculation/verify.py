@@ -1,7 +1,8 @@
 """Acceptance: walk the tree from the root following the child the target agrees with.
 
-Greedy: at node i the target's choice is argmax(logits_i); the child carrying that token (top-K
-children have distinct tokens) is accepted. The walk is a fixed number (S) of gathers.
+Greedy (`greedy_accept` over the argmax): at node i the target's choice is argmax(logits_i); the child
+carrying that token (top-K children have distinct tokens) is accepted. The walk is a fixed number (S)
+of gathers.
 
 Sampling (drafts are deterministic top-K, so the target-only rule, docs/tree_verification.md §5, is
 exact): every node gets its own draw y_i from the target distribution P_i, processed exactly as
@@ -14,8 +15,8 @@ node's draw was never looked at before. No thresholds, no relaxed matching.
 `chain_residual_accept` is the rule for sampled (not top-K) chain drafts (Leviathan et al. 2023): accept with
 probability min(1, p/q), emit from the residual on rejection. `residual_tree_accept` is the loop's rule for
 sampled drafts (`speculation/sampled.py`): the chain rule for K = 1, recursive rejection sampling without
-replacement (RSD-S, Jeon et al. 2024) for trees (docs/sampling.md). `tree_accept` stays the rule for
-top-K drafts and the reference.
+replacement (RSD-S, Jeon et al. 2024) for trees (docs/sampling.md). `greedy_accept` over independent target
+draws (`model.sampling.gumbel_choice`) stays the rule for top-K drafts and the reference.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec.model.sampling import Sampling, gumbel_choice, processed_logprobs
-from jaxspec.sharding.active import global_rows
+from jaxspec.speculation.tree import Tree
 
 
 @struct.dataclass
@@ -62,59 +63,25 @@ def greedy_accept(
     return Acceptance(path_mask, num_accepted, current, bonus, jnp.stack(path_nodes, axis=1))
 
 
+def target_accept(
+    tokens: jax.Array,  # [B, D] node tokens of a top-K tree (drafted before any target draw)
+    parent: jax.Array,  # [B, D]
+    logits: jax.Array,  # [B, D, V] target logits at every node
+    max_depth: int,
+    sampling: Sampling,
+    keys: jax.Array,  # [B, D] typed keys, independent per (sequence, cycle, node)
+) -> Acceptance:
+    """The target-only rule: every node gets its own target draw (Gumbel-max with its key; the argmax at
+    temperature 0) and the walk follows the child carrying it."""
+    return greedy_accept(tokens, parent, gumbel_choice(logits, keys, sampling), max_depth)
+
+
 def _step_into(path_mask, num_accepted, path_nodes, current, found):
     """One step of an acceptance walk: where `found` [B], `current` [B] joins the path (mask [B, D],
     its count, and `path_nodes`, a list the walk appends to: the node a row stopped at repeats)."""
     at = jnp.arange(path_mask.shape[1])[None, :] == current[:, None]
     path_nodes.append(current)
     return path_mask | (at & found[:, None]), num_accepted + found.astype(jnp.int32)
-
-
-def node_keys(
-    key: jax.Array,  # [] typed key
-    cycle: jax.Array,  # [B] int32 per-sequence cycle counter
-    num_nodes: int,
-) -> jax.Array:
-    """-> [B, D] independent keys: fold(fold(fold(key, cycle + 1), row), node).
-
-    fold_in(key, 0) is left to the first token (sampled from the prefill, as `generate` does).
-    Folding in the global row makes a sequence's draws independent of the batch bucket it lands
-    in and of how the batch is split over devices.
-    """
-    rows = global_rows(cycle.shape[0])
-    nodes = jnp.arange(num_nodes, dtype=jnp.int32)
-
-    def per_row(c, r):
-        k = jax.random.fold_in(jax.random.fold_in(key, c + 1), r)
-        return jax.vmap(lambda i: jax.random.fold_in(k, i))(nodes)
-
-    return jax.vmap(per_row)(cycle.astype(jnp.int32), rows)
-
-
-def target_choice(
-    logits: jax.Array,  # [B, D, V] target logits at every tree node
-    sampling: Sampling | None,
-    cycle: jax.Array | None,  # [B] int32 per-sequence cycle counter (sampling only)
-) -> jax.Array:
-    """-> [B, D] int32: the target's token after each node: argmax (sampling None or temperature 0,
-    bit-identical to `generate`'s greedy step) or an independent draw per node."""
-    if sampling is None:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if cycle is None:
-        raise ValueError("sampling acceptance needs the per-sequence cycle counter `cycle` ([B] int32), got None")
-    return gumbel_choice(logits, node_keys(sampling.key, cycle, logits.shape[1]), sampling)
-
-
-def tree_accept(
-    tokens: jax.Array,  # [B, D] node tokens
-    parent: jax.Array,  # [B, D]
-    logits: jax.Array,  # [B, D, V] target logits at every node
-    max_depth: int,
-    sampling: Sampling | None = None,
-    cycle: jax.Array | None = None,  # [B] int32, needed with sampling
-) -> Acceptance:
-    """Greedy (sampling None or temperature 0) or lossless sampling acceptance of a top-K tree."""
-    return greedy_accept(tokens, parent, target_choice(logits, sampling, cycle), max_depth)
 
 
 def chain_residual_accept(
@@ -246,31 +213,24 @@ def recursive_rejection_accept(
 
 
 def residual_tree_accept(
-    tokens: jax.Array,  # [B, D] node tokens of a sampled draft (`speculation/sampled.py`)
-    parent: jax.Array,  # [B, D]
-    rank: jax.Array,  # [B, D] sampling order among siblings
-    draft_logprobs: jax.Array,  # [B, D, V] log q each node was drawn from (root row unused)
+    tree: Tree,  # a sampled draft (`speculation/sampled.py`): tree.q holds log q each node was drawn from
     logits: jax.Array,  # [B, D, V] target logits at every node
     max_depth: int,
     topk: int,
-    sampling: Sampling | None,
-    cycle: jax.Array | None,  # [B] int32, needed with sampling
+    sampling: Sampling,
+    keys: jax.Array,  # [B, D] typed keys, independent per (sequence, cycle, node)
 ) -> Acceptance:
-    """Greedy (sampling None or temperature 0: the argmax walk, as `tree_accept`) or exact sampling of a
-    sampled draft: the chain residual rule for K = 1, recursive rejection (RSD-S) for trees."""
-    greedy = target_choice(logits, None, None)
-    if sampling is None:
-        return greedy_accept(tokens, parent, greedy, max_depth)
-    if cycle is None:
-        raise ValueError("sampling acceptance needs the per-sequence cycle counter `cycle` ([B] int32), got None")
+    """Exact sampling of a sampled draft: the chain residual rule for K = 1, recursive rejection (RSD-S)
+    for trees; the argmax walk at temperature 0 (the same program)."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def sampled():
-        keys = node_keys(sampling.key, cycle, tokens.shape[1])
         logp = processed_logprobs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
         if topk == 1:  # a chain: nodes 0..S in order
-            return chain_residual_accept(tokens, draft_logprobs[:, 1:], logp, keys)
+            return chain_residual_accept(tree.tokens, tree.q[:, 1:], logp, keys)
         return recursive_rejection_accept(
-            tokens, parent, rank, jnp.exp(draft_logprobs), jnp.exp(logp), keys, max_depth, topk
+            tree.tokens, tree.parent, tree.rank, jnp.exp(tree.q), jnp.exp(logp), keys, max_depth, topk
         )
 
-    return jax.lax.cond(sampling.temperature > 0, sampled, lambda: greedy_accept(tokens, parent, greedy, max_depth))
+    return jax.lax.cond(sampling.temperature > 0, sampled,
+                        lambda: greedy_accept(tree.tokens, tree.parent, greedy, max_depth))

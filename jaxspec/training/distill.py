@@ -1,5 +1,5 @@
 """A draft that predicts the target: train the MTP block (target frozen) on the target's own
-continuations, unrolled for S steps exactly as `tree.draft.draft_tree` drafts.
+continuations, unrolled for S steps exactly as the MTP drafter's beam drafts (`speculation/mtp.py`).
 
 Chain r of a sequence x_0..x_{T+S-1} is the draft a cycle would make with x_{r+1} as its root: its
 depth-1 step sits at MTP position r and consumes the target's streams H_r and x_{r+1}; depth d sits
@@ -32,13 +32,13 @@ from flax import struct
 
 from jaxspec.core.config import ModelConfig
 from jaxspec.core.programs import bounded_jit
-from jaxspec.harness.report import plot_distill_history
 from jaxspec.layers.attention import AttentionContext
 from jaxspec.model import network as model_lib
 from jaxspec.model import state as state_lib
 from jaxspec.model.network import ModelParams, MTPParams
 from jaxspec.speculation.generate import generate
 from jaxspec.training.optim import Schedule, StepClock, adamw, restore_state, save_state, state_manager
+from jaxspec.training.plots import plot_distill_history
 from jaxspec.training.train import export_checkpoint
 
 CHUNK_FILE = "chunk_{:05d}.npz"
@@ -58,7 +58,7 @@ def unrolled_draft_logits(
     b, t = hidden.shape[:2]
     if tokens.shape != (b, t + num_steps):
         raise ValueError(f"tokens must be [B, T+S] = {(b, t + num_steps)}, got {tokens.shape}")
-    state = state_lib.init_state(cfg, b, t + num_steps)  # the MTP ring is empty: depth 1 plays it
+    ring = state_lib.layer_state(cfg, "sliding", b, t + num_steps)  # the MTP ring is empty: depth 1 plays it
     chains = jnp.arange(t, dtype=jnp.int32)
     zero = jnp.zeros((b,), jnp.int32)
     prior_kv, prior_pos, prior_chain, prior_depth = [], [], [], []
@@ -80,7 +80,8 @@ def unrolled_draft_logits(
             positions=positions, committed=zero, visible=jnp.broadcast_to(visible, (b, t, t)),
             ancestor_at_depth=jnp.zeros((b, t, t), jnp.int32), valid=jnp.ones((b, t), bool), **prior,
         )
-        logits, streams, rows = model_lib.mtp_forward(params, cfg, state, streams, tokens[:, depth : t + depth], ctx)
+        logits, streams, rows = model_lib.mtp_forward(params, params.mtp, cfg, ring, streams,
+                                                      tokens[:, depth : t + depth], ctx)
         out.append(logits)
         prior_kv.append(rows.kv)
         prior_pos.append(positions)
@@ -151,7 +152,7 @@ class DistillConfig(Schedule):
     lr: float = 1e-3
     warmup_steps: int = 20
     weight_decay: float = 0.0
-    num_steps: int = 4  # S: depths unrolled, as draft_tree drafts
+    num_steps: int = 4  # S: depths unrolled, as the MTP drafter drafts
     ce_weight: float = 0.0
     kl_weight: float = 1.0
     eval_steps: int = 0

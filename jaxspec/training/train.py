@@ -147,8 +147,9 @@ def loss_fn(
         aux["main_ul"] = unlikelihood_loss(out.logits, tokens[:, 1 : t + 1], seen[:, :t])
         total = total + unlikelihood_weight * aux["main_ul"]
     if cfg.has_mtp:
+        ring = state_lib.layer_state(cfg, "sliding", b, t)  # an empty MTP ring: the chunk is the history
         mtp_logits, _, _ = model_lib.mtp_forward(
-            params, cfg, st, out.hidden, tokens[:, 1 : t + 1], model_lib.causal_context(st.mtp_length, valid)
+            params, params.mtp, cfg, ring, out.hidden, tokens[:, 1 : t + 1], model_lib.causal_context(st.length, valid)
         )
         mtp = optax.softmax_cross_entropy_with_integer_labels(mtp_logits, tokens[:, 2:]).mean()
         aux["mtp"] = mtp

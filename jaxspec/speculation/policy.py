@@ -1,0 +1,66 @@
+"""A cycle's policy: how it values nodes, how children are drawn and which acceptance rule runs
+(docs/sampling.md). Static: it is part of the compiled program, chosen once by the entry points.
+
+- "greedy": temperature 0, top-K children, the argmax walk (bit-identical to `generate`).
+- "target": top-K drafts accepted by the target-only rule (`verify.greedy_accept` over independent
+  target draws): exact for any draft fixed before the draws.
+- "residual": at temperature > 0 children are *sampled* from the draft (`speculation/sampled.py`) and
+  verified by the residual rule (chains) or recursive rejection without replacement (trees); the same
+  program walks the argmax at temperature 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.core.config import SpecConfig
+from jaxspec.model.sampling import Sampling
+from jaxspec.speculation.sampled import make_sampled_draft
+from jaxspec.speculation.tree import Expander
+from jaxspec.speculation.values import CONTEXT_CAP, Calibration, context_bins
+
+ACCEPT_RULES = ("residual", "target")
+RULES = ("greedy", *ACCEPT_RULES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    rule: str = "greedy"
+    values: Calibration | None = None  # calibrated node values to rank by; None = raw draft log-probs
+
+    def __post_init__(self):
+        if self.rule not in RULES:
+            raise ValueError(f"rule must be one of {RULES}, got {self.rule!r}")
+
+    @classmethod
+    def choose(cls, accept: str | None, temperature: float, values: Calibration | None = None) -> Policy:
+        """The policy of a run: `accept` checked (None = "residual" when sampling); temperature 0 with
+        top-K drafts is the greedy walk."""
+        if accept is not None and accept not in ACCEPT_RULES:
+            raise ValueError(f"accept must be None or one of {ACCEPT_RULES}, got {accept!r}")
+        if accept is None:
+            accept = "residual" if temperature > 0 else "target"
+        rule = "greedy" if accept == "target" and temperature == 0 else accept
+        return cls(rule, values)
+
+    def context(self, spec: SpecConfig, stats: Any) -> jax.Array | None:
+        """-> [B] int32 context bin of each sequence from its own cycles so far (`cycle.SpecStats`: cycles
+        [B] and depth_hits [B, S]), or None (pooled values) when there are no context maps or the tree is
+        too shallow to count min(accepted, CONTEXT_CAP)."""
+        if spec.num_steps < CONTEXT_CAP or self.values is None or not self.values.greedy_by_context:
+            return None
+        capped = jnp.sum(stats.depth_hits[:, :CONTEXT_CAP], axis=1)  # sum of min(accepted, 8) per cycle
+        return context_bins(capped, stats.cycles)
+
+    def expander(self, spec: SpecConfig, sampling: Sampling, cycle: jax.Array, context: jax.Array | None) -> Expander:
+        """How this cycle's expanded slots get children (`cycle` [B] int32 folds the draft keys)."""
+        sampler = None
+        if self.rule == "residual":
+            residual = self.values.residual if self.values is not None else ()  # calibrated, else the prior
+            sampler = make_sampled_draft(spec, sampling, cycle, None, residual)
+        temperature = jnp.float32(0.0) if self.rule == "greedy" else sampling.temperature
+        return Expander(temperature, context, sampler, spec.topk, self.values)
