@@ -16,7 +16,8 @@ RANKS = [
     ("jaxspec.core.checks", "jaxspec.core", "jaxspec.model", "jaxspec.training", "jaxspec.harness"),
     # The safetensors reader, the FP8 / FP4 formats and the damaged-file errors need numpy only (the
     # checkpoint package's __init__ is higher, so only checkpoint modules may import them).
-    ("jaxspec.core.config", "jaxspec.core.programs", "jaxspec.core.measure", "jaxspec.core.gpu_export",
+    ("jaxspec.core.config", "jaxspec.core.dspark", "jaxspec.core.programs", "jaxspec.core.measure",
+     "jaxspec.core.gpu_export",
      "jaxspec.training.tokenizer", "jaxspec.training.data", "jaxspec.training.optim", "jaxspec.speculation.auto",
      "jaxspec.checkpoint.safetensors_io", "jaxspec.checkpoint.quant", "jaxspec.checkpoint.errors"),
     ("jaxspec.ops", "jaxspec.sharding.rules"),
@@ -25,7 +26,7 @@ RANKS = [
     ("jaxspec.layers",),
     ("jaxspec.model.state", "jaxspec.model.sampling"),
     ("jaxspec.model.network",),
-    ("jaxspec.model.prefill",),
+    ("jaxspec.model.prefill", "jaxspec.model.dspark"),
     ("jaxspec.model.placement", "jaxspec.model.runner", "jaxspec.testing", "jaxspec.model.prefill_plan"),
     ("jaxspec.speculation",),
     ("jaxspec.speculation.generate",),
