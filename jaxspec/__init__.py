@@ -1,7 +1,8 @@
 """jaxspec: tree-structured speculative decoding for DeepSeek-V4-style models in JAX."""
 
-from jaxspec.checkpoint import load_checkpoint, load_hf_checkpoint, save_checkpoint
+from jaxspec.checkpoint import load_checkpoint, load_hf_checkpoint, load_hf_dspark, save_checkpoint
 from jaxspec.core.config import ModelConfig, SpecConfig
+from jaxspec.core.dspark import DSparkConfig
 from jaxspec.model.network import ModelParams, forward, init_params
 from jaxspec.model.placement import memory_plan, shard_params
 from jaxspec.model.runner import prefill_logits
@@ -12,6 +13,7 @@ from jaxspec.speculation.generate import DecodeOptions, GenerateOutput, generate
 __all__ = [
     "DecodeOptions",
     "DecodeState",
+    "DSparkConfig",
     "GenerateOutput",
     "generate",
     "ModelConfig",
@@ -21,6 +23,7 @@ __all__ = [
     "init_state",
     "load_checkpoint",
     "load_hf_checkpoint",
+    "load_hf_dspark",
     "make_mesh",
     "memory_plan",
     "save_checkpoint",
