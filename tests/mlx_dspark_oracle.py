@@ -65,8 +65,9 @@ def _feed(model: DeepseekV4DsparkDraftModel, caches, rows: np.ndarray, anchor: i
 
 def draft(model: DeepseekV4DsparkDraftModel, rows: np.ndarray, anchor: int, gamma: int) -> dict[str, np.ndarray]:
     """rows [T, n*d]: captured target rows of positions 0..T-1; anchor: the token at position T.
-    -> tokens [γ] (greedy), logits [γ, V] (Markov-corrected, as the sampler saw them), conf [γ]
-    (the reference's raw confidence logits wᵀ[hc_head output ; W1[prev]], pre-norm hidden)."""
+    -> tokens [γ] (greedy), logits [γ, V] (Markov-corrected, as the sampler saw them), corrected
+    (the same from mlx-vlm's modules), base [γ, V] (before the Markov bias), conf [γ] (the
+    reference's raw confidence logits wᵀ[hc_head output ; W1[prev]], pre-norm hidden)."""
     # mlx-vlm's own entry point: the tokens and the corrected logits it samples from.
     caches = model.make_cache()
     _feed(model, caches, rows, anchor, gamma)
@@ -96,4 +97,4 @@ def draft(model: DeepseekV4DsparkDraftModel, rows: np.ndarray, anchor: int, gamm
     corrected = np.array(base + model.markov_head.markov_w2(e))[0]
     features = np.concatenate([np.array(hh)[0], np.array(e)[0]], axis=-1)
     return {"tokens": tokens, "logits": np.stack([s[0] for s in seen]), "corrected": corrected,
-            "conf": features @ model.confidence_w[0]}
+            "base": np.array(base)[0], "conf": features @ model.confidence_w[0]}
