@@ -23,6 +23,7 @@ from jaxspec.model import dspark as ds
 from jaxspec.model.network import block, causal_context, forward
 from jaxspec.model.state import init_state
 from jaxspec.ops.quant import BlockScaled
+from jaxspec.sharding.rules import make_mesh
 
 DCFG = DSparkConfig(block_size=5, noise_token_id=95, target_layers=(1, 2, 3), markov_rank=8, num_stages=3)
 
@@ -99,8 +100,7 @@ def test_dspark_config_checks():
             DSparkConfig(**{**DCFG.__dict__, **bad})
         _one_line(e)
     cfg = ModelConfig.preset("test", hca_ratio=128)
-    for bad, match in [(dict(target_layers=(1, 4)), "num_layers"), (dict(noise_token_id=96), "vocab_size"),
-                       (dict(block_size=9), "sliding window")]:
+    for bad, match in [(dict(target_layers=(1, 4)), "num_layers"), (dict(noise_token_id=96), "vocab_size")]:
         with pytest.raises(ValueError, match=match):
             DSparkConfig(**{**DCFG.__dict__, **bad}).validate_for(cfg)
     with pytest.raises(ValueError, match="missing"):
@@ -180,6 +180,10 @@ def test_0731_folder_loads_target_and_drafter(folder, loaded):
     cfg2, target = load_hf_checkpoint(path, dtype="float32")
     assert cfg2 == cfg and target.mtp is None
     for a, b in zip(jax.tree.leaves(target), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # placed on a mesh, leaf by leaf in its declared sharding
+    _, _, placed, _ = load_hf_dspark(path, dtype="float32", mesh=make_mesh())
+    for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(dp), strict=True):
         np.testing.assert_array_equal(a, b)
 
 

@@ -35,13 +35,11 @@ class DSparkConfig:
             raise ValueError(f"target_layers must be a non-empty tuple of increasing layer ids >= 0, got {layers!r}")
 
     def validate_for(self, cfg: ModelConfig) -> None:
-        """ValueError unless this draft fits the target `cfg` (its layers, vocabulary and window)."""
+        """ValueError unless this draft fits the target `cfg` (its layers and vocabulary)."""
         if self.target_layers[-1] >= cfg.num_layers:
             raise ValueError(f"target_layers {self.target_layers} must be < the target's num_layers={cfg.num_layers}")
         if self.noise_token_id >= cfg.vocab_size:
             raise ValueError(f"noise_token_id={self.noise_token_id} must be < vocab_size={cfg.vocab_size}")
-        if self.block_size > cfg.sliding_window:
-            raise ValueError(f"block_size={self.block_size} must be <= the sliding window ({cfg.sliding_window})")
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], num_stages: int, markov_rank: int | None = None) -> DSparkConfig:
