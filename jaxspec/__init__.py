@@ -1,7 +1,8 @@
 """jaxspec: tree-structured speculative decoding for DeepSeek-V4-style models in JAX."""
 
-from jaxspec.checkpoint import Checkpoint, load_checkpoint, load_hf_checkpoint, save_checkpoint
+from jaxspec.checkpoint import Checkpoint, load_checkpoint, load_hf_checkpoint, load_hf_dspark, save_checkpoint
 from jaxspec.core.config import ModelConfig, SpecConfig
+from jaxspec.core.dspark import DSparkConfig
 from jaxspec.model.network import ModelParams, forward, init_params
 from jaxspec.model.placement import memory_plan, shard_params
 from jaxspec.model.runner import prefill_logits
@@ -16,6 +17,7 @@ __all__ = [
     "Draft",
     "DecodeOptions",
     "DecodeState",
+    "DSparkConfig",
     "GenerateOutput",
     "generate",
     "ModelConfig",
@@ -25,6 +27,7 @@ __all__ = [
     "init_state",
     "load_checkpoint",
     "load_hf_checkpoint",
+    "load_hf_dspark",
     "make_mesh",
     "memory_plan",
     "save_checkpoint",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv (once) and install what a command needs. Sourced by run.sh and test.sh:
 #   . scripts/setup.sh runtime   the package and its runtime dependencies (the main job)
-#   . scripts/setup.sh test      + the test extras, and torch + transformers for the HF parity tests
+#   . scripts/setup.sh test      + the test extras, torch + transformers for the HF parity tests, mlx-vlm for DSpark's
 #   . scripts/setup.sh jax012    .venv312: Python 3.12, jax 0.12 and pytest only (the GPU lowering tests)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -43,6 +43,10 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
     # a multi-GB CUDA download. Without them those tests skip with a reason.
     if ! python -m pip install -q "torch==2.13.0" "transformers>=5.24" >>"$LOG" 2>&1; then
       echo "setup: torch/transformers unavailable; HF parity tests will skip"
+    fi
+    # The DSpark parity test runs mlx-vlm's V4 DSpark drafter (CPU mlx); it fails, never skips, without it.
+    if ! python -m pip install -q "mlx[cpu]==0.32.4" "mlx-vlm==0.7.10" >>"$LOG" 2>&1; then
+      echo "setup: mlx / mlx-vlm unavailable; tests/test_dspark_parity.py will fail"
     fi
     touch "$ROOT/.venv/.jaxspec-runtime"
   fi

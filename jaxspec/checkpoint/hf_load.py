@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.checkpoint import errors
-from jaxspec.checkpoint.keys import Spec, ckpt_shape, key_table, normalize_key, scale_key
+from jaxspec.checkpoint.keys import Spec, ckpt_shape, draft_kind, key_table, normalize_key, scale_key
 from jaxspec.checkpoint.native import CONFIG, leaves_by_path
 from jaxspec.checkpoint.quant import FP4_BLOCK, FP8_BLOCK, apply_scale, scale_grid, unpack_fp4
 from jaxspec.checkpoint.safetensors_io import INDEX, SUPPORTED, Reader, TensorInfo, open_folder
@@ -38,6 +38,7 @@ _FP8 = ("F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ")
 _FP4 = ("I8", "U8", "F4")  # packed e2m1: I8 / U8 [out, in/2] (DeepSeek's files), F4 [out, in]
 _INT = ("I64", "I32", "I16", "I8", "U8", "U16", "U32", "U64")
 _SCALE = ("F8_E8M0", "F32", "BF16")
+DRAFTS = ("auto", "mtp", "none")
 
 
 @dataclasses.dataclass
@@ -272,6 +273,11 @@ class HFCheckpoint:
     leaves: dict[str, jax.ShapeDtypeStruct]  # keystr path -> abstract leaf
     sources: dict[str, dict[int | None, _Source]]  # keystr path -> {expert slot or None: source}
     reader: Reader
+    abstract: Any = None  # the plain abstract tree the leaves come from (default: abstract_params(cfg))
+    config: dict[str, Any] = dataclasses.field(default_factory=dict)  # config.json
+    where: dict[str, TensorInfo] = dataclasses.field(default_factory=dict)  # every tensor, official spelling
+    draft: str | None = None  # the draft the folder holds: "mtp", "dspark" or None (`keys.draft_kind`)
+    folder: Any = None  # safetensors_io.Folder: the shards and their index
 
     def read(self, leaf: str, index: tuple[slice, ...] = ()) -> np.ndarray:
         x = self.leaves[leaf]
@@ -282,7 +288,8 @@ class HFCheckpoint:
         """keystr path -> abstract BlockScaled of every leaf that stays quantized under weights="fp8":
         those the model contracts through `ops.quant` (declared with a `quant` tag beside the field)
         and the file stores FP8 / FP4. Other leaves quantized in the file are dequantized."""
-        tags = leaves_by_path(map_declared(abstract_params(self.cfg), lambda x, names, tag, path: tag or ""))
+        tree = abstract_params(self.cfg) if self.abstract is None else self.abstract
+        tags = leaves_by_path(map_declared(tree, lambda x, names, tag, path: tag or ""))
         out = {}
         for leaf, x in self.leaves.items():
             if tags[leaf]:
@@ -301,9 +308,11 @@ class HFCheckpoint:
         return LoadStats(dict(self.reader.bytes_read), stored)
 
 
-def open_hf_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> HFCheckpoint:
+def open_hf_checkpoint(path: str | os.PathLike, dtype: str | None = None, draft: str = "auto") -> HFCheckpoint:
     """Check a DeepSeek-V4 checkpoint folder from its config.json and the shards' headers (no
-    tensor data is read): names, shapes, dtypes, scales. See `load_hf_checkpoint`."""
+    tensor data is read): names, shapes, dtypes, scales. See `load_hf_checkpoint` (`draft`)."""
+    if draft not in DRAFTS:
+        raise ValueError(f"draft must be one of {DRAFTS}, got {draft!r}")
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
         raise ValueError(f"checkpoint folder {path!r} does not exist")
@@ -314,7 +323,6 @@ def open_hf_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> HFC
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES} or None, got {dtype!r}")
     folder = open_folder(path)
-    fp8_block = _fp8_block(config)
 
     # official key -> TensorInfo
     where: dict[str, TensorInfo] = {}
@@ -323,16 +331,33 @@ def open_hf_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> HFC
         if key in where:
             raise ValueError(f"tensor {name!r} duplicates {where[key].name!r} (both are {key!r})")
         where[key] = info
-    has_mtp = any(k.startswith("mtp.") for k in where)
-    cfg = ModelConfig.from_hf_config(config, num_mtp_layers=1 if has_mtp else 0, dtype=dtype or _default_dtype(config))
+    kind = draft_kind(config, where)
+    if draft == "mtp" and kind != "mtp":
+        held = ("a DSpark draft (mtp.0.main_proj, Markov / confidence heads): load it with load_hf_dspark"
+                if kind == "dspark" else "no draft (no mtp.* tensors)")
+        raise ValueError(f"draft='mtp' asks for the MTP block, but {path!r} holds {held}")
+    with_mtp = kind == "mtp" and draft != "none"
+    cfg = ModelConfig.from_hf_config(config, num_mtp_layers=int(with_mtp), dtype=dtype or _default_dtype(config))
     table = key_table(cfg)
-    leaves = leaves_by_path(abstract_params(cfg))
+    abstract = abstract_params(cfg)
+    # Tensors of a draft this load leaves out are checked by the load that reads them (load_hf_dspark).
+    foreign = (lambda key: key.startswith("mtp.")) if kind is not None and not with_mtp else (lambda key: False)
+    sources = table_sources(folder, where, table, leaves_by_path(abstract), config, foreign)
+    return HFCheckpoint(path, cfg, leaves_by_path(abstract), sources, Reader(), abstract, config, where, kind, folder)
+
+
+def table_sources(folder: Any, where: dict[str, TensorInfo], table: dict[str, Spec],
+                  leaves: dict[str, jax.ShapeDtypeStruct], config: dict[str, Any],
+                  foreign: Any) -> dict[str, dict[int | None, _Source]]:
+    """Every leaf's sources (keystr path -> {expert slot or None: source}) from the folder's tensors
+    `where` (official key -> TensorInfo) by the key `table`; one-line ValueErrors on an unexpected
+    tensor (unless `foreign(key)`: another load reads it), a missing one or a misshaped one."""
+    fp8_block = _fp8_block(config)
     if {s.ours for s in table.values()} != set(leaves):  # internal consistency of the key table
         raise AssertionError(f"key table mismatch: {sorted({s.ours for s in table.values()} ^ set(leaves))}")
-
     scales = {scale_key(k) for k in table}
     for key, info in sorted(where.items()):
-        if key not in table and key not in scales:
+        if key not in table and key not in scales and not foreign(key):
             raise ValueError(f"unexpected tensor {info.name!r} in {os.path.basename(info.file)} "
                              "(not part of this model config)")
     missing = [k for k in table if k not in where]
@@ -340,7 +365,7 @@ def open_hf_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> HFC
         unlisted = {normalize_key(k): f for k, f in folder.unlisted.items()}
         if missing[0] in unlisted:
             raise ValueError(f"tensor {missing[0]!r} is missing from {INDEX} (it is in {unlisted[missing[0]]})")
-        where_from = f"{INDEX} of {path!r}" if folder.indexed else repr(path)
+        where_from = f"{INDEX} of {folder.path!r}" if folder.indexed else repr(folder.path)
         raise ValueError(f"missing tensor {missing[0]!r} in {where_from} ({len(missing)} missing in all)")
 
     sources: dict[str, dict[int | None, _Source]] = {}
@@ -349,7 +374,7 @@ def open_hf_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> HFC
         shape = tuple(leaf.shape) if spec.slot is None else tuple(leaf.shape[1:])
         src = _source(spec, where[key], where.get(scale_key(key)), ckpt_shape(spec.kind, shape), fp8_block)
         sources.setdefault(spec.ours, {})[spec.slot] = src
-    return HFCheckpoint(path, cfg, leaves, sources, Reader())
+    return sources
 
 
 def load_hf_checkpoint(
@@ -359,6 +384,7 @@ def load_hf_checkpoint(
     rules: dict[str, Any] | None = None,
     stats: LoadStats | None = None,
     weights: str = "plain",
+    draft: str = "auto",
 ) -> tuple[ModelConfig, ModelParams]:
     """Read a DeepSeek-V4 checkpoint folder (config.json + *.safetensors) -> (cfg, params).
 
@@ -369,7 +395,11 @@ def load_hf_checkpoint(
     `dtype` ("float32" / "bfloat16") sets cfg.dtype, the dtype of the matrix weights (default: the
     config's `dtype` / `torch_dtype`, else float32); norms, hyper-connections, sinks, APE, gate
     biases and the compressor / indexer-weight projections stay fp32 as `init_params` lays out.
-    A checkpoint without `mtp.*` tensors loads with num_mtp_layers=0 and params.mtp=None.
+    draft: which draft to load beside the target (reference/dspark_v4.md §1.2 tells them apart).
+    "auto": the April MTP block when the folder holds one (num_mtp_layers=1), else none
+    (num_mtp_layers=0, params.mtp=None): a folder without `mtp.*` tensors, or a DSpark folder (its
+    target loads alone; `load_hf_dspark` reads the drafter). "mtp": the MTP block, a one-line
+    ValueError naming what the folder holds otherwise. "none": the target alone, whatever the folder holds.
     Raises a one-line ValueError naming the tensor on a missing, unexpected, misshaped or
     unsupported tensor, a missing or misshaped scale, or a missing shard.
     With `mesh` (also multi-process, under `jax.distributed`), each leaf is placed in its parameter
@@ -386,12 +416,22 @@ def load_hf_checkpoint(
     """
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
-    ck = open_hf_checkpoint(path, dtype)
-    stored = ck.stored if weights == "fp8" else {}
-    if weights == "fp8" and not stored:
+    ck = open_hf_checkpoint(path, dtype, draft)
+    if weights == "fp8" and not ck.stored:
         raise ValueError(f"weights='fp8' keeps the FP8 / FP4 weights of a release, but {ck.path!r} stores none of "
                          "the quantizable weights quantized; load it with weights='plain'")
-    abstract = _with_stored(abstract_params(ck.cfg), stored)
+    params = read_params(ck, weights, mesh, rules)
+    if stats is not None:
+        read_stats = ck.stats()
+        stats.bytes_read, stats.bytes_in_files = read_stats.bytes_read, read_stats.bytes_in_files
+    return ck.cfg, params
+
+
+def read_params(ck: HFCheckpoint, weights: str, mesh: Any = None, rules: dict[str, Any] | None = None) -> Any:
+    """The tree of `ck` (its `abstract`), every leaf read (and placed on `mesh`); `weights` as in
+    `load_hf_checkpoint`."""
+    stored = ck.stored if weights == "fp8" else {}
+    abstract = _with_stored(abstract_params(ck.cfg) if ck.abstract is None else ck.abstract, stored)
     shardings = leaves_by_path(param_shardings(ck.cfg, mesh, rules, abstract)) if mesh is not None else {}
     placed: dict[str, jax.Array] = {}
     for ours in ck.leaves:
@@ -402,14 +442,11 @@ def load_hf_checkpoint(
                       functools.partial(ck.read_stored, ours, part)) for part in ("data", "scale")]
         for key, shape, read in parts:
             placed[key] = jnp.asarray(read(())) if mesh is None else _place(read, shape, shardings[key])
-    if stats is not None:
-        read_stats = ck.stats()
-        stats.bytes_read, stats.bytes_in_files = read_stats.bytes_read, read_stats.bytes_in_files
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-    return ck.cfg, jax.tree_util.tree_unflatten(treedef, [placed[jax.tree_util.keystr(p)] for p, _ in flat])
+    return jax.tree_util.tree_unflatten(treedef, [placed[jax.tree_util.keystr(p)] for p, _ in flat])
 
 
-def _with_stored(abstract: ModelParams, stored: dict[str, BlockScaled]) -> ModelParams:
+def _with_stored(abstract: Any, stored: dict[str, BlockScaled]) -> Any:
     """`abstract` with the leaves of `stored` (keystr paths) replaced by their BlockScaled."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     return jax.tree_util.tree_unflatten(treedef, [stored.get(jax.tree_util.keystr(p), x) for p, x in flat])

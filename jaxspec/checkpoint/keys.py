@@ -130,6 +130,50 @@ def key_table(cfg: ModelConfig) -> dict[str, Spec]:
     return t
 
 
+_DSPARK_HEADS = re.compile(r"^mtp\.\d+\.(markov_head|confidence_head)\.")
+_STAGE = re.compile(r"^mtp\.(\d+)\.")
+
+
+def draft_kind(config: dict[str, Any], keys: Any) -> str | None:
+    """The draft a V4 folder holds, from config.json and its official-spelling tensor names
+    (reference/dspark_v4.md §1.2): "dspark" (config `dspark_block_size` > 0, or `mtp.0.main_proj`, or
+    Markov / confidence heads), else "mtp" (the April block: `mtp.0.e_proj`, ...; any other `mtp.*`
+    tensor is read as a damaged MTP block), else None. Never `num_nextn_predict_layers`: it is 1
+    in the DSpark releases too."""
+    block = config.get("dspark_block_size")
+    keys = set(keys)
+    if (isinstance(block, int) and not isinstance(block, bool) and block > 0) or "mtp.0.main_proj.weight" in keys \
+            or any(_DSPARK_HEADS.match(k) for k in keys):
+        return "dspark"
+    return "mtp" if any(k.startswith("mtp.") for k in keys) else None
+
+
+def draft_stages(keys: Any) -> int:
+    """Number of distinct `mtp.<s>.` stages among the tensor names."""
+    return len({m.group(1) for k in keys if (m := _STAGE.match(k))})
+
+
+def dspark_key_table(cfg: ModelConfig, num_stages: int) -> dict[str, Spec]:
+    """Official key -> DSparkParams leaf (`model.dspark`) of a DSpark drafter of `num_stages` stages:
+    full blocks `mtp.{s}.*` (score-routed MoE), `main_proj` / `main_norm` on stage 0, `norm`,
+    `hc_head_*`, the Markov and confidence heads on the last stage (reference §1.4)."""
+    last = f"mtp.{num_stages - 1}"
+    t: dict[str, Spec] = {
+        "mtp.0.main_proj.weight": Spec(".main_proj", "T", quant="fp8"),
+        "mtp.0.main_norm.weight": Spec(".main_norm", "copy"),
+        f"{last}.norm.weight": Spec(".norm", "copy"),
+        f"{last}.hc_head_fn": Spec(".hc_head.fn", "T"),
+        f"{last}.hc_head_base": Spec(".hc_head.base", "copy"),
+        f"{last}.hc_head_scale": Spec(".hc_head.scale", "copy"),
+        f"{last}.markov_head.markov_w1.weight": Spec(".markov_w1", "copy"),  # an embedding table [V, r]
+        f"{last}.markov_head.markov_w2.weight": Spec(".markov_w2", "T"),  # Linear(r -> V): [V, r]
+        f"{last}.confidence_head.proj.weight": Spec(".confidence", "T"),  # Linear(d + r -> 1): [1, d + r]
+    }
+    for s in range(num_stages):
+        t.update(_block_specs(f"mtp.{s}", f".stages[{s}]", "sliding", False, cfg))
+    return t
+
+
 def scale_key(weight_key: str) -> str:
     """`<prefix>.weight` -> `<prefix>.scale` (official); others have no scale."""
     return weight_key[: -len("weight")] + "scale" if weight_key.endswith(".weight") else weight_key + ".scale"

@@ -119,6 +119,32 @@ def ring_positions(committed: jax.Array, ring_size: int) -> jax.Array:
     return jnp.where(pos >= 0, pos, -1)
 
 
+def queries(
+    p: AttentionParams,
+    cfg: ModelConfig,
+    x: jax.Array,  # [B, T, d] normed sub-layer input
+    cos: jax.Array,  # [B, T, r/2] at the tokens' positions
+    sin: jax.Array,  # [B, T, r/2]
+) -> tuple[jax.Array, jax.Array]:
+    """-> q [B, T, H, c] (per-head unweighted RMS, RoPE'd at cos/sin), q_latent [B, T, q_lora_rank] (the
+    indexer's input)."""
+    b, t, _ = x.shape
+    q_latent = rms_norm(quant.matmul(x, p.wq_a), p.q_norm, cfg.rms_norm_eps)
+    q = quant.matmul(q_latent, p.wq_b).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    return apply_rope(unweighted_rms_norm(q, cfg.rms_norm_eps), cos[:, :, None], sin[:, :, None]), q_latent
+
+
+def window_kv(
+    p: AttentionParams,
+    cfg: ModelConfig,
+    x: jax.Array,  # [B, T, d]
+    cos: jax.Array,  # [B, T, r/2] at the rows' positions
+    sin: jax.Array,  # [B, T, r/2]
+) -> jax.Array:
+    """-> the shared K=V row [B, T, c] of each token: wkv, kv_norm, RoPE."""
+    return apply_rope(rms_norm(quant.matmul(x, p.wkv), p.kv_norm, cfg.rms_norm_eps), cos, sin)
+
+
 def attend(
     q: jax.Array,  # [B, T, H, c] queries (RoPE'd)
     window_kv: jax.Array,  # [B, W, c] committed window ring
@@ -253,16 +279,12 @@ def attention(
     layer_state: Any,  # state.LayerState: committed rings and compressed caches
     ctx: AttentionContext,
 ) -> tuple[jax.Array, AttentionRows]:
-    b, t, _ = x.shape
-    h, c = cfg.num_heads, cfg.head_dim
+    c = cfg.head_dim
     compressed = cfg.geometry(kind).compressed
     freqs = inv_freq(cfg, compressed)
     cos, sin = rope_angles(ctx.positions, freqs)  # [B, T, r/2]
-
-    q_latent = rms_norm(quant.matmul(x, p.wq_a), p.q_norm, cfg.rms_norm_eps)
-    q = quant.matmul(q_latent, p.wq_b).reshape(b, t, h, c)
-    q = apply_rope(unweighted_rms_norm(q, cfg.rms_norm_eps), cos[:, :, None], sin[:, :, None])
-    kv = apply_rope(rms_norm(quant.matmul(x, p.wkv), p.kv_norm, cfg.rms_norm_eps), cos, sin)  # [B, T, c]
+    q, q_latent = queries(p, cfg, x, cos, sin)
+    kv = window_kv(p, cfg, x, cos, sin)
     rows = AttentionRows(kv=kv)
     keys: dict[str, Any] = {}
     if compressed:
@@ -277,7 +299,7 @@ def attention(
             raise ValueError("prior (scratch) keys are for the dense path only (band=0)")
         out = attend_banded(q, ring, ring_pos, kv, ctx.valid, ctx.positions, p.sink, window=window,
                             scale=c**-0.5, block=ctx.band, **keys)
-        return _output(p, cfg, out, cos, sin, x.dtype), rows
+        return output(p, cfg, out, cos, sin, x.dtype), rows
     new_kv, new_mask = kv, ctx.visible & (ctx.positions[:, None, :] > ctx.positions[:, :, None] - window)
     if ctx.prior_kv is not None:
         if compressed:
@@ -295,10 +317,10 @@ def attention(
         out = kernel(*args, window=window, scale=c**-0.5, **keys)
     else:
         out = attend(*args, window=window, scale=c**-0.5, **keys)
-    return _output(p, cfg, out, cos, sin, x.dtype), rows
+    return output(p, cfg, out, cos, sin, x.dtype), rows
 
 
-def _output(p: AttentionParams, cfg: ModelConfig, out: jax.Array, cos: jax.Array, sin: jax.Array, dtype) -> jax.Array:
+def output(p: AttentionParams, cfg: ModelConfig, out: jax.Array, cos: jax.Array, sin: jax.Array, dtype) -> jax.Array:
     """[B, T, H, c] attention output -> [B, T, d]: inverse RoPE, grouped low-rank output projection."""
     b, t, h, c = out.shape
     out = apply_rope(out, cos[:, :, None], sin[:, :, None], inverse=True).astype(dtype)

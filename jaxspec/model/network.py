@@ -8,6 +8,7 @@ tokens `visible` to them, and the per-token rows come back for the caller to com
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -77,12 +78,12 @@ class ForwardOutput:
     logits: jax.Array  # [B, T, V] fp32
     hidden: jax.Array  # [B, T, hc, d] final streams before hc_head (the MTP draft's input)
     rows: tuple[AttentionRows, ...]  # per layer, for `state.commit`
-    # [B, T, n*d]: per layer of `forward(capture=...)`, the mean over the hc streams of its output (a
-    # DSpark draft's input); None without capture
+    # [B, T, len(capture)*d]: per captured layer, the mean over the hc streams of its output (DSpark's
+    # context rows, reference/dspark_v4.md §2.1), concatenated in `capture` order; None without capture.
     captured: jax.Array | None = None
 
 
-def _init_block(cfg: ModelConfig, key: jax.Array, kind: str, hash_routed: bool) -> BlockParams:
+def init_block(cfg: ModelConfig, key: jax.Array, kind: str, hash_routed: bool) -> BlockParams:
     k1, k2, k3, k4 = jax.random.split(key, 4)
     d = cfg.hidden_size
     return BlockParams(
@@ -102,14 +103,14 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> ModelParams:
     keys = jax.random.split(key, cfg.num_layers + 6)
     d, v, dtype = cfg.hidden_size, cfg.vocab_size, jnp.dtype(cfg.dtype)
     layers = tuple(
-        _init_block(cfg, keys[i], kind, i < cfg.num_hash_layers) for i, kind in enumerate(cfg.layer_types)
+        init_block(cfg, keys[i], kind, i < cfg.num_hash_layers) for i, kind in enumerate(cfg.layer_types)
     )
     mtp = None
     if cfg.has_mtp:
         k = jax.random.split(keys[-1], 3)
         mtp = MTPParams(
             inputs=init_mtp_input(cfg, k[0]),
-            block=_init_block(cfg, k[1], "sliding", False),
+            block=init_block(cfg, k[1], "sliding", False),
             hc_head=init_hyper_head(cfg, k[2]),
             norm=jnp.ones((d,), jnp.float32),
         )
@@ -146,6 +147,23 @@ def abstract_params(cfg: ModelConfig, weights: str = "plain", experts: str = "fp
     return map_declared(params, quantized)
 
 
+def residual_block(
+    p: BlockParams,
+    cfg: ModelConfig,
+    streams: jax.Array,  # [B, T, hc, d]
+    token_ids: jax.Array,  # [B, T] (hash routing uses the input token at each position)
+    attend_fn: Callable[[jax.Array], tuple[jax.Array, Any]],  # normed [B, T, d] -> ([B, T, d], rows)
+) -> tuple[jax.Array, Any]:
+    """One block's hc_pre / attention / hc_post / hc_pre / MoE / hc_post around the attention it is
+    given: the target's (`block`) or the DSpark stage's (`model.dspark`), one body for both."""
+    collapsed, post, comb = hc_pre(p.hc_attn, cfg, streams)
+    attn_out, rows = attend_fn(rms_norm(collapsed, p.attn_norm, cfg.rms_norm_eps))
+    streams = hc_post(attn_out, streams, post, comb)
+    collapsed, post, comb = hc_pre(p.hc_ffn, cfg, streams)
+    ffn_out = moe(p.ffn, cfg, rms_norm(collapsed, p.ffn_norm, cfg.rms_norm_eps), token_ids)
+    return hc_post(ffn_out, streams, post, comb), rows
+
+
 def block(
     p: BlockParams,
     cfg: ModelConfig,
@@ -155,12 +173,7 @@ def block(
     layer_state: state_lib.LayerState,
     ctx: AttentionContext,
 ) -> tuple[jax.Array, AttentionRows]:
-    collapsed, post, comb = hc_pre(p.hc_attn, cfg, streams)
-    attn_out, rows = attention(p.attn, cfg, kind, rms_norm(collapsed, p.attn_norm, cfg.rms_norm_eps), layer_state, ctx)
-    streams = hc_post(attn_out, streams, post, comb)
-    collapsed, post, comb = hc_pre(p.hc_ffn, cfg, streams)
-    ffn_out = moe(p.ffn, cfg, rms_norm(collapsed, p.ffn_norm, cfg.rms_norm_eps), token_ids)
-    return hc_post(ffn_out, streams, post, comb), rows
+    return residual_block(p, cfg, streams, token_ids, lambda x: attention(p.attn, cfg, kind, x, layer_state, ctx))
 
 
 def causal_context(committed: jax.Array, valid: jax.Array, band: int = 0) -> AttentionContext:
@@ -241,21 +254,26 @@ def forward(
     state: DecodeState,
     tokens: jax.Array,  # [B, T] int32
     ctx: AttentionContext,
+    *,
     capture: tuple[int, ...] = (),
 ) -> ForwardOutput:
     """Target forward over T new tokens; reads `state`, writes nothing (see `state.commit`).
-    capture: layer ids whose output streams, averaged over the hyper-connection copies, come back in
-    `ForwardOutput.captured` (concatenated in the order given)."""
+
+    capture (static): layer ids whose output streams are averaged over hc into `out.captured`."""
     check_params(params, cfg)
+    bad = [i for i in capture if not (isinstance(i, int) and 0 <= i < cfg.num_layers)]
+    if bad:
+        raise ValueError(f"capture must hold layer ids in [0, {cfg.num_layers}), got {bad}")
     streams = jnp.broadcast_to(params.embed[tokens][:, :, None, :], (*tokens.shape, cfg.hc_mult, cfg.hidden_size))
-    all_rows, captured = [], {}
+    all_rows, taps = [], {}
     for i, kind in enumerate(cfg.layer_types):
         streams, rows = block(params.layers[i], cfg, kind, streams, tokens, state.layers[i], ctx)
         all_rows.append(rows)
         if i in capture:
-            captured[i] = jnp.mean(streams.astype(jnp.float32), axis=2).astype(streams.dtype)
+            taps[i] = jnp.mean(streams.astype(jnp.float32), axis=2).astype(streams.dtype)  # [B, T, d]
+    captured = jnp.concatenate([taps[i] for i in capture], axis=-1) if capture else None
     return ForwardOutput(logits=head_logits(params, cfg, streams), hidden=streams, rows=tuple(all_rows),
-                         captured=jnp.concatenate([captured[i] for i in capture], axis=-1) if capture else None)
+                         captured=captured)
 
 
 def extend(
@@ -272,7 +290,7 @@ def extend(
     banded: read a long chunk block by block (`layers.banded`; False: the dense [T, T] reference).
     capture: as `forward`'s."""
     ctx = causal_context(state.length, valid, band_block(cfg, tokens.shape[1]) if banded else 0)
-    out = forward(params, cfg, state, tokens, ctx, capture)
+    out = forward(params, cfg, state, tokens, ctx, capture=capture)
     return out, state_lib.commit(cfg, state, out.rows, ctx.positions, valid)
 
 

@@ -122,7 +122,7 @@ def plan_stage(sp: Speculator, target: DecodeState, tree: Tree) -> TreePlan:
 def verify_stage(sp: Speculator, models: Models, target: DecodeState, tree: Tree, plan: TreePlan) -> ForwardOutput:
     """2b: the target forward over the tree's nodes against the committed state (writes nothing)."""
     return forward(models.target, sp.cfg, target, tree.tokens, verify_context(plan, target.length),
-                   sp.drafter.capture)
+                   capture=sp.drafter.capture)
 
 
 def accept_stage(sp: Speculator, tree: Tree, logits: jax.Array, sampling: Sampling, cycle: jax.Array) -> Acceptance:

@@ -1,0 +1,86 @@
+"""Load a DeepSeek-V4 folder that carries a DSpark drafter (V4-Flash-DSpark, -0731, Pro-0813): the
+target as `load_hf_checkpoint` reads it, plus `mtp.0..S-1.*` into `model.dspark.DSparkParams` and
+config.json's flat `dspark_*` keys into a `DSparkConfig` (reference/dspark_v4.md §1).
+
+The draft's tensors go through the target's reader: the same name checks, FP8 / FP4 block-scaled
+formats (weights "fp8" keeps them stored), region reads and placement on a mesh.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from jaxspec.checkpoint.hf_load import (
+    WEIGHTS,
+    HFCheckpoint,
+    LoadStats,
+    open_hf_checkpoint,
+    read_params,
+    table_sources,
+)
+from jaxspec.checkpoint.keys import draft_stages, dspark_key_table
+from jaxspec.checkpoint.native import leaves_by_path
+from jaxspec.core.config import ModelConfig
+from jaxspec.core.dspark import DSparkConfig
+from jaxspec.model.dspark import DSparkParams, abstract_dspark_params
+from jaxspec.model.network import ModelParams
+
+
+def open_hf_dspark(path: str | os.PathLike, dtype: str | None = None
+                   ) -> tuple[HFCheckpoint, HFCheckpoint | None, DSparkConfig | None]:
+    """Check a folder (headers only) -> (the target's checkpoint, the drafter's or None, its config
+    or None). One-line ValueError if the folder holds the April MTP block instead, or a damaged drafter."""
+    target = open_hf_checkpoint(path, dtype, draft="none")
+    if target.draft == "mtp":
+        raise ValueError(f"{target.path!r} holds the April MTP block (mtp.0.e_proj / h_proj), not a DSpark drafter: "
+                         "load it with load_hf_checkpoint")
+    if target.draft is None:
+        return target, None, None
+    where = target.where
+    stages = draft_stages(where)
+    if not stages:
+        raise ValueError(f"config.json of {target.path!r} declares a DSpark drafter (dspark_block_size="
+                         f"{target.config.get('dspark_block_size')}) but the folder holds no mtp.* tensors")
+    w1 = where.get(f"mtp.{stages - 1}.markov_head.markov_w1.weight")
+    rank = int(w1.shape[1]) if w1 is not None and len(w1.shape) == 2 else None
+    dcfg = DSparkConfig.from_hf_config(target.config, stages, rank)
+    dcfg.validate_for(target.cfg)
+    abstract = abstract_dspark_params(target.cfg, dcfg)
+    leaves = leaves_by_path(abstract)
+    draft_keys = {k: v for k, v in where.items() if k.startswith("mtp.")}
+    sources = table_sources(target.folder, draft_keys, dspark_key_table(target.cfg, stages), leaves, target.config,
+                            lambda key: False)
+    draft = HFCheckpoint(target.path, target.cfg, leaves, sources, target.reader, abstract, target.config, where,
+                         "dspark", target.folder)
+    return target, draft, dcfg
+
+
+def load_hf_dspark(
+    path: str | os.PathLike,
+    dtype: str | None = None,
+    mesh: Any = None,
+    rules: dict[str, Any] | None = None,
+    stats: LoadStats | None = None,
+    weights: str = "plain",
+) -> tuple[ModelConfig, ModelParams, DSparkParams | None, DSparkConfig | None]:
+    """Read a V4 folder -> (cfg, target params with mtp=None, DSpark params or None, DSparkConfig
+    or None): None, None for a folder without a drafter; a one-line ValueError for one holding the
+    April MTP block (`load_hf_checkpoint` reads that). The drafter's stage count is the number of
+    `mtp.<s>` prefixes; markov_rank comes from config.json or else from `markov_w1`.
+    dtype, mesh, rules, stats and weights as in `load_hf_checkpoint` (weights "fp8" keeps the
+    drafter's FP8 / FP4 weights stored too: main_proj, the stages' attention and experts)."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    target, draft, dcfg = open_hf_dspark(path, dtype)
+    checkpoints = [target] if draft is None else [target, draft]
+    if weights == "fp8" and not any(ck.stored for ck in checkpoints):
+        raise ValueError(f"weights='fp8' keeps the FP8 / FP4 weights of a release, but {target.path!r} stores none of "
+                         "the quantizable weights quantized; load it with weights='plain'")
+    params = read_params(target, weights, mesh, rules)
+    dparams = None if draft is None else read_params(draft, weights, mesh, rules)
+    if stats is not None:
+        parts = [ck.stats() for ck in checkpoints]
+        stats.bytes_read = dict(target.reader.bytes_read)  # one reader: both trees' reads
+        stats.bytes_in_files = sum(p.bytes_in_files for p in parts)
+    return target.cfg, params, dparams, dcfg
