@@ -1,6 +1,13 @@
 """jaxspec: tree-structured speculative decoding for DeepSeek-V4-style models in JAX."""
 
-from jaxspec.checkpoint import Checkpoint, load_checkpoint, load_hf_checkpoint, load_hf_dspark, save_checkpoint
+from jaxspec.checkpoint import (
+    Checkpoint,
+    load_checkpoint,
+    load_hf_checkpoint,
+    load_hf_dspark,
+    load_release,
+    save_checkpoint,
+)
 from jaxspec.core.config import ModelConfig, SpecConfig
 from jaxspec.core.dspark import DSparkConfig
 from jaxspec.model.network import ModelParams, forward, init_params
@@ -28,6 +35,7 @@ __all__ = [
     "load_checkpoint",
     "load_hf_checkpoint",
     "load_hf_dspark",
+    "load_release",
     "make_mesh",
     "memory_plan",
     "save_checkpoint",

@@ -122,3 +122,22 @@ def mtp_tree(params: ModelParams, cfg: Any, spec: Any, state: Any, rule: str = "
 
     sampling = Sampling.create() if sampling is None else sampling
     return stages.draft(mtp_speculator(cfg, spec, rule, values), mtp_models(params), state, sampling)
+
+
+def agreeing_dspark(params: ModelParams, cfg: Any, dcfg: Any, key: jax.Array, sharpness: float = 30.0) -> Any:
+    """DSpark parameters whose drafts agree with `high_acceptance` params most of the time.
+
+    Those targets' next token is mostly a function of the current one: rms_norm(embed[v]) * norm @ head.
+    Here the block's base logits are switched off (a zero final norm) and the Markov head computes that
+    function of the previous drafted token (W1[v] = rms_norm(embed[v]) * norm * sharpness, W2 = head: rank
+    = hidden width), so every position's draft follows the target's argmax up to the context's
+    perturbations; the confidence head stays random. Every mechanism still runs."""
+    from jaxspec.model.dspark import init_dspark_params
+    from jaxspec.ops.norms import rms_norm
+
+    if dcfg.markov_rank != cfg.hidden_size:
+        raise ValueError(f"agreeing_dspark needs markov_rank = hidden_size = {cfg.hidden_size}, got {dcfg.markov_rank}")
+    dp = randomize(init_dspark_params(cfg, dcfg, key), jax.random.fold_in(key, 1))
+    w1 = rms_norm(params.embed.astype(jnp.float32), params.norm, cfg.rms_norm_eps) * sharpness
+    return dp.replace(norm=jnp.zeros_like(dp.norm), markov_w1=w1.astype(dp.markov_w1.dtype),
+                      markov_w2=params.head.astype(dp.markov_w2.dtype))

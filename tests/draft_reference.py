@@ -38,7 +38,7 @@ def draft_tree_exhaustive(
     slot_parent = jnp.zeros((b, num_slots), jnp.int32)
     slot_depth = jnp.zeros((b, num_slots), jnp.int32)
     slot_filled = jnp.zeros((b, num_slots), bool).at[:, 0].set(True)
-    pool = pool_token, pool_parent, pool_score, pool_rank = [], [], [], []
+    pool = pool_token, pool_parent, pool_score, pool_rank, pool_feature = [], [], [], [], []
     pool_depth = []
     expander = Expander(jnp.float32(0.0), None, None, k)
     # per new slot: its pool index (-1 for the root) and score
@@ -58,7 +58,7 @@ def draft_tree_exhaustive(
         )
         logits, z, _ = mtp_forward(params, params.mtp, cfg, mtp.ring, slot_hidden, slot_token, ctx)
         n = new_slots.shape[0]
-        children, _ = expander.children(logits[:, new_slots], new_score, new_pool_index, new_slots, step)
+        children, _ = expander.children(logits[:, new_slots], None, new_score, new_pool_index, new_slots, step)
         for column, values in zip(pool, children, strict=True):
             column.append(values)
         pool_depth.append(jnp.full((b, n * k), step, jnp.int32))
@@ -83,4 +83,5 @@ def draft_tree_exhaustive(
         score=jnp.concatenate(pool_score, axis=1),
         rank=jnp.concatenate(pool_rank, axis=1),
         depth=jnp.concatenate(pool_depth, axis=1),
+        feature=jnp.concatenate(pool_feature, axis=1),
     )

@@ -106,7 +106,7 @@ def _rows(target, draft, parent, rank, depth, n, chain, sampling, variant):
     if chain:  # nodes 0..3 in order: the loop's K = 1 rule
         max_depth, nodes = 3, 4
         chain_tree = Tree(tokens[:, :nodes], parent_a[:, :nodes], jnp.broadcast_to(depth[:nodes], (n, nodes)),
-                          rank_a[:, :nodes], jnp.zeros((n, nodes)), q[:, :nodes])
+                          rank_a[:, :nodes], jnp.zeros((n, nodes)), jnp.ones((n, nodes)), q[:, :nodes])
         acc = residual_tree_accept(chain_tree, t_logits[:, :nodes], max_depth, 1, sampling,
                                    node_keys(sampling.key, cycle, nodes))
     else:

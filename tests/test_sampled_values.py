@@ -70,12 +70,13 @@ class _Forbidden(Expander):
 
     own_prob: jax.Array = None  # [] bool
 
-    def children(self, logits, score, pool_index, slots, depth):
-        (token, parent, value, rank), logq = super().children(logits, score, pool_index, slots, depth)
+    def children(self, logits, confidence, score, pool_index, slots, depth):
+        (token, parent, value, rank, feature), logq = super().children(logits, confidence, score, pool_index, slots,
+                                                                       depth)
         b, k = score.shape[0], self.k
         own = jnp.take_along_axis(logq, token.reshape(b, -1, k), axis=2).reshape(b, -1)
         value = jnp.where(self.own_prob, jnp.repeat(score, k, axis=1) + own, value)
-        return (token, parent, value, rank), logq
+        return (token, parent, value, rank, feature), logq
 
 
 @functools.partial(jax.jit, static_argnums=(2, 4))
@@ -87,7 +88,7 @@ def _synthetic_cycle(target, draft, n, sampling, values, own_prob):
     sampler = make_sampled_draft(SPEC, sampling, cycle, None, values.residual)
     root = jnp.asarray(ROOTS, jnp.int32)[jnp.arange(n) % len(ROOTS)]
     expander = _Forbidden(sampling.temperature, None, sampler, k, values, own_prob=own_prob)
-    pool = grow_beam(SPEC, expander, root, lambda tok, parent, step, carry: (draft[step - 1][tok], carry), None)
+    pool = grow_beam(SPEC, expander, root, lambda tok, parent, step, carry: (draft[step - 1][tok], None, carry), None)
     tree = prune_to_budget(pool, root, SPEC.num_draft_tokens)
     keys = node_keys(sampling.key, cycle, SPEC.num_draft_tokens)
     acc = residual_tree_accept(tree, target[tree.depth, tree.tokens], s_steps, k, sampling, keys)

@@ -246,14 +246,14 @@ FULL_E2E = [(w, s, t) for w in ("random", "confident") for s in SPECS for t in S
 E2E = FULL_E2E if os.environ.get("JAXSPEC_FULL_SAMPLING") else CI_E2E
 
 
-def check_end_to_end(params, cfg, spec, setting_name, seed=0, n=E2E_BATCH, accept=None, calibration=None):
+def check_end_to_end(params, cfg, spec, setting_name, seed=0, n=E2E_BATCH, accept=None, calibration=None, draft=None):
     """-> p-values of token 1, token 2 (marginal), token 2 | t1, token 3 | t1 (mixture over token 2)
     with t1 the most frequent token 1, and token 3 | (t1, t2) when that pair is frequent; and tau."""
     setting = SETTINGS[setting_name] if isinstance(setting_name, str) else setting_name  # or (T, top-k, top-p)
     temperature, top_k, top_p = setting
     out = js.speculative_generate(
         params, cfg, [PROMPT] * n, spec, max_new_tokens=3, temperature=temperature, top_k=top_k, top_p=top_p,
-        rng=jax.random.key(seed), accept=accept, calibration=calibration,
+        rng=jax.random.key(seed), accept=accept, calibration=calibration, draft=draft,
     )
     t = out.tokens
     assert (out.lengths == 3).all()

@@ -36,12 +36,12 @@ def test_shrink_keeps_what_pruning_the_pool_keeps(test_params, test_cfg):
     state = mtp_prefill(params, cfg, PROMPTS[2:] * 2, [9, 9], 64, spec=whole)
     every = mtp_tree(params, cfg, whole, state)
     pool = DraftPool(token=every.tokens[:, 1:], parent=every.parent[:, 1:] - 1, score=every.score[:, 1:],
-                     rank=every.rank[:, 1:], depth=every.depth[:, 1:])
+                     rank=every.rank[:, 1:], depth=every.depth[:, 1:], feature=every.feature[:, 1:])
     tree = prune_to_budget(pool, state.root, 8)
     np.testing.assert_array_equal(np.asarray(tree.tokens), np.asarray(mtp_tree(params, cfg, "s4_k2_d8", state).tokens))
     for width in (2, 4, 5, 8):
         got, want = shrink(tree, width), prune_to_budget(pool, state.root, width)
-        for name in ("tokens", "parent", "depth", "rank", "score"):
+        for name in ("tokens", "parent", "depth", "rank", "score", "feature"):
             np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), name)
 
 
@@ -52,7 +52,7 @@ def test_the_widest_active_row_decides():
                          [0.0, log(0.9), log(0.8), log(0.7), log(0.6), log(0.5)],  # all 6
                          [0.0, log(0.2), log(0.1), log(0.1), log(0.1), log(0.1)]], jnp.float32)  # the root only
     zeros = jnp.zeros((3, 6), jnp.int32)
-    tree = Tree(tokens=zeros, parent=zeros, depth=zeros, rank=zeros, score=score)
+    tree = Tree(tokens=zeros, parent=zeros, depth=zeros, rank=zeros, score=score, feature=jnp.exp(score))
     def width(active):
         return spec.widths[int(choose_width(spec, tree, jnp.asarray(active)))]
 

@@ -10,12 +10,12 @@
 * `keys` (names), `safetensors_io` (headers, memory-mapped reads, writer), `quant` (the formats).
 """
 
-from jaxspec.checkpoint.hf_dspark import load_hf_dspark, open_hf_dspark
+from jaxspec.checkpoint.hf_dspark import load_hf_dspark, load_release, open_hf_dspark
 from jaxspec.checkpoint.hf_load import HFCheckpoint, LoadStats, load_hf_checkpoint, open_hf_checkpoint
 from jaxspec.checkpoint.hf_save import save_hf_checkpoint
 from jaxspec.checkpoint.native import Checkpoint, load_checkpoint, save_checkpoint
 
 __all__ = [
     "Checkpoint", "HFCheckpoint", "LoadStats", "load_checkpoint", "load_hf_checkpoint", "load_hf_dspark",
-    "open_hf_checkpoint", "open_hf_dspark", "save_checkpoint", "save_hf_checkpoint",
+    "load_release", "open_hf_checkpoint", "open_hf_dspark", "save_checkpoint", "save_hf_checkpoint",
 ]

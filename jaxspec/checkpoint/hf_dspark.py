@@ -11,20 +11,25 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from jaxspec.checkpoint.errors import one_line
 from jaxspec.checkpoint.hf_load import (
     WEIGHTS,
     HFCheckpoint,
     LoadStats,
+    load_hf_checkpoint,
     open_hf_checkpoint,
     read_params,
     table_sources,
 )
 from jaxspec.checkpoint.keys import draft_stages, dspark_key_table
-from jaxspec.checkpoint.native import leaves_by_path
+from jaxspec.checkpoint.native import Checkpoint, leaves_by_path
 from jaxspec.core.config import ModelConfig
 from jaxspec.core.dspark import DSparkConfig
 from jaxspec.model.dspark import DSparkParams, abstract_dspark_params
 from jaxspec.model.network import ModelParams
+from jaxspec.speculation.drafter import Draft
+from jaxspec.speculation.dspark import dspark_draft
+from jaxspec.speculation.mtp import MTPDrafter
 
 
 def open_hf_dspark(path: str | os.PathLike, dtype: str | None = None
@@ -84,3 +89,50 @@ def load_hf_dspark(
         stats.bytes_read = dict(target.reader.bytes_read)  # one reader: both trees' reads
         stats.bytes_in_files = sum(p.bytes_in_files for p in parts)
     return target.cfg, params, dparams, dcfg
+
+
+def load_release(
+    path: str | os.PathLike,
+    dtype: str | None = None,
+    mesh: Any = None,
+    rules: dict[str, Any] | None = None,
+    weights: str = "plain",
+    *,
+    draft: str = "auto",
+) -> Checkpoint:
+    """A DeepSeek-V4 release folder as a `Checkpoint`: the target, the folder's tokenizer.json, and its draft
+    ready to speculate with: the DSpark drafter of V4-Flash-DSpark / 0731 / Pro-0813 folders, or the April MTP
+    block. `draft`: "auto" (whichever the folder holds, None without one), "dspark" or "mtp" (a one-line
+    ValueError saying which draft the folder holds otherwise), "none". dtype, mesh, rules and weights as in
+    `load_hf_checkpoint`."""
+    if draft not in ("auto", "dspark", "mtp", "none"):
+        raise ValueError(f"draft must be 'auto', 'dspark', 'mtp' or 'none', got {draft!r}")
+    holds = open_hf_checkpoint(path, dtype, draft="none").draft  # "mtp", "dspark" or None, from headers only
+    if draft in ("dspark", "mtp") and holds != draft:
+        raise ValueError(f"{os.fspath(path)!r} holds {'no draft' if holds is None else f'a {holds} draft'}, "
+                         f"not a {draft} draft")
+    found = None
+    if holds == "dspark" and draft != "none":
+        cfg, params, dparams, dcfg = load_hf_dspark(path, dtype, mesh, rules, weights=weights)
+        found = dspark_draft(dparams, dcfg)
+    else:
+        cfg, params = load_hf_checkpoint(path, dtype, mesh, rules, weights=weights,
+                                         draft="none" if draft == "none" else "auto")
+        if params.mtp is not None:
+            found = Draft("default", MTPDrafter(), params.mtp)
+    return Checkpoint(cfg=cfg, params=params, tokenizer=release_tokenizer(path), draft=found,
+                      path=os.path.abspath(os.fspath(path)))
+
+
+def release_tokenizer(path: str | os.PathLike) -> Any:
+    """The tokenizer.json of a release folder (HF `tokenizers`), or None without one. Its special tokens are
+    the release's own (DeepSeek-V4: bos 0, eos 1, from config.json)."""
+    tok_path = os.path.join(os.fspath(path), "tokenizer.json")
+    if not os.path.isfile(tok_path):
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(tok_path)
+    except Exception as e:  # tokenizers raises a bare Exception on a malformed file
+        raise ValueError(f"{tok_path} is damaged or not a tokenizer: {one_line(e)}") from None

@@ -414,6 +414,7 @@ _PRESETS = {"test": _TEST, "tiny": _TINY, "v4-flash": _flash(), "v4-pro": _pro()
 
 
 SCORES = ("auto", "calibrated", "draft")
+VALUE_SOURCES = ("draft", "confidence")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -427,6 +428,8 @@ class SpecConfig:
     widths: width chosen per cycle (speculation/widths.py): the compiled verify widths, ascending, the last
     = D; each cycle verifies the nodes whose path value (P(the walk reaches them)) is at least
     width_threshold, in the smallest width that holds them. () verifies all D every cycle.
+    values: a node's value feature, "draft" (its draft probability) or "confidence" (a drafter's
+    confidence head; name suffix "_vc"); speculation/tree.py `Expander`.
     """
 
     num_steps: int
@@ -435,6 +438,7 @@ class SpecConfig:
     scores: str = "auto"
     widths: tuple[int, ...] = ()
     width_threshold: float = 0.1
+    values: str = "draft"
 
     def __post_init__(self):
         for name in ("num_steps", "topk", "num_draft_tokens"):
@@ -447,6 +451,8 @@ class SpecConfig:
                        or list(widths) != sorted(set(widths)) or widths[-1] != d):
             raise ValueError(f"widths must be ascending integers >= 2 ending at num_draft_tokens={d}, got {widths}")
         object.__setattr__(self, "widths", widths)
+        if self.values not in VALUE_SOURCES:
+            raise ValueError(f"values must be one of {', '.join(VALUE_SOURCES)}, got {self.values!r}")
         if not 0.0 < self.width_threshold < 1.0:
             raise ValueError(f"width_threshold must be in (0, 1), got {self.width_threshold}")
         if d < 2:
@@ -473,18 +479,19 @@ class SpecConfig:
     @property
     def name(self) -> str:
         base = f"s{self.num_steps}_k{self.topk}_d{self.num_draft_tokens}"
-        return base + ("_w" + ".".join(str(w) for w in self.widths[:-1]) if len(self.widths) > 1 else "")
+        base += "_w" + ".".join(str(w) for w in self.widths[:-1]) if len(self.widths) > 1 else ""
+        return base + ("_vc" if self.values == "confidence" else "")
 
     @classmethod
     def parse(cls, name: str) -> SpecConfig:
-        """'s15_k2_d16', or 's15_k2_d16_w4.8' for widths (4, 8, 16) chosen per cycle."""
-        match = re.fullmatch(r"s(\d+)_k(\d+)_d(\d+)(?:_w(\d+(?:\.\d+)*))?", str(name).strip())
+        """'s15_k2_d16', 's15_k2_d16_w4.8' for widths (4, 8, 16) chosen per cycle, '_vc' valued by confidence."""
+        match = re.fullmatch(r"s(\d+)_k(\d+)_d(\d+)(?:_w(\d+(?:\.\d+)*))?(_vc)?", str(name).strip())
         if not match:
             raise ValueError(f"spec name must look like 's3_k2_d6' (steps, topk, draft tokens) or 's15_k2_d16_w4.8' "
                              f"(per-cycle widths), got {name!r}")
         s, k, d = (int(g) for g in match.groups()[:3])
         widths = () if match.group(4) is None else (*(int(w) for w in match.group(4).split(".")), d)
-        return cls(s, k, d, widths=widths)
+        return cls(s, k, d, widths=widths, values="confidence" if match.group(5) else "draft")
 
     def validate_for(self, cfg: ModelConfig) -> None:
         """What the target fixes; what the draft fixes is its drafter's `check`."""

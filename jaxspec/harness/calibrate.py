@@ -56,27 +56,29 @@ FIELDS = ("depth", "rank", "own_prob", "parent_top1", "label", "context")
 
 def chain_with_children(sp: Speculator, models: Models, state: SpecState, k: int, temperature: jax.Array
                         ) -> tuple[Tree, jax.Array, jax.Array]:
-    """The top-1 chain the drafter drafts for sS_k1, plus the top-k of the draft's distribution at every
-    chain node -> (the chain as a tree of S+1 nodes, top_logp [B, S, k], top_token [B, S, k]).
+    """The top-1 chain the drafter drafts for sS_k1, plus the top-k children at every chain node ->
+    (the chain as a tree of S+1 nodes, log value features [B, S, k] (`sp.spec.values`: the draft's
+    log-probs, or the confidence feature), tokens [B, S, k]).
 
     One beam that expands only the best candidate of each step, k children each: the chain, and every
     child a tree node whose parent is on the accepted path could have (its ancestors are the accepted
     path, so it sees exactly this draft state); their outcomes are read off the chain's verify."""
     s = sp.spec.num_steps
-    wide = SpecConfig(s, k, 1 + k * s)
-    expander = Expander(temperature, None, None, k=k, expand=1)  # raw draft log-probs: rank 0 leads
+    wide = SpecConfig(s, k, 1 + k * s, values=sp.spec.values)
+    expander = Expander(temperature, None, None, k=k, expand=1, source=sp.spec.values)  # raw values: rank 0 leads
     full = sp.drafter.draft(models, sp.cfg, wide, state.draft, state.root, expander)
     b = full.tokens.shape[0]
     top_token = full.tokens[:, 1:].reshape(b, s, k)
-    top_logp = (full.score - jnp.take_along_axis(full.score, full.parent, axis=1))[:, 1:].reshape(b, s, k)
+    log_feature = jnp.log(full.feature[:, 1:]).reshape(b, s, k)
     nodes = jnp.arange(s + 1, dtype=jnp.int32)
     zeros = jnp.zeros((b, s + 1), jnp.int32)
     chain = Tree(
         tokens=jnp.concatenate([state.root[:, None], top_token[:, :, 0]], axis=1),
         parent=zeros + jnp.maximum(nodes - 1, 0), depth=zeros + nodes, rank=zeros,
-        score=jnp.concatenate([jnp.zeros((b, 1)), jnp.cumsum(top_logp[:, :, 0], axis=1)], axis=1),
+        score=jnp.concatenate([jnp.zeros((b, 1)), jnp.cumsum(log_feature[:, :, 0], axis=1)], axis=1),
+        feature=jnp.concatenate([jnp.ones((b, 1)), full.feature[:, 1::k]], axis=1),
     )
-    return chain, top_logp, top_token
+    return chain, log_feature, top_token
 
 
 @functools.partial(bounded_jit, static_argnums=(1, 4))
@@ -149,9 +151,9 @@ def chain_cycles_in_slices(
         yield [np.asarray(x)[:, :n] for x in run(jnp.asarray(tokens), jnp.asarray(lengths), max_len)]
 
 
-def chain_speculator(cfg: ModelConfig, draft: Draft, num_steps: int, rule: str) -> Speculator:
-    """The sS_k1 chain calibration runs, under `rule` (speculation/policy.py), raw draft values."""
-    return Speculator(cfg, SpecConfig(num_steps, 1, num_steps + 1), draft.drafter, Policy(rule))
+def chain_speculator(cfg: ModelConfig, draft: Draft, num_steps: int, rule: str, values: str = "draft") -> Speculator:
+    """The sS_k1 chain calibration runs, under `rule` (speculation/policy.py), raw values of feature `values`."""
+    return Speculator(cfg, SpecConfig(num_steps, 1, num_steps + 1, values=values), draft.drafter, Policy(rule))
 
 
 def collect(
@@ -166,12 +168,14 @@ def collect(
     seed: int = 0,
     *,
     draft: Draft | None = None,
+    values: str = "draft",
 ) -> dict[str, np.ndarray]:
     """Node samples (FIELDS) of `cycles` chain cycles per prompt, greedy or sampled at `temperature`, of
-    `draft` (default: the MTP block of `params`)."""
+    `draft` (default: the MTP block of `params`); "own_prob" is the node's value feature (`values`: its
+    draft probability, or the drafter's confidence feature)."""
     draft = draft_of(params, cfg, draft)
     sampling = Sampling.create(temperature, key=jax.random.key(seed))
-    sp = chain_speculator(cfg, draft, num_steps, "target")
+    sp = chain_speculator(cfg, draft, num_steps, "target", values)
     models = Models(target=params.replace(mtp=None), draft=draft.params)
     parts: dict[str, list[np.ndarray]] = {f: [] for f in FIELDS}
     for top_logp, label, mask, context in chain_cycles_in_slices(
@@ -195,7 +199,7 @@ def map_feature(value_map: ValueMap, samples: dict[str, np.ndarray]) -> np.ndarr
 
 
 def fit(samples_by_temperature: dict[float, dict[str, np.ndarray]], fingerprint: str,
-        meta: dict[str, Any] | None = None) -> Calibration:
+        meta: dict[str, Any] | None = None, feature: str = "draft") -> Calibration:
     """The greedy map from the samples at temperature 0, a sampling map per other temperature."""
     if 0.0 not in samples_by_temperature:
         raise ValueError("a calibration needs greedy samples (temperature 0)")
@@ -206,7 +210,7 @@ def fit(samples_by_temperature: dict[float, dict[str, np.ndarray]], fingerprint:
         maps[t] = fit_map(mode, t, s["depth"], s["rank"], feature, s["label"])
     meta_items = tuple(sorted((str(k), str(v)) for k, v in (meta or {}).items()))
     return Calibration(fingerprint, maps[0.0], tuple(m for t, m in sorted(maps.items()) if t > 0), meta_items,
-                       fit_context_maps(samples_by_temperature[0.0], maps[0.0]))
+                       fit_context_maps(samples_by_temperature[0.0], maps[0.0]), feature=feature)
 
 
 def fit_context_maps(greedy: dict[str, np.ndarray], pooled: ValueMap) -> tuple[ValueMap, ...]:

@@ -103,7 +103,7 @@ class MTPDrafter:
             logits, z, rows = mtp_forward(models.target, models.draft, cfg, state.ring, parent_z, new_token, ctx)
             kv = kv.at[:, new_slots].set(rows.kv.astype(kv.dtype))
             pos = pos.at[:, new_slots].set(positions)
-            return logits, (kv, pos, ancestors, z, new_slots)
+            return logits, None, (kv, pos, ancestors, z, new_slots)
 
         pool = grow_beam(spec, expander, root, step_logits, scratch)
         return prune_to_budget(pool, root, spec.num_draft_tokens)

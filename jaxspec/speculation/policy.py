@@ -63,4 +63,4 @@ class Policy:
             residual = self.values.residual if self.values is not None else ()  # calibrated, else the prior
             sampler = make_sampled_draft(spec, sampling, cycle, None, residual)
         temperature = jnp.float32(0.0) if self.rule == "greedy" else sampling.temperature
-        return Expander(temperature, context, sampler, spec.topk, self.values)
+        return Expander(temperature, context, sampler, spec.topk, self.values, source=spec.values)

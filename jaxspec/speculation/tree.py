@@ -27,6 +27,7 @@ class DraftPool:
     score: jax.Array  # [B, N] cumulative log node value (raw draft log-prob without a calibration)
     rank: jax.Array  # [B, N] rank of the token among its parent's K children
     depth: jax.Array  # [B, N] depth of the candidate (1 = a child of the root)
+    feature: jax.Array  # [B, N] the value feature it was ranked by (`Expander.source`), in (0, 1]
     # Sampled drafts only (`speculation/sampled.py`): log q of every slot, and the slot each candidate was drawn from.
     q: jax.Array | None = None  # [B, slots, V]
     q_slot: jax.Array | None = None  # [B, N]
@@ -41,6 +42,7 @@ class Tree:
     depth: jax.Array  # [B, D] node depth (root 0)
     rank: jax.Array  # [B, D] child rank under its parent (0 for the root)
     score: jax.Array  # [B, D] cumulative log node value (0 for the root): log P(the walk reaches it)
+    feature: jax.Array  # [B, D] the value feature each node was ranked by (root: 1)
     q: jax.Array | None = None  # [B, D, V] sampled drafts: log q each node was drawn from (root: zeros)
 
 
@@ -49,7 +51,12 @@ class Expander:
     """How an expanded slot gets its K children this cycle: top-K ranked by `values`, or drawn from the
     draft (`sampler`, temperature > 0 under the residual rule); and how many of a step's candidates the
     next step expands (K in a cycle's beam; 1 for the chain with every node's K children that
-    calibration records)."""
+    calibration records).
+
+    A top-K child's value feature (`source`): "draft", its own draft probability q_r; "confidence", the
+    drafter's confidence that the slot's top child survives, sigma(c), scaled to the child as
+    sigma(c) q_r / q_0 (a drafter without a confidence head falls back to "draft"). Uncalibrated, the
+    feature is the value; a calibration maps it (`values.node_log_values`)."""
 
     temperature: jax.Array  # [] traced: picks a calibration's sampling map when > 0
     context: jax.Array | None  # [B] int32 context bin of each sequence (greedy values), None = pooled
@@ -57,6 +64,7 @@ class Expander:
     k: int = struct.field(pytree_node=False, default=1)  # children per expanded slot
     values: Calibration | None = struct.field(pytree_node=False, default=None)  # None: raw draft log-probs
     expand: int = struct.field(pytree_node=False, default=0)  # candidates the next step expands (0: k)
+    source: str = struct.field(pytree_node=False, default="draft")  # "draft" | "confidence"
 
     @property
     def width(self) -> int:
@@ -65,29 +73,37 @@ class Expander:
     def children(
         self,
         logits: jax.Array,  # [B, n, V] draft logits of the slots drafted this step
+        confidence: jax.Array | None,  # [B, n] the drafter's confidence logit per slot, or None
         score: jax.Array,  # [B, n] their cumulative values
         pool_index: jax.Array,  # [B, n] their pool index (-1: the root)
         slots: jax.Array,  # [n] their slot indices (sampled drafts' keys)
         depth: int,  # of the children (1 = the root's)
     ) -> tuple[tuple[jax.Array, ...], jax.Array | None]:
-        """-> ((token, parent, score, rank) [B, n*K] pool columns, log q [B, n, V] or None)."""
+        """-> ((token, parent, score, rank, feature) [B, n*K] pool columns, log q [B, n, V] or None)."""
         b, n = score.shape
         k = self.k
         top_logp, top_token = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)  # [B, n, K]
-        log_value = node_log_values(self.values, depth, top_logp, self.temperature, self.context)
+        log_feature = top_logp
+        if self.source == "confidence" and confidence is not None:
+            log_feature = jax.nn.log_sigmoid(confidence)[..., None] + top_logp - top_logp[..., :1]
+        log_value = node_log_values(self.values, depth, log_feature, self.temperature, self.context)
         columns = (
             top_token.reshape(b, n * k).astype(jnp.int32),
             jnp.repeat(pool_index, k, axis=1),
             (score[:, :, None] + log_value).reshape(b, n * k),
             jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, n, k)).reshape(b, n * k),
         )
+        feature = jnp.exp(log_feature).reshape(b, n * k)
         if self.sampler is None:
-            return columns, None
-        return sampled_children(logits, score, slots, depth, self.sampler, columns)
+            return (*columns, feature), None
+        columns, logq = sampled_children(logits, score, slots, depth, self.sampler, columns)
+        drawn = jnp.exp(jnp.take_along_axis(logq, columns[0].reshape(b, n, k), axis=2)).reshape(b, n * k)
+        return (*columns, jnp.where(self.temperature > 0, drawn, feature)), logq
 
 
-# (new token [B, n], parent [B, n] = index among the previous step's slots, step, carry) -> (logits [B, n, V], carry)
-StepLogits = Callable[[jax.Array, jax.Array, int, Any], tuple[jax.Array, Any]]
+# (new token [B, n], parent [B, n] = index among the previous step's slots, step, carry)
+#   -> (logits [B, n, V], confidence logit [B, n] or None, carry)
+StepLogits = Callable[[jax.Array, jax.Array, int, Any], tuple[jax.Array, jax.Array | None, Any]]
 
 
 def grow_beam(spec: SpecConfig, expander: Expander, root: jax.Array, step_logits: StepLogits, carry: Any) -> DraftPool:
@@ -102,13 +118,13 @@ def grow_beam(spec: SpecConfig, expander: Expander, root: jax.Array, step_logits
     new_slots = jnp.zeros((1,), jnp.int32)
     new_pool_index = jnp.full((b, 1), -1, jnp.int32)
     new_score = jnp.zeros((b, 1), jnp.float32)
-    columns: list[list[jax.Array]] = [[], [], [], [], []]  # token, parent, score, rank, depth
+    columns: list[list[jax.Array]] = [[], [], [], [], [], []]  # token, parent, score, rank, feature, depth
     slot_q, q_slot = [], []
     pool_offset = 0
     for step in range(1, s_steps + 1):
         n = new_slots.shape[0]
-        logits, carry = step_logits(new_token, new_parent, step, carry)
-        children, logq = expander.children(logits, new_score, new_pool_index, new_slots, step)
+        logits, confidence, carry = step_logits(new_token, new_parent, step, carry)
+        children, logq = expander.children(logits, confidence, new_score, new_pool_index, new_slots, step)
         for column, c in zip(columns, (*children, jnp.full((b, n * k), step, jnp.int32)), strict=True):
             column.append(c)
         if logq is not None:
@@ -123,9 +139,9 @@ def grow_beam(spec: SpecConfig, expander: Expander, root: jax.Array, step_logits
         new_pool_index = pool_offset + best
         new_score = jnp.take_along_axis(columns[2][-1], best, axis=1)
         pool_offset += n * k
-    token, parent, score, rank, depth = (jnp.concatenate(c, axis=1) for c in columns)
+    token, parent, score, rank, feature, depth = (jnp.concatenate(c, axis=1) for c in columns)
     sampled = bool(slot_q)
-    return DraftPool(token=token, parent=parent, score=score, rank=rank, depth=depth,
+    return DraftPool(token=token, parent=parent, score=score, rank=rank, depth=depth, feature=feature,
                      q=jnp.concatenate(slot_q, axis=1) if sampled else None,
                      q_slot=jnp.concatenate(q_slot, axis=1) if sampled else None)
 
@@ -166,6 +182,7 @@ def prune_to_budget(pool: DraftPool, root: jax.Array, num_draft_tokens: int) -> 
         depth=kept(pool.depth, zeros),
         rank=kept(pool.rank, zeros),
         score=kept(pool.score, jnp.zeros((b, 1))),
+        feature=kept(pool.feature, jnp.ones((b, 1))),
         q=q,
     )
 
@@ -182,6 +199,7 @@ def shrink(tree: Tree, width: int) -> Tree:
         score=tree.score[:, 1:],
         rank=tree.rank[:, 1:],
         depth=tree.depth[:, 1:],
+        feature=tree.feature[:, 1:],
         q=None if tree.q is None else tree.q[:, 1:],
         q_slot=None if tree.q is None else jnp.broadcast_to(jnp.arange(d - 1, dtype=jnp.int32), (b, d - 1)),
     )

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.core.config import ModelConfig, SpecConfig
+from jaxspec.core.config import VALUE_SOURCES, ModelConfig, SpecConfig
 from jaxspec.model.network import standard_layout
 
 CALIBRATION_FILE = "calibration.json"
@@ -77,6 +77,7 @@ class Calibration:
     meta: tuple[tuple[str, str], ...] = ()  # provenance (datasets, prompts, spec, ...) as strings
     greedy_by_context: tuple[ValueMap, ...] = ()  # one greedy map per context bin (CONTEXT_EDGES), or none
     residual: tuple[ValueMap, ...] = ()  # sampled drafts' values (speculation/sampled.py), ascending temperature
+    feature: str = "draft"  # the value feature the maps read: "draft" probability or "confidence" (tree.Expander)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -87,6 +88,7 @@ class Calibration:
             "num_ranks": NUM_RANKS,
             "maps": [dataclasses.asdict(m) for m in (self.greedy, *self.sampling, *self.residual)],
             "meta": dict(self.meta),
+            **({"feature": self.feature} if self.feature != "draft" else {}),
             **({"context": {"cap": CONTEXT_CAP, "edges": list(CONTEXT_EDGES),
                             "maps": [dataclasses.asdict(m) for m in self.greedy_by_context]}}
                if self.greedy_by_context else {}),
@@ -126,8 +128,11 @@ class Calibration:
             raise ValueError(f"{source}: every map needs {size} values in (0, 1)")
         by_mode = {mode: tuple(sorted((m for m in maps[1:] if m.mode == mode), key=lambda m: m.temperature))
                    for mode in ("sampling", "residual")}
+        feature = data.get("feature", "draft")
+        if feature not in VALUE_SOURCES:
+            raise ValueError(f"{source}: feature must be one of {VALUE_SOURCES}, got {feature!r}")
         return cls(fingerprint=fingerprint, greedy=maps[0], sampling=by_mode["sampling"], meta=meta,
-                   greedy_by_context=tuple(by_context), residual=by_mode["residual"])
+                   greedy_by_context=tuple(by_context), residual=by_mode["residual"], feature=feature)
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -194,6 +199,11 @@ def resolve_scores(spec: SpecConfig, calibration: Calibration | None) -> tuple[S
         raise ValueError(f"calibration must be a Calibration, its file or a checkpoint folder, got {calibration!r}")
     if spec.scores == "draft":
         return spec, None
+    if calibration is not None and calibration.feature != spec.values:
+        if spec.scores == "calibrated":
+            raise ValueError(f"the calibration maps the draft's {calibration.feature!r} values, the spec ranks by "
+                             f"{spec.values!r}: calibrate for it (jaxspec calibrate --values {spec.values})")
+        calibration = None  # "auto": raw values of the spec's own feature
     if calibration is None:
         if spec.scores == "calibrated":
             raise ValueError('scores="calibrated" needs a calibration: calibration= (a Calibration or its file), '

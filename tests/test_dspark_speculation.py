@@ -1,0 +1,100 @@
+"""Trees over DSpark (speculation/dspark.py): greedy DSpark chains and parent-conditioned trees are
+token-identical to `generate`, sampled ones follow the target (chi-square), the loop compiles once, a
+0731-style release folder (plain, FP8, FP4) speculates through `load_release`, and a depth beyond the block
+or the other draft is a one-line error.
+
+Acceptance is made realistic with `testing.agreeing_dspark` (its Markov head computes the agreeing
+target's next-token function): per-depth acceptance ~0.6-0.9 with sibling accepts, so the identity
+runs exercise partial paths and sibling commits, which the tests assert happened."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from dspark_layout import write_folder
+from test_sampling import assert_samples_the_target, check_end_to_end
+
+import jaxspec as js
+from jaxspec.core.dspark import DSparkConfig
+from jaxspec.speculation.dspark import dspark_draft
+from jaxspec.speculation.generate import speculative_compile_count
+from jaxspec.testing import agreeing_dspark
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(40, 50))]
+
+
+@pytest.fixture(scope="module")
+def dcfg(test_cfg):
+    return DSparkConfig(block_size=5, noise_token_id=test_cfg.vocab_size - 1, target_layers=(1, 2, 3),
+                        markov_rank=test_cfg.hidden_size, num_stages=1)
+
+
+@pytest.fixture(scope="module")
+def draft(agreeing_params, test_cfg, dcfg):
+    return dspark_draft(agreeing_dspark(agreeing_params, test_cfg, dcfg, jax.random.key(2)), dcfg)
+
+
+@pytest.mark.parametrize("spec", ["s4_k1_d5", "s4_k2_d8", "s5_k4_d12", "s5_k2_d8_vc"])
+def test_greedy_dspark_chains_and_trees_are_generate(agreeing_params, test_cfg, draft, spec):
+    ref = js.generate(agreeing_params, test_cfg, PROMPTS, max_new_tokens=40)
+    out = js.speculative_generate(agreeing_params, test_cfg, PROMPTS, spec, max_new_tokens=40, draft=draft)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    np.testing.assert_array_equal(out.lengths, ref.lengths)
+    depth = np.asarray(out.stats["per_depth_acceptance"])
+    # partial paths: every depth is reached and some cycles stop before the last one
+    assert depth[0] > 0.5 and depth[-1] > 0.2 and depth[-1] < depth[0], depth
+    if js.SpecConfig.parse(spec).topk > 1:  # a sibling (rank >= 1) was accepted and committed
+        assert sum(out.stats["rank_histogram"][1:]) >= 2, out.stats["rank_histogram"]
+
+
+def test_dspark_loop_compiles_once_and_checks_its_depth(agreeing_params, test_cfg, draft):
+    js.speculative_generate(agreeing_params, test_cfg, PROMPTS, "s4_k2_d8", max_new_tokens=16, draft=draft)
+    before = speculative_compile_count()
+    other = [[p + 1 for p in prompt] for prompt in PROMPTS]
+    out = js.speculative_generate(agreeing_params, test_cfg, other, "s4_k2_d8", max_new_tokens=16, draft=draft)
+    assert speculative_compile_count() == before and out.stats["cycles"] > 3
+    with pytest.raises(ValueError, match=r"deeper than the DSpark block of 5 positions: allowed 1\.\.5$"):
+        js.speculative_generate(agreeing_params, test_cfg, PROMPTS, "s6_k1_d7", draft=draft)
+
+
+@pytest.mark.parametrize("spec,setting", [("s3_k1_d4", "t1_p0.9"), ("s3_k2_d6", (0.6, 8, 0.9))])
+def test_sampled_dspark_chain_and_tree_follow_the_target(confident_params, test_cfg, dcfg, spec, setting):
+    draft = dspark_draft(agreeing_dspark(confident_params, test_cfg, dcfg, jax.random.key(2)), dcfg)
+    result = check_end_to_end(confident_params, test_cfg, spec, setting, n=4096, draft=draft)
+    assert_samples_the_target(result)
+    assert result["tau"] > 1.5, result  # the sampled drafts are accepted, not just the bonus
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    folders = {}
+    for fmt in ("f32", "fp8", "fp4"):
+        path = tmp_path_factory.mktemp(f"v4-dspark-{fmt}")
+        write_folder(str(path), fmt)
+        folders[fmt] = str(path)
+    return folders
+
+
+@pytest.mark.parametrize("fmt", ["f32", "fp8", "fp4"])
+def test_release_folder_speculates_greedy_exactly(release, fmt):
+    ckpt = js.load_release(release[fmt], dtype="float32")
+    assert ckpt.draft.name == "dspark" and ckpt.params.mtp is None
+    cfg, params, _ = ckpt
+    prompts = [[3, 14, 15, 92, 65, 35, 89, 79], [2, 71, 82]]
+    ref = js.generate(params, cfg, prompts, max_new_tokens=24)
+    for spec in ("s4_k1_d5", "s4_k2_d8"):
+        out = js.speculative_generate(params, cfg, prompts, spec, max_new_tokens=24, draft=ckpt.draft)
+        np.testing.assert_array_equal(out.tokens, ref.tokens)
+
+
+def test_release_folder_draft_mismatch_is_one_line(release, tmp_path):
+    april = tmp_path / "april"
+    write_folder(str(april), "f32", draft="mtp")
+    with pytest.raises(ValueError, match="holds a mtp draft, not a dspark draft") as e:
+        js.load_release(april, draft="dspark")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="holds a dspark draft, not a mtp draft"):
+        js.load_release(release["f32"], draft="mtp")
+    assert js.load_release(april).draft.drafter.name == "mtp"
+    assert js.load_release(release["f32"], draft="none").draft is None
