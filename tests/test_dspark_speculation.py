@@ -98,3 +98,22 @@ def test_release_folder_draft_mismatch_is_one_line(release, tmp_path):
         js.load_release(release["f32"], draft="mtp")
     assert js.load_release(april).draft.drafter.name == "mtp"
     assert js.load_release(release["f32"], draft="none").draft is None
+
+
+def test_a_dspark_draft_beside_a_checkpoint_round_trips(tmp_path, agreeing_params, test_cfg, draft):
+    """drafts/<name>/ holds a DSpark drafter (dspark/ + dspark.json); load_checkpoint(draft=name) brings it,
+    the target stays the checkpoint's own, and a bad name lists the drafts."""
+    from jaxspec.checkpoint.drafts import draft_names, save_draft
+
+    js.save_checkpoint(tmp_path, test_cfg, agreeing_params)
+    save_draft(tmp_path, "dspark", test_cfg, draft.params, {"recipe": "test"}, config=draft.drafter.config)
+    assert draft_names(tmp_path) == ["default", "dspark"]
+    ckpt = js.load_checkpoint(tmp_path, draft="dspark", cpu_experts=True)
+    assert ckpt.draft.drafter == draft.drafter and ckpt.draft.name == "dspark"
+    assert ckpt.params.mtp is not None  # the checkpoint's own MTP block is still its own
+    out = js.speculative_generate(ckpt.params, ckpt.cfg, PROMPTS, "s4_k2_d8", max_new_tokens=16, draft=ckpt.draft)
+    want = js.speculative_generate(agreeing_params, test_cfg, PROMPTS, "s4_k2_d8", max_new_tokens=16, draft=draft)
+    np.testing.assert_array_equal(out.tokens, want.tokens)
+    assert out.stats["per_sequence"] == want.stats["per_sequence"]  # the same drafts: the same acceptance
+    with pytest.raises(ValueError, match="has no draft 'spark'; drafts: default, dspark"):
+        js.load_checkpoint(tmp_path, draft="spark")

@@ -1,17 +1,23 @@
-"""Extra drafts beside a checkpoint: `<checkpoint>/drafts/<name>/` holds one MTP block (orbax, the
-MTP parameters only: the target, its embedding and head stay the checkpoint's) with its own
-calibration.json and tune.json. `load_checkpoint(path, draft=name)` swaps it in; the checkpoint's
-own draft (params/mtp) is `DEFAULT_DRAFT`, what `draft=None` loads.
+"""Extra drafts beside a checkpoint: `<checkpoint>/drafts/<name>/` holds one draft's parameters (orbax,
+the draft's own only: the target, its embedding and head stay the checkpoint's) with its own
+calibration.json and tune.json: an MTP block (`mtp/`) or a DSpark drafter (`dspark/` + `dspark.json`,
+its `DSparkConfig`). `load_checkpoint(path, draft=name)` takes it; the checkpoint's own draft
+(params/mtp) is `DEFAULT_DRAFT`, what `draft=None` loads.
 
     checkpoints/tiny-v4/drafts/one-step/
         mtp/              orbax PyTree of MTPParams, in the checkpoint's config.json dtypes
         draft.json        how it was trained (recipe, schedule, held-out history)
         calibration.json  `jaxspec calibrate --draft one-step`
         tune.json         the budget chooser's result for this draft
+    checkpoints/tiny-v4/drafts/dspark/
+        dspark/           orbax PyTree of DSparkParams
+        dspark.json       its DSparkConfig
+        ...
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -20,27 +26,50 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxspec.checkpoint.errors import one_line
+from jaxspec.checkpoint.errors import one_line, read_json
 from jaxspec.core.config import ModelConfig
+from jaxspec.core.dspark import DSparkConfig
+from jaxspec.model.dspark import DSparkParams, abstract_dspark_params
 from jaxspec.model.network import MTPParams, abstract_params
 from jaxspec.speculation.auto import TUNING_FILE, Tuning, load_tuning
 from jaxspec.speculation.drafter import Draft, Unreadable
+from jaxspec.speculation.dspark import dspark_draft
 from jaxspec.speculation.mtp import MTPDrafter
 from jaxspec.speculation.values import CALIBRATION_FILE, Calibration, check_fitted, load_calibration
 
 DRAFTS = "drafts"
 DEFAULT_DRAFT = "default"  # the checkpoint's own params/mtp
 MTP = "mtp"
+DSPARK = "dspark"
+DSPARK_CONFIG = "dspark.json"
 INFO = "draft.json"
 
 
+def draft_kind(folder: str) -> str | None:
+    """What a drafts/<name>/ folder holds: "mtp", "dspark" or None."""
+    for kind in (MTP, DSPARK):
+        if os.path.isdir(os.path.join(folder, kind)):
+            return kind
+    return None
+
+
 def draft_names(path: str | os.PathLike) -> list[str]:
-    """The drafts a checkpoint folder offers: DEFAULT_DRAFT first, then drafts/<name>/ with an mtp/."""
+    """The drafts a checkpoint folder offers: DEFAULT_DRAFT first, then drafts/<name>/ holding a draft."""
     root = os.path.join(os.fspath(path), DRAFTS)
     found = []
     if os.path.isdir(root):
-        found = sorted(n for n in os.listdir(root) if os.path.isdir(os.path.join(root, n, MTP)))
+        found = sorted(n for n in os.listdir(root) if draft_kind(os.path.join(root, n)))
     return [DEFAULT_DRAFT, *found]
+
+
+def read_dspark_config(folder: str) -> DSparkConfig:
+    """The DSparkConfig of a drafts/<name>/ folder (its dspark.json); one-line errors naming the file."""
+    path = os.path.join(folder, DSPARK_CONFIG)
+    data = read_json(path)
+    try:
+        return DSparkConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path} is not a DSparkConfig: {one_line(e)}") from None
 
 
 def draft_dir(path: str | os.PathLike, name: str | None) -> str:
@@ -86,9 +115,11 @@ def _unreadable(path: str, error: Exception) -> Unreadable:
     return Unreadable(path, message)
 
 
-def mtp_draft(name: str, mtp: MTPParams, calibration: Any, tuning: Any) -> Draft:
-    """The Draft of an MTP block (a checkpoint's own, or drafts/<name>/mtp)."""
-    return Draft(name, MTPDrafter(), mtp, calibration, tuning)
+def draft_of(name: str, params: Any, config: DSparkConfig | None, calibration: Any, tuning: Any) -> Draft:
+    """The Draft of an MTP block (a checkpoint's own, or drafts/<name>/mtp) or of a DSpark drafter."""
+    if isinstance(params, DSparkParams):
+        return dspark_draft(params, config, name, calibration, tuning)
+    return Draft(name, MTPDrafter(), params, calibration, tuning)
 
 
 def abstract_mtp(cfg: ModelConfig) -> MTPParams:
@@ -98,36 +129,46 @@ def abstract_mtp(cfg: ModelConfig) -> MTPParams:
     return mtp
 
 
-def save_draft(path: str | os.PathLike, name: str, cfg: ModelConfig, mtp: MTPParams,
-               info: dict[str, Any] | None = None) -> str:
-    """Write `mtp` (cast to the dtypes of `cfg`, i.e. the checkpoint's config.json) as draft `name`
-    of the checkpoint folder `path`, replacing an older one (its calibration.json / tune.json are
-    kept: they name the draft they were fitted for, so a stale one is refused at load); -> its folder."""
+def save_draft(path: str | os.PathLike, name: str, cfg: ModelConfig, params: MTPParams | DSparkParams,
+               info: dict[str, Any] | None = None, config: DSparkConfig | None = None) -> str:
+    """Write a draft's parameters (an MTP block, or a DSpark drafter with its `config`), cast to the dtypes
+    of `cfg` (the checkpoint's config.json), as draft `name` of the checkpoint folder `path`, replacing an
+    older one (its calibration.json / tune.json are kept: they name the draft they were fitted for, so a
+    stale one is refused at load); -> its folder."""
     import orbax.checkpoint as ocp
 
     if not name or name == DEFAULT_DRAFT or os.sep in name or name.startswith("."):
         raise ValueError(f"a draft name must be a plain folder name other than {DEFAULT_DRAFT!r}, got {name!r}")
-    expected = abstract_mtp(cfg)
-    if jax.tree.structure(mtp) != jax.tree.structure(expected):
-        raise ValueError("mtp does not match the MTP block implied by cfg")
-    mtp = jax.tree.map(lambda x, a: jnp.asarray(x).astype(a.dtype), mtp, expected)
-    for x, a in zip(jax.tree.leaves(mtp), jax.tree.leaves(expected), strict=True):
+    if isinstance(params, DSparkParams):
+        if config is None:
+            raise ValueError("a DSpark draft needs its DSparkConfig (config=)")
+        kind, expected = DSPARK, abstract_dspark_params(cfg, config)
+    else:
+        kind, expected = MTP, abstract_mtp(cfg)
+    if jax.tree.structure(params) != jax.tree.structure(expected):
+        raise ValueError(f"the parameters do not match the {kind} draft implied by cfg")
+    params = jax.tree.map(lambda x, a: jnp.asarray(x).astype(a.dtype), params, expected)
+    for x, a in zip(jax.tree.leaves(params), jax.tree.leaves(expected), strict=True):
         if x.shape != a.shape:
-            raise ValueError(f"an MTP leaf has shape {x.shape}, cfg implies {a.shape}")
+            raise ValueError(f"a {kind} leaf has shape {x.shape}, cfg implies {a.shape}")
     folder = os.path.abspath(os.path.join(os.fspath(path), DRAFTS, name))
     os.makedirs(folder, exist_ok=True)
-    target, tmp = os.path.join(folder, MTP), os.path.join(folder, MTP + ".tmp")
+    target, tmp = os.path.join(folder, kind), os.path.join(folder, kind + ".tmp")
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
     ckptr = ocp.StandardCheckpointer()
     try:
-        ckptr.save(tmp, mtp)
+        ckptr.save(tmp, params)
         ckptr.wait_until_finished()
     finally:
         ckptr.close()
-    if os.path.exists(target):
-        shutil.rmtree(target)
+    for other in (MTP, DSPARK):
+        if os.path.exists(os.path.join(folder, other)):
+            shutil.rmtree(os.path.join(folder, other))
     os.replace(tmp, target)
+    if kind == DSPARK:
+        with open(os.path.join(folder, DSPARK_CONFIG), "w") as f:
+            json.dump(dataclasses.asdict(config), f, indent=1)
     if info is not None:
         with open(os.path.join(folder, INFO), "w") as f:
             json.dump(info, f, indent=1)

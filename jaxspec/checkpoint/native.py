@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from jaxspec.checkpoint import drafts, errors
 from jaxspec.core.config import ModelConfig
+from jaxspec.model.dspark import abstract_dspark_params
 from jaxspec.model.network import ModelParams, abstract_params, cpu_layout
 from jaxspec.model.placement import param_shardings, sharded_abstract
 from jaxspec.ops.quant import BlockScaled
@@ -143,12 +144,21 @@ def load_checkpoint(
     placed = abstract if mesh is None else sharded_abstract(abstract, param_shardings(cfg, mesh, rules))
     params = _restore(params_dir, abstract, placed, path)
     check_structure(cfg, params)
-    if sidecars != path:
-        mtp = _restore(os.path.join(sidecars, drafts.MTP), abstract.mtp, placed.mtp, sidecars)
-        params = params.replace(mtp=mtp)
+    kind = drafts.MTP if sidecars == path else drafts.draft_kind(sidecars)
+    config = own_params = None
+    if kind == drafts.MTP and sidecars != path:  # an MTP draft takes the place of the checkpoint's own block
+        params = params.replace(mtp=_restore(os.path.join(sidecars, drafts.MTP), abstract.mtp, placed.mtp, sidecars))
         check_structure(cfg, params)
+    elif kind == drafts.DSPARK:
+        config = drafts.read_dspark_config(sidecars)
+        config.validate_for(cfg)
+        dabs = abstract_dspark_params(cfg, config)
+        dplaced = dabs if mesh is None else sharded_abstract(dabs, param_shardings(cfg, mesh, rules, dabs))
+        own_params = _restore(os.path.join(sidecars, drafts.DSPARK), dabs, dplaced, sidecars)
     if dtype is not None and dtype != cfg.dtype:
         cfg, params = cast(cfg, params, dtype)
+        if own_params is not None:
+            own_params = jax.tree.map(lambda x, a: x.astype(a.dtype), own_params, abstract_dspark_params(cfg, config))
     tokenizer = None
     tok_path = os.path.join(path, TOKENIZER)
     if os.path.isfile(tok_path):
@@ -158,11 +168,13 @@ def load_checkpoint(
             tokenizer = Tokenizer.from_file(tok_path)
         except Exception as e:  # tokenizers raises a bare Exception on a malformed file
             raise ValueError(f"{tok_path} is damaged or not a tokenizer: {errors.one_line(e)}") from None
-    own = drafts.sidecar_values(sidecars, params.mtp, cfg) if params.mtp is not None else (None, None)
+    own_params = params.mtp if own_params is None else own_params  # the draft: an MTP block or a DSpark drafter
+    own = drafts.sidecar_values(sidecars, own_params, cfg) if own_params is not None else (None, None)
     if cpu_experts and mesh is None:
         params = cpu_layout(params, cfg)
+        own_params = params.mtp if kind == drafts.MTP else cpu_layout(own_params, cfg)
     name = draft or drafts.DEFAULT_DRAFT
-    found = None if params.mtp is None else drafts.mtp_draft(name, params.mtp, *own)
+    found = None if own_params is None else drafts.draft_of(name, own_params, config, *own)
     return Checkpoint(cfg=cfg, params=params, tokenizer=tokenizer, draft=found, path=path)
 
 
