@@ -19,13 +19,17 @@ import jax.numpy as jnp
 import pytest
 
 import jaxspec as js
+from jaxspec.core.dspark import DSparkConfig
 from jaxspec.core.gpu_export import TRITON_CALL, expert_stack_dots, export_for_cuda, kernel_calls
 from jaxspec.layers import moe
+from jaxspec.model.dspark import abstract_dspark_params
+from jaxspec.model.network import Models
 from jaxspec.model.sampling import Sampling
 from jaxspec.ops.pallas import chain_compress, tree_attention
 from jaxspec.ops.pallas.grouped_matmul import grouped_matmul
 from jaxspec.ops.quant import abstract_block_scaled
-from jaxspec.speculation.cycle import speculative_cycle
+from jaxspec.speculation.cycle import Speculator, prefill, speculative_cycle
+from jaxspec.speculation.dspark import DSparkDrafter
 from jaxspec.testing import mtp_models, mtp_prefill, mtp_speculator
 
 pytestmark = pytest.mark.gpu_lowering
@@ -117,6 +121,27 @@ def _check_cycle(cfg, batch, spec="s3_k2_d6", sampling=False):
 @pytest.mark.parametrize("batch", [1, 8])
 def test_greedy_cycle_of_tiny_for_cuda_holds_the_kernels(batch):
     _check_cycle(js.ModelConfig.preset("tiny").replace(attention_impl="pallas"), batch)
+
+
+@pytest.mark.parametrize("spec", ["s4_k2_d8"])
+def test_dspark_tree_cycle_of_tiny_for_cuda_holds_the_kernels(spec):
+    """A DSpark tree cycle (the drafter's block pass and Markov-conditioned beam included) lowered for CUDA:
+    the target's kernels, the routed experts of the drafter's stage through the grouped kernel too (no
+    dense expert stack anywhere)."""
+    cfg = js.ModelConfig.preset("tiny").replace(attention_impl="pallas", num_mtp_layers=0)
+    dcfg = DSparkConfig(block_size=8, noise_token_id=cfg.vocab_size - 1, target_layers=(3, 4, 5), markov_rank=64,
+                        num_stages=1)
+    params = jax.eval_shape(lambda: js.init_params(cfg, jax.random.key(0)))
+    models = Models(target=params, draft=abstract_dspark_params(cfg, dcfg))
+    sp = Speculator(cfg, js.SpecConfig.parse(spec), DSparkDrafter(dcfg))
+    settings = jax.eval_shape(Sampling.create)
+    state = jax.eval_shape(lambda m, t, n, g: prefill(sp, m, t, n, 256, g), models, S((8, 16), I32), S((8,), I32),
+                           settings)
+    text = export_for_cuda(speculative_cycle, sp, models, state, settings, S((8,), jnp.bool_), static_argnums=(0,))
+    calls = kernel_calls(text)
+    assert any(n.startswith("tree_attention_") for n in calls), calls
+    assert calls["grouped_matmul_plain"] > 0, calls
+    assert not expert_stack_dots(text, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
 
 
 def test_cpu_lowering_of_the_same_experts_keeps_the_cpu_path():
