@@ -206,6 +206,22 @@ def pallas_loop(params, mesh) -> dict:
     return {"one_device": one.tokens.tolist(), "mesh": many.tokens.tolist()}
 
 
+def dspark_run(params, mesh) -> dict:
+    """A DSpark tree (`testing.agreeing_dspark`: drafts accepted at every depth) on the mesh and unsharded."""
+    from jaxspec.core.dspark import DSparkConfig
+    from jaxspec.speculation.dspark import dspark_draft
+    from jaxspec.testing import agreeing_dspark
+
+    dcfg = DSparkConfig(block_size=4, noise_token_id=CFG.vocab_size - 1, target_layers=(1, 2, 3),
+                        markov_rank=CFG.hidden_size, num_stages=1)
+    draft = dspark_draft(agreeing_dspark(params, CFG, dcfg, jax.random.key(5)), dcfg)
+    one = js.speculative_generate(params, CFG, PROMPTS, "s3_k2_d6", max_new_tokens=NEW_TOKENS, draft=draft)
+    placed = js.speculative_generate(params, CFG, PROMPTS, "s3_k2_d6", max_new_tokens=NEW_TOKENS, draft=draft,
+                                     mesh=mesh)
+    return {"single": one.tokens.tolist(), "sharded": placed.tokens.tolist(),
+            "tau": one.stats["mean_accepted_length"]}
+
+
 def main() -> None:
     from jaxspec.testing import high_acceptance
 
@@ -272,6 +288,7 @@ def main() -> None:
     result["checkpoints"] = checkpoints(params, mesh)
     result["kernel"] = kernel_per_shard(js.make_mesh(2, 4, 1))
     result["pallas_loop"] = pallas_loop(params, js.make_mesh(2, 4, 1))
+    result["dspark"] = dspark_run(params, js.make_mesh(2, 4, 1))
     result["controls"] = controls()
     result["extras_seconds"] = time.perf_counter() - t0
     with open(out_path, "w") as f:

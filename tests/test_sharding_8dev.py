@@ -116,3 +116,8 @@ def test_sampled_output_does_not_depend_on_the_mesh(report, mesh):
 def test_pallas_attention_in_the_sharded_loop(report):
     got = report["pallas_loop"]
     assert got["mesh"] == got["one_device"]
+
+
+def test_a_dspark_tree_on_the_mesh_is_the_single_device_run(report):
+    r = report["dspark"]
+    assert r["sharded"] == r["single"] and r["tau"] > 1.5, r
