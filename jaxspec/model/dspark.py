@@ -34,7 +34,7 @@ from jaxspec.layers.attention import (
     window_kv,
 )
 from jaxspec.layers.mhc import HyperHeadParams, hc_head, init_hyper_head
-from jaxspec.model.network import BlockParams, ModelParams, init_block, residual_block
+from jaxspec.model.network import BlockParams, ModelParams, init_block, release_weights, residual_block
 from jaxspec.model.state import LayerState, commit_layer
 from jaxspec.ops import quant
 from jaxspec.ops.norms import rms_norm
@@ -96,9 +96,12 @@ def init_dspark_params(cfg: ModelConfig, dcfg: DSparkConfig, key: jax.Array, std
 
 
 @functools.lru_cache(maxsize=16)
-def abstract_dspark_params(cfg: ModelConfig, dcfg: DSparkConfig) -> DSparkParams:
-    """ShapeDtypeStructs of `init_dspark_params(cfg, dcfg)`."""
-    return jax.eval_shape(lambda: init_dspark_params(cfg, dcfg, jax.random.key(0)))
+def abstract_dspark_params(cfg: ModelConfig, dcfg: DSparkConfig, weights: str = "plain",
+                           experts: str = "fp4") -> DSparkParams:
+    """ShapeDtypeStructs of `init_dspark_params(cfg, dcfg)`; weights "fp8": the leaves a release stores
+    FP8 / FP4 block-scaled as it stores them (as `network.abstract_params`)."""
+    params = jax.eval_shape(lambda: init_dspark_params(cfg, dcfg, jax.random.key(0)))
+    return release_weights(params, weights, experts)
 
 
 def init_dspark_state(cfg: ModelConfig, dcfg: DSparkConfig, batch: int) -> DSparkState:

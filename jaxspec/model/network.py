@@ -132,7 +132,12 @@ def abstract_params(cfg: ModelConfig, weights: str = "plain", experts: str = "fp
     """ShapeDtypeStructs of `init_params(cfg)`. weights "fp8": the leaves DeepSeek's release stores
     quantized are BlockScaled as it stores them (`ops.quant.release_layout`; `experts` "fp4" for the
     instruct release's routed experts, "fp8" for the Base release's)."""
-    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    return release_weights(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))), weights, experts)
+
+
+def release_weights(params: Any, weights: str, experts: str = "fp4") -> Any:
+    """Abstract parameters (any declared tree) with weights "fp8": the leaves DeepSeek's release stores
+    quantized as BlockScaled (`ops.quant.release_layout`); "plain": unchanged."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
     if weights == "plain":

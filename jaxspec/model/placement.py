@@ -10,13 +10,16 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import struct
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxspec.core.checks import positive_int
 from jaxspec.core.config import ModelConfig
+from jaxspec.core.dspark import DSparkConfig
+from jaxspec.model.dspark import abstract_dspark_params, init_dspark_state
 from jaxspec.model.network import WEIGHTS, abstract_params  # noqa: F401  (the placement of these shapes)
-from jaxspec.model.state import abstract_state
+from jaxspec.model.state import abstract_state, layer_state
 from jaxspec.sharding.active import as_tuple
 from jaxspec.sharding.rules import DATA, check_mesh, check_rules, mesh_shape, tree_specs
 
@@ -85,6 +88,9 @@ def _shard_bytes(shape: Sequence[int], dtype: Any, spec: P, sizes: Mapping[str, 
 
 
 def _param_group(path: str) -> str:
+    if path.startswith("draft."):
+        return "DSpark draft"
+    path = path.removeprefix("target.")
     if path in ("embed", "head"):
         return "embed + head"
     if ".ffn.experts." in path:
@@ -98,11 +104,13 @@ def _param_group(path: str) -> str:
 
 def _state_group(path: str) -> str:
     name = path.rsplit(".", 1)[-1]
+    if path.startswith("draft.") and name != "length":
+        return "draft window rings"
     if name == "swa_kv":
         return "window kv"
     if name in ("comp_kv", "idx_kv"):
         return "compressed entries + index keys"
-    if name in ("length", "mtp_length"):
+    if name == "length":
         return "lengths"
     return "compressor / indexer rows"
 
@@ -125,6 +133,14 @@ class MemoryPlan:
         return self.param_bytes + self.state_bytes
 
 
+@struct.dataclass
+class _Pair:
+    """A target's tree and its draft's (parameters, or states), tallied together."""
+
+    target: Any
+    draft: Any
+
+
 def memory_plan(
     cfg: ModelConfig,
     mesh: Any,
@@ -133,9 +149,12 @@ def memory_plan(
     rules: Mapping[str, Any] | None = None,
     weights: str = "plain",
     experts: str = "fp4",
+    draft: DSparkConfig | None = None,
 ) -> MemoryPlan:
     """Per-device bytes of parameters and of the decode state (`init_state(cfg, batch, context)`)
-    on `mesh` (a Mesh, or a (data, tensor, expert) shape: no devices needed), from abstract shapes.
+    on `mesh` (a Mesh, or a (data, tensor, expert) shape: no devices needed), from abstract shapes;
+    the draft's own too: the MTP block and its window ring (cfg.num_mtp_layers), or with `draft` a
+    DSpark drafter's stages and per-stage context rings.
     weights "fp8": parameters as the release stores them, values and scales (`abstract_params`).
 
     Activations and the speculation scratch (a few tokens per sequence) are not included.
@@ -149,7 +168,13 @@ def memory_plan(
     batch = -(-batch // sizes[DATA]) * sizes[DATA]
     rules = check_rules(rules)
     params = abstract_params(cfg, weights, experts)
-    state = abstract_state(cfg, batch, context)
+    state = _Pair(abstract_state(cfg, batch, context), None)
+    if draft is not None:
+        draft.validate_for(cfg)
+        params = _Pair(params, abstract_dspark_params(cfg, draft, weights, experts))
+        state = state.replace(draft=jax.eval_shape(lambda: init_dspark_state(cfg, draft, batch)))
+    elif cfg.has_mtp:
+        state = state.replace(draft=jax.eval_shape(lambda: layer_state(cfg, "sliding", batch, context)))
     p_specs = param_specs(cfg, sizes, rules, params)
     s_specs = state_specs(cfg, state, sizes, rules)
 
