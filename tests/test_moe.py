@@ -91,20 +91,24 @@ def test_cpu_path_rules():
     assert cpu_experts_path(384, 256, 8) == "gathered" and cpu_experts_path(392, 256, 8) == "dense"
 
 
-def test_cpu_layout_unstacks_experts_once_and_changes_no_output(test_params, test_cfg):
-    from jaxspec.model.network import cpu_layout
+def test_cpu_layout_unstacks_experts_and_changes_no_output(test_params, test_cfg):
+    from jaxspec.model.network import cpu_layout, standard_layout
     from jaxspec.model.sampling import Sampling
-    from jaxspec.speculation.generate import _generate_loop
+    from jaxspec.speculation.generate import LoopShape, _generate_loop
 
     converted = cpu_layout(test_params, test_cfg)
-    assert cpu_layout(test_params, test_cfg) is converted  # kept: a second call converts nothing
+    assert cpu_layout(converted, test_cfg).layers[2].ffn.experts.w1 is converted.layers[2].ffn.experts.w1  # idempotent
     assert isinstance(converted.layers[2].ffn.experts.w1, tuple)
+    restored = standard_layout(converted)  # and back, bit for bit
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(test_params), strict=True):
+        np.testing.assert_array_equal(a, b)
     assert isinstance(converted.mtp.block.ffn.experts.w1, tuple)
     assert not isinstance(test_params.layers[2].ffn.experts.w1, tuple)  # the caller's params untouched
     # the loop as `generate` runs it, on the stacked and on the unstacked experts: the same tokens
     tokens = jnp.asarray([[3, 1, 4, 1, 5, 0, 0, 0], [9, 2, 6, 0, 0, 0, 0, 0]], jnp.int32)
     lengths = jnp.asarray([5, 3], jnp.int32)
     sampling = Sampling(jnp.float32(0), jnp.int32(0), jnp.float32(1), jax.random.key(0))
-    stacked = _generate_loop(test_params, test_cfg, tokens, lengths, 24, 64, jnp.int32(-1), sampling)
-    unstacked = _generate_loop(converted, test_cfg, tokens, lengths, 24, 64, jnp.int32(-1), sampling)
+    shape, no_stream = LoopShape(24, 64), np.int32(0)
+    stacked = _generate_loop(test_params, test_cfg, tokens, lengths, shape, jnp.int32(-1), sampling, no_stream)
+    unstacked = _generate_loop(converted, test_cfg, tokens, lengths, shape, jnp.int32(-1), sampling, no_stream)
     np.testing.assert_array_equal(stacked[0], unstacked[0])

@@ -143,7 +143,8 @@ def _flash_bytes_by_hand(tensor: int) -> tuple[int, int]:
     swa = B * W * c * bf16
     csa = swa + B * (L // 4) * c * bf16 + 2 * B * 8 * 2 * c * f32 + B * (L // 4) * cI * f32 + 2 * B * 8 * 2 * cI * f32
     hca = swa + B * (L // 128) * c * bf16 + 2 * B * 128 * c * f32
-    state = 2 * swa + 21 * csa + 20 * hca + swa + 2 * B * 4  # + MTP ring + lengths
+    # + the MTP draft's ring, the target streams it pairs the next row with, and both lengths
+    state = 2 * swa + 21 * csa + 20 * hca + swa + B * hc * d * bf16 + 2 * B * 4
     return params, state
 
 

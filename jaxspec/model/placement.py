@@ -19,7 +19,7 @@ from jaxspec.core.config import ModelConfig
 from jaxspec.core.dspark import DSparkConfig
 from jaxspec.model.dspark import abstract_dspark_params, init_dspark_state
 from jaxspec.model.network import WEIGHTS, abstract_params  # noqa: F401  (the placement of these shapes)
-from jaxspec.model.state import abstract_state, layer_state
+from jaxspec.model.state import abstract_state, init_mtp_state
 from jaxspec.sharding.active import as_tuple
 from jaxspec.sharding.rules import DATA, check_mesh, check_rules, mesh_shape, tree_specs
 
@@ -105,7 +105,7 @@ def _param_group(path: str) -> str:
 def _state_group(path: str) -> str:
     name = path.rsplit(".", 1)[-1]
     if path.startswith("draft.") and name != "length":
-        return "draft window rings"
+        return "draft state"
     if name == "swa_kv":
         return "window kv"
     if name in ("comp_kv", "idx_kv"):
@@ -174,7 +174,7 @@ def memory_plan(
         params = _Pair(params, abstract_dspark_params(cfg, draft, weights, experts))
         state = state.replace(draft=jax.eval_shape(lambda: init_dspark_state(cfg, draft, batch)))
     elif cfg.has_mtp:
-        state = state.replace(draft=jax.eval_shape(lambda: layer_state(cfg, "sliding", batch, context)))
+        state = state.replace(draft=jax.eval_shape(lambda: init_mtp_state(cfg, batch, context)))
     p_specs = param_specs(cfg, sizes, rules, params)
     s_specs = state_specs(cfg, state, sizes, rules)
 

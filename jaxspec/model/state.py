@@ -41,6 +41,21 @@ class DecodeState:
         return self.length.shape[0]
 
 
+@struct.dataclass
+class MTPState:
+    """The MTP draft's own state (speculation/mtp.py follows and drafts with it)."""
+
+    ring: LayerState  # the MTP block's window ring over committed MTP positions
+    length: jax.Array = axes("batch")  # [B] int32 MTP positions filled (= committed tokens - 1)
+    last_hidden: jax.Array = axes("batch", None, "embed")  # [B, hc, d] target streams at the last committed row
+
+
+def init_mtp_state(cfg: ModelConfig, batch: int, max_len: int) -> MTPState:
+    """An empty MTP state: position i of the ring will consume (H_i, token i+1)."""
+    return MTPState(ring=layer_state(cfg, "sliding", batch, max_len), length=jnp.zeros((batch,), jnp.int32),
+                    last_hidden=jnp.zeros((batch, cfg.hc_mult, cfg.hidden_size), jnp.dtype(cfg.dtype)))
+
+
 def layer_state(cfg: ModelConfig, kind: str, batch: int, max_len: int) -> LayerState:
     """An empty state of one layer of `kind` (a draft's sliding-window block: "sliding")."""
     dtype = jnp.dtype(cfg.dtype)

@@ -15,23 +15,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
 from jaxspec.core.config import ModelConfig, SpecConfig
 from jaxspec.layers.attention import AttentionContext
 from jaxspec.layers.banded import band_block
 from jaxspec.model import state as state_lib
 from jaxspec.model.network import Models, causal_context, mtp_forward
-from jaxspec.sharding.rules import axes
+from jaxspec.model.state import MTPState
 from jaxspec.speculation.drafter import Exposed
 from jaxspec.speculation.tree import Expander, Tree, grow_beam, num_slots, prune_to_budget
-
-
-@struct.dataclass
-class MTPState:
-    ring: state_lib.LayerState  # the MTP block's window ring over committed MTP positions
-    length: jax.Array = axes("batch")  # [B] int32 MTP positions filled (= committed tokens - 1)
-    last_hidden: jax.Array = axes("batch", None, "embed")  # [B, hc, d] target streams at the last committed row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,9 +37,7 @@ class MTPDrafter:
                              f"allowed 1..{cfg.sliding_window - 1}")
 
     def init_state(self, cfg: ModelConfig, batch: int, max_len: int) -> MTPState:
-        return MTPState(ring=state_lib.layer_state(cfg, "sliding", batch, max_len),
-                        length=jnp.zeros((batch,), jnp.int32),
-                        last_hidden=jnp.zeros((batch, cfg.hc_mult, cfg.hidden_size), jnp.dtype(cfg.dtype)))
+        return state_lib.init_mtp_state(cfg, batch, max_len)
 
     def follow(self, models: Models, cfg: ModelConfig, state: MTPState, rows: Exposed) -> MTPState:
         """Committed rows t_P.. (streams H_P..) give MTP positions P-1.. the pairs (H_{P-1}, t_P), (H_P, t_{P+1}),
