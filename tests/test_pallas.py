@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 import jaxspec as js
+from jaxspec.core.config import LayerGeometry
 from jaxspec.layers.attention import attend, attention, ring_positions
-from jaxspec.layers.compressor import CompressorParams, pool_entries
+from jaxspec.layers.compressor import CompressorParams, PoolRows, pool_entries
 from jaxspec.model import state as state_lib
 from jaxspec.model.network import causal_context
 from jaxspec.ops.pallas.chain_compress import chain_compress
@@ -151,9 +152,10 @@ def test_chain_compress_equals_reference_and_model(name, test_cfg):
     assert _rel_err(got, want) <= 1e-5
     assert not np.asarray(got)[~emits].any()
     params = CompressorParams(None, None, None, norm)
-    model = jax.jit(lambda *a: pool_entries(params, cfg, ratio, overlap, *a, freqs))(
-        *rows, plan.positions, committed, plan.ancestor_at_depth
-    )
+    geo = LayerGeometry("csa" if overlap else "hca", ratio, indexed=overlap)
+    ctx = verify_context(plan, committed)
+    model = jax.jit(lambda *a: pool_entries(params, cfg, geo, PoolRows(*a[:2]), PoolRows(*a[2:4]), a[4], freqs))(
+        *rows, ctx)
     assert _rel_err(np.asarray(want)[emits], np.asarray(model)[emits]) <= 1e-6
 
 

@@ -13,6 +13,7 @@ against) or to the Pallas kernel `pallas.tree_attention.tree_attention`, which s
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -21,7 +22,7 @@ from flax import struct
 
 from jaxspec.core.config import ModelConfig
 from jaxspec.layers.banded import attend_banded, chain_entry_ok, with_chain_entries
-from jaxspec.layers.compressor import CompressorParams, compressor_rows, init_compressor, pool_entries
+from jaxspec.layers.compressor import CompressorParams, PoolRows, compressor_rows, init_compressor, pool_entries
 from jaxspec.layers.indexer import IndexerParams, index_queries, index_scores, init_indexer
 from jaxspec.ops import quant
 from jaxspec.ops.norms import rms_norm, unweighted_rms_norm
@@ -200,21 +201,40 @@ def attend(
     return out
 
 
+@struct.dataclass
+class EntryKeys:
+    """The compressed keys the new tokens of a compressed layer read beside the window, in the one contract
+    `attend`, `attend_banded` and the Pallas kernel share (`kwargs()`). HCA reads every committed entry
+    (comp_len), CSA the ones its indexer picked (comp_index); a tree's tokens also read the branch-local
+    entries their own ancestors emitted (tree_entries, tree_entry_mask); a banded chain reads its entries
+    from a copy of the cache (comp_ok)."""
+
+    comp_kv: jax.Array  # [B, Lc, c] committed compressed entries (a banded chain's own written in)
+    comp_len: jax.Array | None = None  # [B] int32: dense (HCA) -- entries [0, comp_len) for all tokens
+    comp_index: jax.Array | None = None  # [B, T, K] int32: sparse (CSA) -- per-token ids, -1 = none
+    tree_entries: jax.Array | None = None  # [B, T, c] branch-local entries (candidate per new token)
+    tree_entry_mask: jax.Array | None = None  # [B, T, T] bool: token i reads token j's entry
+    comp_ok: jax.Array | None = None  # [B, T, Lc] bool: banded (HCA) -- the entries each token reads
+
+    def kwargs(self) -> dict[str, jax.Array]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+
 def _entry_keys(
-    p: AttentionParams, cfg: ModelConfig, kind: str, x: jax.Array, q_latent: jax.Array, cos: jax.Array,
-    sin: jax.Array, layer_state: Any, ctx: AttentionContext, rows: AttentionRows, freqs: Any,
-) -> tuple[dict[str, Any], AttentionRows]:
-    """The compressed keys a compressed layer's new tokens read (`attend`'s / `attend_banded`'s
-    keyword arguments) and the rows they add to the commit's scratch."""
+    p: AttentionParams, cfg: ModelConfig, kind: str, x: jax.Array, q_latent: jax.Array, rope: tuple[jax.Array, ...],
+    layer_state: Any, ctx: AttentionContext, rows: AttentionRows,
+) -> tuple[EntryKeys, AttentionRows]:
+    """The compressed keys a compressed layer's new tokens read and the rows they add to the commit's
+    scratch (rope: the tokens' (cos, sin) at the compressed layers' frequencies)."""
     b, t = ctx.positions.shape
+    cos, sin = rope
+    freqs = inv_freq(cfg, True)
     geo = cfg.geometry(kind)
     ratio = geo.ratio
-    comp_kv_rows, comp_gate_rows = compressor_rows(p.compressor, x, ctx.positions, ratio)
-    entry = pool_entries(
-        p.compressor, cfg, ratio, geo.overlap, layer_state.comp_rows_kv, layer_state.comp_rows_gate,
-        comp_kv_rows, comp_gate_rows, ctx.positions, ctx.committed, ctx.ancestor_at_depth, freqs,
-    ).astype(rows.kv.dtype)
-    rows = rows.replace(comp_kv=comp_kv_rows, comp_gate=comp_gate_rows, comp_entry=entry)
+    new = compressor_rows(p.compressor, x, ctx.positions, ratio)
+    ring = PoolRows(layer_state.comp_rows_kv, layer_state.comp_rows_gate)
+    entry = pool_entries(p.compressor, cfg, geo, ring, new, ctx, freqs).astype(rows.kv.dtype)
+    rows = rows.replace(comp_kv=new.kv, comp_gate=new.gate, comp_entry=entry)
     emits = ((ctx.positions + 1) % ratio == 0) & ctx.valid  # [B, T]
     cache = layer_state.comp_kv  # [B, Lc, c]
     lc = cache.shape[1]
@@ -227,22 +247,20 @@ def _entry_keys(
         ancestor_entries = ctx.visible & emits[:, None, :]  # [B, T, T]
     if not geo.indexed:
         if ctx.band:
-            return dict(comp_kv=cache, comp_ok=entry_ok), rows
-        return dict(comp_kv=cache, tree_entries=entry, comp_len=num_committed_entries,
-                    tree_entry_mask=ancestor_entries), rows
+            return EntryKeys(comp_kv=cache, comp_ok=entry_ok), rows
+        return EntryKeys(comp_kv=cache, tree_entries=entry, comp_len=num_committed_entries,
+                         tree_entry_mask=ancestor_entries), rows
     ip = p.indexer
-    idx_kv_rows, idx_gate_rows = compressor_rows(ip.compressor, x, ctx.positions, ratio)
-    idx_entry = pool_entries(
-        ip.compressor, cfg, ratio, True, layer_state.idx_rows_kv, layer_state.idx_rows_gate,
-        idx_kv_rows, idx_gate_rows, ctx.positions, ctx.committed, ctx.ancestor_at_depth, freqs,
-    )
-    rows = rows.replace(idx_kv=idx_kv_rows, idx_gate=idx_gate_rows, idx_entry=idx_entry)
+    new = compressor_rows(ip.compressor, x, ctx.positions, ratio)
+    ring = PoolRows(layer_state.idx_rows_kv, layer_state.idx_rows_gate)
+    idx_entry = pool_entries(ip.compressor, cfg, geo, ring, new, ctx, freqs)  # CSA's geometry: overlapping
+    rows = rows.replace(idx_kv=new.kv, idx_gate=new.gate, idx_entry=idx_entry)
     iq, iw = index_queries(ip, cfg, q_latent, x, cos, sin)
     if ctx.band:  # the top-k over committed + chain entries, all in one (copied) index cache
         index_keys = with_chain_entries(layer_state.idx_kv.astype(jnp.float32), idx_entry, ctx.positions, emits, ratio)
         scores = jnp.where(entry_ok, index_scores(iq, iw, index_keys), -jnp.inf)  # [B, T, Lc]
         top_scores, top_index = jax.lax.top_k(scores, min(cfg.index_topk, lc))
-        return dict(comp_kv=cache, comp_index=jnp.where(top_scores > -jnp.inf, top_index, -1)), rows
+        return EntryKeys(comp_kv=cache, comp_index=jnp.where(top_scores > -jnp.inf, top_index, -1)), rows
     # The indexer picks the top-k of committed + branch-local entries per token.
     index_keys = jnp.concatenate([layer_state.idx_kv.astype(jnp.float32), idx_entry], axis=1)
     committed_ok = jnp.arange(lc)[None, :] < num_committed_entries[:, None]  # [B, Lc]
@@ -253,7 +271,7 @@ def _entry_keys(
     top_scores, top_index = jax.lax.top_k(scores, min(cfg.index_topk, lc + t))  # [B, T, k]
     selected = top_scores > -jnp.inf
     local = jnp.where(selected & (top_index >= lc), top_index - lc, -1)  # [B, T, k] picked new entries
-    return dict(
+    return EntryKeys(
         comp_kv=cache, tree_entries=entry, comp_index=jnp.where(selected & (top_index < lc), top_index, -1),
         tree_entry_mask=_picked_mask(local, t),
     ), rows
@@ -288,7 +306,8 @@ def attention(
     rows = AttentionRows(kv=kv)
     keys: dict[str, Any] = {}
     if compressed:
-        keys, rows = _entry_keys(p, cfg, kind, x, q_latent, cos, sin, layer_state, ctx, rows, freqs)
+        entry_keys, rows = _entry_keys(p, cfg, kind, x, q_latent, (cos, sin), layer_state, ctx, rows)
+        keys = entry_keys.kwargs()
 
     # Window keys: the committed ring (last W positions) and the new tokens a token may see.
     window = cfg.sliding_window

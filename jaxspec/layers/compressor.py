@@ -10,11 +10,13 @@ row of every source position lives (committed ring or a new token on the query's
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec.core.config import ModelConfig, pooling_coff
+from jaxspec.core.config import LayerGeometry, ModelConfig, pooling_coff
 from jaxspec.ops.pallas.chain_compress import chain_compress
 from jaxspec.ops.pooling import pool_rows
 from jaxspec.sharding.rules import axes
@@ -42,41 +44,38 @@ def init_compressor(
     )
 
 
+@struct.dataclass
+class PoolRows:
+    """Compressor rows: the committed ring's ([B, R, coff*D], slot = pos mod R) or new tokens' ([B, T, coff*D])."""
+
+    kv: jax.Array  # fp32
+    gate: jax.Array  # fp32, APE added
+
+
 def compressor_rows(
     p: CompressorParams, x: jax.Array, positions: jax.Array, ratio: int  # x: [B, T, d], pos: [B, T]
-) -> tuple[jax.Array, jax.Array]:
+) -> PoolRows:
     """-> kv rows [B, T, coff*D] fp32, gate rows (APE added) [B, T, coff*D] fp32."""
     x32 = x.astype(jnp.float32)
     kv = x32 @ p.wkv.astype(jnp.float32)
     gate = x32 @ p.wgate.astype(jnp.float32) + p.ape[positions % ratio]
-    return kv, gate
+    return PoolRows(kv, gate)
 
 
 def pool_entries(
     p: CompressorParams,
     cfg: ModelConfig,
-    ratio: int,
-    overlap: bool,
-    ring_kv: jax.Array,  # [B, R, coff*D] committed rows, slot = pos mod R
-    ring_gate: jax.Array,  # [B, R, coff*D]
-    new_kv: jax.Array,  # [B, T, coff*D]
-    new_gate: jax.Array,  # [B, T, coff*D]
-    positions: jax.Array,  # [B, T]
-    committed: jax.Array,  # [B]
-    ancestor_at_depth: jax.Array,  # [B, T, T]
-    freqs,
+    geo: LayerGeometry,  # the layer's ratio and pooling overlap (an indexer pools with overlap)
+    ring: PoolRows,  # [B, R, coff*D] committed rows
+    new: PoolRows,  # [B, T, coff*D] the new tokens' rows
+    ctx: Any,  # the layer's AttentionContext: positions [B, T], committed [B], ancestor_at_depth [B, T, T]
+    freqs: jax.Array,
 ) -> jax.Array:
     """Candidate compressed entry of every new token as if it closed a block: [B, T, D].
 
     Only tokens with (pos + 1) % ratio == 0 emit (the caller masks the rest); computing all keeps
     shapes static and lets sibling tree nodes close the same block index differently.
     """
-    if cfg.attention_impl == "pallas":
-        return chain_compress(
-            ring_kv, ring_gate, new_kv, new_gate, positions, committed, ancestor_at_depth, p.norm, freqs,
-            ratio=ratio, overlap=overlap, eps=cfg.rms_norm_eps,
-        )
-    return pool_rows(
-        ring_kv, ring_gate, new_kv, new_gate, positions, committed, ancestor_at_depth, p.norm, freqs,
-        ratio=ratio, overlap=overlap, eps=cfg.rms_norm_eps,
-    )
+    pool = chain_compress if cfg.attention_impl == "pallas" else pool_rows
+    return pool(ring.kv, ring.gate, new.kv, new.gate, ctx.positions, ctx.committed, ctx.ancestor_at_depth, p.norm,
+                freqs, ratio=geo.ratio, overlap=geo.overlap, eps=cfg.rms_norm_eps)
