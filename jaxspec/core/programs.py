@@ -37,10 +37,9 @@ from jaxspec.core.checks import positive_int
 ENV_VAR = "JAXSPEC_MAX_PROGRAMS"
 # A sweep process (one batch size) cycles through AR + up to 16 specs + the rank-acceptance spec:
 # 18 programs, so 20 keeps its working set warm across datasets (tune uses each stage program
-# back to back, so it needs far fewer). The maps they may hold: 20 live programs x 2,000 (above the
-# largest measured, 1,913 for `tiny`'s speculative loop) = 40,000, plus the ~2,000 of a process
-# that has imported jax and built a model (~5,000 in a notebook with plotting libraries): ~45,000,
-# a margin of ~20,000 under the default vm.max_map_count of 65,530.
+# back to back, so it needs far fewer). The maps they may hold: 20 live programs x MAPS_PER_PROGRAM
+# (above the largest speculative loop measured, docs/results.md "Compiled programs"), plus those of a
+# process that has imported jax and built a model, stay well under the default vm.max_map_count of 65,530.
 DEFAULT_MAX_PROGRAMS = 20
 MAPS_PER_PROGRAM = 2_000  # the estimate behind the vm.max_map_count warning (XLA:CPU, see above)
 MAP_COUNT_FILE = "/proc/sys/vm/max_map_count"
@@ -241,10 +240,9 @@ def _caller_level() -> int:
 # ---- compiler options ----------------------------------------------------------------------------
 
 # XLA:CPU hands dots, reductions and elementwise chains to YNNPACK "fusions" by default; at this
-# engine's sizes (a few rows per matmul, 16 x 64 pooling windows) each such call costs 10-70 us of
-# setup where the plain emitters take a few (a compressor's pooling reduce: 68 us as a YNN fusion).
-# Off, a batch-1 decode step and a tree cycle are 10-20% faster and prefill no slower
-# (docs/results.md, "YNN fusions off"). An XLA_FLAGS setting of the same option wins. The option is
+# engine's sizes (a few rows per matmul, small pooling windows) each such call costs more setup than
+# the plain emitters take. Off, decode steps and tree cycles are faster and prefill no slower
+# (docs/results.md, "YNN fusions off", has the numbers). An XLA_FLAGS setting of the same option wins. The option is
 # read by XLA's CPU compiler only; other backends ignore it.
 YNN_OPTION = "xla_cpu_experimental_ynn_fusion_type"
 

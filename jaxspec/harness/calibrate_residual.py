@@ -11,7 +11,7 @@ which rank r was the accepted one. Features: depth, rank, the parent's processed
 probability (the residual maps' feature) and the parent's q entropy (recorded for comparison).
 
 A tree also reaches nodes below rank > 0 children; their contexts are approximated by the chain's
-(rank > 0 children are accepted ~5-15% of the time).
+(rank > 0 children are accepted rarely: docs/sampling_values.md).
 """
 
 from __future__ import annotations
