@@ -88,7 +88,7 @@ def stage_split(cfg, batches, spec_name, prompt_len, iters, budget_s) -> list[di
     out, start = [], time.perf_counter()
     for b in batches:
         for impl in ("pallas", "xla"):
-            c = cfg.replace(attention_impl=impl)
+            c = cfg.replace(kernels=impl)
             if time.perf_counter() - start > budget_s:
                 out.append({"attention": impl, "batch": b, "spec": spec_name, "skipped": f"budget {budget_s:.0f} s"})
                 continue

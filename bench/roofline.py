@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from jaxspec.speculation.commit import commit_accepted_path
+    from jaxspec.speculation.draft import draft_tree, prune_to_budget
     from rich.table import Table
     from spec_vs_ar import gsm8k_prompts, load_model
 
@@ -76,8 +78,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from jaxspec.cost import terms
     from jaxspec.harness.stages import prefill
     from jaxspec.model.network import cpu_layout, extend, forward
-    from jaxspec.speculation.commit import commit_accepted_path
-    from jaxspec.speculation.draft import draft_tree, prune_to_budget
     from jaxspec.speculation.generate import length_bucket, speculative_cycle
     from jaxspec.speculation.plan import build_plan, verify_context
     from jaxspec.speculation.values import resolve_scores

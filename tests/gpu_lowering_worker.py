@@ -31,7 +31,7 @@ from jaxspec.testing import mtp_models, mtp_prefill, mtp_speculator  # noqa: E40
 # 8 heads, 8 o_groups, 8 experts of 384: every axis of both meshes divides them, a shard of the
 # hidden width (48) is a multiple of the kernel's 16-wide tiles, and no other weight has its shape.
 CFG = js.ModelConfig.preset("test").replace(num_heads=8, o_groups=8, n_routed_experts=8, moe_intermediate_size=384,
-                                            attention_impl="pallas")
+                                            kernels="pallas")
 
 
 def export_cycle(shape, batch):

@@ -199,7 +199,7 @@ def kernel_per_shard(mesh) -> dict:
 def pallas_loop(params, mesh) -> dict:
     """The speculative loop with the Pallas tree-attention kernel (interpret mode on CPU), which
     shard_kernel runs per tensor shard on its own heads: tokens equal the one-device run."""
-    cfg = CFG.replace(attention_impl="pallas")
+    cfg = CFG.replace(kernels="pallas")
     one = js.speculative_generate(params, cfg, PROMPTS[:2], SPEC, max_new_tokens=6)
     placed = js.shard_params(params, cfg, mesh)
     many = js.speculative_generate(placed, cfg, PROMPTS[:2], SPEC, max_new_tokens=6, mesh=mesh)

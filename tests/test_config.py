@@ -75,7 +75,7 @@ def test_missing_layer_pattern():
         ({"layer_types": ("sliding", "csa", "xyz", "csa")}, "layer_types"),
         ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
         ({"dtype": "float16"}, "dtype"),
-        ({"attention_impl": "cuda"}, "attention_impl"),
+        ({"kernels": "cuda"}, "kernels"),
         ({"o_groups": 3}, "o_groups"),
     ],
 )

@@ -120,7 +120,7 @@ def _check_cycle(cfg, batch, spec="s3_k2_d6", sampling=False):
 
 @pytest.mark.parametrize("batch", [1, 8])
 def test_greedy_cycle_of_tiny_for_cuda_holds_the_kernels(batch):
-    _check_cycle(js.ModelConfig.preset("tiny").replace(attention_impl="pallas"), batch)
+    _check_cycle(js.ModelConfig.preset("tiny").replace(kernels="pallas"), batch)
 
 
 @pytest.mark.parametrize("spec", ["s4_k2_d8"])
@@ -128,7 +128,7 @@ def test_dspark_tree_cycle_of_tiny_for_cuda_holds_the_kernels(spec):
     """A DSpark tree cycle (the drafter's block pass and Markov-conditioned beam included) lowered for CUDA:
     the target's kernels, the routed experts of the drafter's stage through the grouped kernel too (no
     dense expert stack anywhere)."""
-    cfg = js.ModelConfig.preset("tiny").replace(attention_impl="pallas", num_mtp_layers=0)
+    cfg = js.ModelConfig.preset("tiny").replace(kernels="pallas", num_mtp_layers=0)
     dcfg = DSparkConfig(block_size=8, noise_token_id=cfg.vocab_size - 1, target_layers=(3, 4, 5), markov_rank=64,
                         num_stages=1)
     params = jax.eval_shape(lambda: js.init_params(cfg, jax.random.key(0)))
@@ -144,35 +144,37 @@ def test_dspark_tree_cycle_of_tiny_for_cuda_holds_the_kernels(spec):
     assert not expert_stack_dots(text, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
 
 
-def test_cpu_lowering_of_the_same_experts_keeps_the_cpu_path():
-    """In one process: lowered for CPU the model keeps its CPU path (no Triton call; the union path:
-    one conditional per expert, no dot over the whole expert stack, at 8 tokens x 2 experts of 8),
-    for CUDA the kernel."""
+def test_the_kernel_switch_picks_the_experts_path_as_every_kernels():
+    """kernels="xla": the jnp path on every platform (the union path: one conditional per expert, no dot
+    over the whole expert stack, at 8 tokens x 2 experts of 8; no Triton call, for CPU or for CUDA).
+    kernels="pallas": the grouped kernel, compiled for CUDA, the interpreter for CPU."""
     cfg = js.ModelConfig.preset("tiny")
     e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
     experts = moe.MLPParams(w1=S((e, d, i), F32), w3=S((e, d, i), F32), w2=S((e, i, d), F32))
     args = (experts, S((8, d), F32), S((8, 2), I32), S((8, 2), F32))
 
-    def fn(ex, x, idx, w):
-        return moe.sparse_experts(ex, cfg, x, idx, w)
+    def under(kernels):
+        return lambda ex, x, idx, w: moe.sparse_experts(ex, cfg.replace(kernels=kernels), x, idx, w)
 
-    cpu = jax.jit(fn).lower(*args).as_text()
-    assert TRITON_CALL not in cpu and not expert_stack_dots(cpu, e, d, i) and cpu.count("stablehlo.case") >= e
-    cuda = export_for_cuda(fn, *args)
+    for text in (jax.jit(under("xla")).lower(*args).as_text(), export_for_cuda(under("xla"), *args)):
+        assert TRITON_CALL not in text and not expert_stack_dots(text, e, d, i) and text.count("stablehlo.case") >= e
+    cuda = export_for_cuda(under("pallas"), *args)
     assert kernel_calls(cuda) == {"grouped_matmul_plain": 3} and not expert_stack_dots(cuda, e, d, i)
+    cpu = jax.jit(under("pallas")).lower(*args).as_text()
+    assert TRITON_CALL not in cpu and not expert_stack_dots(cpu, e, d, i)  # the interpreted kernel
 
 
 @pytest.mark.long
 @pytest.mark.parametrize("batch", [1, 8])
 def test_sampling_cycle_of_tiny_for_cuda_holds_the_kernels(batch):
-    _check_cycle(js.ModelConfig.preset("tiny").replace(attention_impl="pallas"), batch, sampling=True)
+    _check_cycle(js.ModelConfig.preset("tiny").replace(kernels="pallas"), batch, sampling=True)
 
 
 @pytest.mark.long
 @pytest.mark.parametrize("batch", [1, 8])
 @pytest.mark.parametrize("sampling", [False, True])
 def test_cycle_of_a_two_layer_v4_flash_for_cuda_holds_the_kernels(batch, sampling):
-    cfg = FLASH.replace(num_layers=2, layer_types=("csa", "hca"), num_hash_layers=1, attention_impl="pallas")
+    cfg = FLASH.replace(num_layers=2, layer_types=("csa", "hca"), num_hash_layers=1, kernels="pallas")
     calls = _check_cycle(cfg, batch, sampling=sampling)
     assert {"tree_attention_sparse", "tree_attention_dense"} <= set(calls)
 

@@ -177,7 +177,7 @@ def test_layer_pallas_equals_xla(test_params, test_cfg, kind):
     p = test_params.layers[layer].attn
 
     def run(impl):
-        return jax.jit(lambda x, s: attention(p, cfg.replace(attention_impl=impl), kind, x, s, ctx))(x, state)
+        return jax.jit(lambda x, s: attention(p, cfg.replace(kernels=impl), kind, x, s, ctx))(x, state)
 
     (out_x, rows_x), (out_p, rows_p) = run("xla"), run("pallas")
     assert _rel_err(out_p, out_x) <= 1e-5
@@ -191,7 +191,7 @@ def test_layer_pallas_equals_xla(test_params, test_cfg, kind):
 def test_speculative_generate_pallas_equals_xla(test_params, test_cfg):
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [3, 4]]
     ref = js.speculative_generate(test_params, test_cfg, prompts, "s2_k2_d4", max_new_tokens=16)
-    out = js.speculative_generate(test_params, test_cfg.replace(attention_impl="pallas"), prompts, "s2_k2_d4",
+    out = js.speculative_generate(test_params, test_cfg.replace(kernels="pallas"), prompts, "s2_k2_d4",
                                   max_new_tokens=16)
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     np.testing.assert_array_equal(out.lengths, ref.lengths)

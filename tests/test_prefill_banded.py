@@ -106,7 +106,7 @@ def test_band_block_choice():
     assert band_block(tiny, 128) == 0  # two blocks or fewer: the dense path
     assert band_block(tiny, 1) == 0  # decode steps stay dense
     assert band_block(flash, 512) == 128 and band_block(flash, 256) == 0  # blocks of >= the window (128)
-    assert band_block(tiny.replace(attention_impl="pallas"), 1024) == 0  # the kernels keep their contract
+    assert band_block(tiny.replace(kernels="pallas"), 1024) == 0  # the kernels keep their contract
 
 
 @pytest.mark.long  # ~3 minutes on one core

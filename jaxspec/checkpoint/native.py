@@ -50,6 +50,8 @@ def check_structure(cfg: ModelConfig, params: Any) -> None:
 
 
 def _cfg_from_json(data: dict[str, Any]) -> ModelConfig:
+    if "attention_impl" in data:  # the kernel switch's earlier name
+        data = {("kernels" if k == "attention_impl" else k): v for k, v in data.items()}
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(data) - names)
     if unknown:

@@ -90,7 +90,7 @@ def run_analytic(args: argparse.Namespace, console: Console, specs: list, taus: 
 
     cfg = ModelConfig.preset(args.preset)
     hw = latency.hardware(args.accelerator)
-    lat = _latency(args, cfg.replace(attention_impl="pallas"))  # the GPU program runs the kernels
+    lat = _latency(args, cfg.replace(kernels="pallas"))  # the GPU program runs the kernels
     mesh = _mesh(args, cfg)
     for b in args.batch_sizes:
         terms.check_setup(cfg, mesh, b, args.context)

@@ -18,7 +18,7 @@ _HF_LAYER_TYPES = {
     "compressed_sparse_attention": "csa",
     "heavily_compressed_attention": "hca",
 }
-ATTENTION_IMPLS = ("xla", "pallas")
+KERNELS = ("xla", "pallas")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -88,7 +88,7 @@ class ModelConfig:
     num_mtp_layers: int = 1  # 0 = checkpoint without an MTP block (no speculation)
     max_position_embeddings: int = 1 << 20
     dtype: str = "float32"
-    attention_impl: str = "xla"
+    kernels: str = "xla"  # "pallas": every op with a Pallas kernel runs it (compiled on GPUs); "xla": the jnp paths
     bos_id: int | None = None
     eos_id: int | None = None
     # Tokens per prefill chunk (a power of two); 0 = the default `jaxspec.model.prefill.prefill_chunk` picks.
@@ -228,8 +228,8 @@ def _validate_model_config(cfg: ModelConfig) -> None:
         raise ValueError(f"n_shared_experts must be 0 or 1, got {cfg.n_shared_experts}")
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {cfg.dtype!r}")
-    if cfg.attention_impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {cfg.attention_impl!r}")
+    if cfg.kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, got {cfg.kernels!r}")
     chunk = cfg.prefill_chunk
     if chunk != 0 and not is_power_of_two(chunk):
         raise ValueError(f"prefill_chunk must be 0 (default) or a power of two >= 1, got {chunk!r}")

@@ -23,7 +23,7 @@ from jaxspec.model import state as state_lib
 @functools.lru_cache(maxsize=8)
 def counted_kernels(cfg: ModelConfig, tokens: int = 1) -> dict[str, int]:
     """{"sliding" | "csa" | "hca" | "head": launches of one pass of `tokens` tokens} for `cfg` as lowered
-    for CUDA (its attention_impl decides which Pallas kernels replace XLA ops)."""
+    for CUDA (its kernels decides which Pallas kernels replace XLA ops)."""
     params = model.abstract_params(cfg)
     state = jax.eval_shape(lambda: state_lib.init_state(cfg, 1, 256))
     streams = jax.ShapeDtypeStruct((1, tokens, cfg.hc_mult, cfg.hidden_size), jnp.float32)

@@ -328,7 +328,7 @@ def attention(
         new_mask = jnp.concatenate([prior_mask, new_mask], axis=-1)  # [B, T, X+T]
 
     args = (q, ring, ring_pos, new_kv, new_mask, ctx.positions, p.sink)
-    if cfg.attention_impl == "pallas":
+    if cfg.kernels == "pallas":
         # Under a mesh the kernel runs once per shard on its own heads; every other argument holds
         # this data shard's rows whole.
         kernel = shard_kernel(tree_attention, in_axes=[_QUERY_AXES, None, None, None, None, None, ("heads",)],

@@ -28,7 +28,7 @@ MIN_BLOCK = 64  # query rows per block: below this the per-block einsums are too
 def band_block(cfg: ModelConfig, t: int) -> int:
     """Query rows per block of the banded path for a causal chunk of `t` tokens; 0 = the dense path
     (chunks up to two blocks, and the Pallas kernels, whose contract is the dense one)."""
-    if cfg.attention_impl == "pallas":
+    if cfg.kernels == "pallas":
         return 0
     block = max(MIN_BLOCK, next_power_of_two(cfg.sliding_window))
     return block if t > 2 * block and t % block == 0 else 0

@@ -76,6 +76,6 @@ def pool_entries(
     Only tokens with (pos + 1) % ratio == 0 emit (the caller masks the rest); computing all keeps
     shapes static and lets sibling tree nodes close the same block index differently.
     """
-    pool = chain_compress if cfg.attention_impl == "pallas" else pool_rows
+    pool = chain_compress if cfg.kernels == "pallas" else pool_rows
     return pool(ring.kv, ring.gate, new.kv, new.gate, ctx.positions, ctx.committed, ctx.ancestor_at_depth, p.norm,
                 freqs, ratio=geo.ratio, overlap=geo.overlap, eps=cfg.rms_norm_eps)

@@ -62,7 +62,7 @@ def hc_pre(
     comb = comb / (comb.sum(axis=-2, keepdims=True) + cfg.hc_eps)
 
     # With the Pallas kernels, one fused Sinkhorn launch on CUDA instead of ~3 per step; the loop elsewhere.
-    normalise = sinkhorn if cfg.attention_impl == "pallas" else sinkhorn_reference
+    normalise = sinkhorn if cfg.kernels == "pallas" else sinkhorn_reference
     comb = normalise(comb, cfg.hc_sinkhorn_iters - 1, cfg.hc_eps)
     collapsed = jnp.einsum("...h,...hd->...d", pre, streams.astype(jnp.float32)).astype(streams.dtype)
     return collapsed, post, comb

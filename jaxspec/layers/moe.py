@@ -273,36 +273,25 @@ CPU_PATHS = {"union": union_experts, "gathered": gathered_experts, "dense": dens
 def sparse_experts(
     experts: MLPParams, cfg: ModelConfig, x: jax.Array, indices: jax.Array, weights: jax.Array
 ) -> jax.Array:
-    """The routed experts each token selected, and nothing else -> [N, d] fp32. Off CUDA the path is
-    chosen from the static sizes (`cpu_experts_path`): the union path reads each selected expert in
-    place, the gathered path copies each assignment's weights, the dense one multiplies every token by
-    every expert, and which costs least depends on the assignments per expert (docs/results.md,
-    "Routed experts on the CPU").
+    """The routed experts each token selected, and nothing else -> [N, d] fp32.
+
+    `cfg.kernels == "pallas"`: `kernel_experts`, the Pallas grouped matmul, at every size (compiled when
+    the program is lowered for CUDA, the interpreter elsewhere, as every kernel): it reads each selected
+    expert once; XLA's GPU backend would run `ragged_dot` as every expert on every row unless cuDNN's
+    ragged-dot fusion is on. "xla": the jnp path chosen from the static sizes (`cpu_experts_path`): the
+    union path reads each selected expert in place, the gathered path copies each assignment's weights,
+    the dense one multiplies every token by every expert; which costs least depends on the assignments
+    per expert (docs/results.md, "Routed experts on the CPU"). XLA's CPU backend runs `ragged_dot` as
+    every group on every row, and `ragged_dot` has no sharding rule under an explicit mesh, so no path
+    uses it.
 
     Takes any slice of the experts (and of their hidden width) with indices relative to the slice,
     which is how `sharding.active.routed_experts` runs it per device before summing the outputs.
-
-    The path depends on the platform the program is lowered for (`platform_dependent`,
-    not the process's default backend, so a CUDA export from a CPU host holds the GPU path):
-    * CUDA: `kernel_experts`, the Pallas grouped matmul, at every size (it reads each selected
-      expert once, where the gathered path moves it three times). XLA's GPU backend rewrites
-      `ragged_dot` into every group on every row unless cuDNN's ragged-dot fusion is on.
-    * CPU: as above (`cpu_experts_path`). XLA's CPU backend runs `ragged_dot` as every group on
-      every row, plus the sort and scatter around it (slower than every expert on every token;
-      docs/results.md, "The engine").
-    * elsewhere (TPU, ROCm): the CPU path. Every branch is traced whatever the platform, and
-      `ragged_dot` has no sharding rule under an explicit mesh, so no branch may use it.
     """
+    if cfg.kernels == "pallas":
+        return kernel_experts(stack_experts(experts), cfg, x, indices, weights)
     path = CPU_PATHS[cpu_experts_path(indices.size, num_experts_of(experts), indices.shape[1])]
-    if path is not union_experts:
-        experts = stack_experts(experts)
-    args = (experts, x, indices, weights)
-    return jax.lax.platform_dependent(
-        *args,
-        cpu=lambda *a: path(a[0], cfg, *a[1:]),
-        cuda=lambda *a: kernel_experts(stack_experts(a[0]), cfg, *a[1:]),
-        default=lambda *a: path(a[0], cfg, *a[1:]),
-    )
+    return path(experts if path is union_experts else stack_experts(experts), cfg, x, indices, weights)
 
 
 def moe(p: MoEParams, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array) -> jax.Array:

@@ -153,7 +153,7 @@ def draft_fingerprint(draft: Any, cfg: ModelConfig) -> str:
         raise ValueError("a calibration is for a draft; these params have none")
     draft = standard_layout(draft)  # the same for a CPU layout of the same weights
     # Settings of how the model is run, not of what it computes, stay out (dtype, kernels, prefill chunk).
-    arch = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("dtype", "attention_impl", "prefill_chunk")}
+    arch = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("dtype", "kernels", "prefill_chunk")}
     h = hashlib.sha256(json.dumps(arch, sort_keys=True, default=str).encode())
     for path, leaf in jax.tree_util.tree_flatten_with_path(draft)[0]:
         flat = jnp.ravel(leaf)

@@ -73,7 +73,7 @@ def triton_params(num_warps: int | None, num_stages: int | None):
     if cls is None:
         raise RuntimeError(
             f"jax {jax.__version__} has no Pallas Triton backend (jax.experimental.pallas.triton); "
-            "run with attention_impl='xla' or a jax that still ships it (<= 0.12 was targeted)"
+            "run with kernels='xla' or a jax that still ships it (<= 0.12 was targeted)"
         )
     return cls(num_warps=num_warps, num_stages=num_stages)
 

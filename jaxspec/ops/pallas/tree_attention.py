@@ -13,7 +13,7 @@ top-k), never as masks over the history. The same call serves 1-token decode, ch
 (a chain is a tree) and tree verification.
 
 The contract is that of `layers.attention.attend`, the layer's jnp path, which the layer calls
-instead when `attention_impl="xla"` and which the tests hold the kernel to.
+instead when `kernels="xla"` and which the tests hold the kernel to.
 """
 
 from __future__ import annotations
