@@ -74,7 +74,8 @@ def _taus(path: str) -> dict[tuple[str, int], float]:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    from jaxspec.core.config import ModelConfig, SpecConfig
+    from jaxspec.core.config import ModelConfig
+    from jaxspec.core.spec import SpecConfig
 
     if args.calibrate:
         from jaxspec.cli.cost_analytic import run_calibrate

@@ -203,7 +203,7 @@ def _demo_speculative(args, console, cfg, params, prompts, kwargs, reference, ar
     """Same prompts with tree speculation: tau, per-depth acceptance and the measured speedup."""
     import numpy as np
 
-    from jaxspec.core.config import SpecConfig
+    from jaxspec.core.spec import SpecConfig
     from jaxspec.speculation.auto import auto_spec
     from jaxspec.speculation.generate import speculative_generate
 

@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.core.config import ModelConfig, SpecConfig
+from jaxspec.core.config import ModelConfig
 from jaxspec.core.programs import bounded_jit
+from jaxspec.core.spec import SpecConfig
 from jaxspec.model.network import ModelParams, Models
 from jaxspec.model.sampling import Sampling, processed_logprobs
 from jaxspec.speculation.cycle import (
