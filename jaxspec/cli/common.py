@@ -14,6 +14,58 @@ from rich.console import Console
 
 DEFAULT_PRESET = "tiny"
 MAX_RANDOM_INIT_BYTES = 16 * 2**30
+NO_COMPILE_CACHE_ENV = "JAXSPEC_NO_COMPILE_CACHE"
+
+
+# ---- the persistent compilation cache ---------------------------------------------------------
+
+
+def default_compile_cache_dir() -> str:
+    """$JAX_COMPILATION_CACHE_DIR if set, else jaxspec/xla under the user's cache folder
+    ($XDG_CACHE_HOME, else ~/.cache)."""
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return os.environ["JAX_COMPILATION_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxspec", "xla")
+
+
+def add_compile_cache_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="keep XLA's compiled programs here across runs (default $JAX_COMPILATION_CACHE_DIR, else "
+                   "~/.cache/jaxspec/xla)")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help=f"compile every program afresh (also: {NO_COMPILE_CACHE_ENV}=1)")
+
+
+def compile_cache_dir(args: argparse.Namespace) -> str | None:
+    """The persistent compilation cache folder the flags and environment ask for; None when off."""
+    if getattr(args, "no_compile_cache", False) or os.environ.get(NO_COMPILE_CACHE_ENV, "") not in ("", "0"):
+        return None
+    return os.path.expanduser(getattr(args, "compile_cache", None) or default_compile_cache_dir())
+
+
+def enable_compile_cache(args: argparse.Namespace) -> str | None:
+    """Turn jax's persistent compilation cache on in `compile_cache_dir(args)` (or off) before the
+    first compile: a second run of the same command reads its programs instead of compiling them
+    (tens of seconds each for the shipped checkpoint on a CPU). -> the folder, None when off."""
+    import jax
+
+    folder = compile_cache_dir(args)
+    if folder is None:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
+    os.makedirs(folder, exist_ok=True)
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", folder)
+    return folder
+
+
+def compile_cache_note(args: argparse.Namespace) -> str:
+    """One line for the log: where compiled programs are kept (or that they are not)."""
+    folder = getattr(args, "compile_cache_dir", None)
+    if folder is None:
+        return "compile cache: off (compiles every program)"
+    return f"compile cache: {folder} (a second run loads its programs instead of compiling; --no-compile-cache)"
 
 
 def step_progress(console: Console, description: str):
@@ -184,11 +236,12 @@ def load_model(args: argparse.Namespace, console: Console | None = None, *, need
 
     checkpoint = getattr(args, "checkpoint", None)
     if checkpoint is not None:
+        if getattr(args, "preset", None) is not None:
+            raise ValueError(f"--preset {args.preset} and --checkpoint both name the model: the checkpoint's config "
+                             "is its own; pass one of them")
         path = os.path.expanduser(checkpoint)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"checkpoint folder {checkpoint!r} does not exist")
-        if getattr(args, "preset", None) is not None and console is not None:
-            console.print(f"[yellow]note:[/] --preset {args.preset} ignored: the config comes from the checkpoint")
         t0 = time.perf_counter()
         note = ""
         weights = getattr(args, "weights", "plain")
