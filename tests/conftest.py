@@ -81,3 +81,9 @@ def agreeing_params(test_params):
 def confident_params(agreeing_params):
     """agreeing_params with a sharper target (same argmax), so sampled trees get accepted."""
     return sharpened(agreeing_params)
+
+
+# `jaxspec` commands run in-process keep their compiled programs in a persistent cache; under
+# test.sh that is the run's own JAX_COMPILATION_CACHE_DIR, without it none (not the user's ~/.cache).
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    os.environ.setdefault("JAXSPEC_NO_COMPILE_CACHE", "1")

@@ -57,6 +57,8 @@ def enable_compile_cache(args: argparse.Namespace) -> str | None:
     os.makedirs(folder, exist_ok=True)
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", folder)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:  # jax keeps only compiles over 1 s
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return folder
 
 

@@ -72,14 +72,23 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _file_prompts(cfg, tokenizer, path: str, batch: int) -> tuple[list[list[int]], list[str] | None]:
-    """Every row's prompt from a text file (encoded by the tokenizer, else whitespace-separated ids)."""
+def _check_prompt_file(path: str) -> str:
+    """The text of --prompt-file; ValueError when it is missing, not text or empty."""
     if not os.path.isfile(path):
         raise ValueError(f"--prompt-file {path!r} is not a file")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompt-file {path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     if not text.strip():
-        raise ValueError(f"--prompt-file {path!r} is empty")
+        raise ValueError(f"--prompt-file {path!r} is empty: it holds the prompt every row generates from")
+    return text
+
+
+def _file_prompts(cfg, tokenizer, path: str, batch: int) -> tuple[list[list[int]], list[str] | None]:
+    """Every row's prompt from a text file (encoded by the tokenizer, else whitespace-separated ids)."""
+    text = _check_prompt_file(path)
     if tokenizer is None:
         try:
             ids = [int(t) for t in text.split()]
@@ -130,6 +139,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     positive("new-tokens", args.new_tokens)
     positive("repeats", args.repeats)
     spec_arg = check_spec_arg(args.spec)  # a typo fails before the model loads
+    if args.prompt_file is not None:
+        _check_prompt_file(args.prompt_file)  # so does a missing or empty prompt file
     if not args.no_pin:
         pin_from_args(args, console)  # before the first computation
 
