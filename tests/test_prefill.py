@@ -128,7 +128,7 @@ def test_prefill_logits_rejects_ragged_rows_and_foreign_ids(test_params, test_cf
 def test_demo_prompt_file_and_chunk(tmp_path, capsys):
     path = tmp_path / "prompt.txt"
     path.write_text(" ".join(str(i % 90) for i in range(40)))  # no tokenizer: token ids
-    argv = ["demo", "--preset", "test", "--batch", "1", "--new-tokens", "4", "--spec", "none",
+    argv = ["demo", "--preset", "test", "--batch", "1", "--new-tokens", "4", "--spec", "none", "--repeats", "1",
             "--prompt-file", str(path)]
     assert main([*argv, "--prefill-chunk", "8"]) == 0
     assert "prompt: 40 tokens from" in capsys.readouterr().out

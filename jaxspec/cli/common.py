@@ -15,6 +15,7 @@ from rich.console import Console
 DEFAULT_PRESET = "tiny"
 MAX_RANDOM_INIT_BYTES = 16 * 2**30
 NO_COMPILE_CACHE_ENV = "JAXSPEC_NO_COMPILE_CACHE"
+NO_PIN_ENV = "JAXSPEC_NO_PIN"  # as --no-pin, for every command (the test suite sets it: one process, many commands)
 
 
 # ---- the persistent compilation cache ---------------------------------------------------------
@@ -169,7 +170,8 @@ def add_measure_arguments(p: argparse.ArgumentParser, repeats: int = 3) -> None:
                    f"{repeats})")
     p.add_argument("--core", type=int, default=None,
                    help="the core to pin to, single-threaded XLA (default: the last allowed; not on a GPU machine)")
-    p.add_argument("--no-pin", action="store_true", help="run on every allowed core (the verdict will say so)")
+    p.add_argument("--no-pin", action="store_true",
+                   help=f"run on every allowed core (also: {NO_PIN_ENV}=1); the verdict will say so")
     p.add_argument("--allow-loaded", action="store_true",
                    help="keep figures measured on a loaded machine (they are marked LOADED) instead of refusing")
 
@@ -179,7 +181,7 @@ def pin_from_args(args: argparse.Namespace, console: Console | None = None) -> N
     from jaxspec.core import measure
 
     positive("repeats", args.repeats)
-    if args.no_pin:
+    if args.no_pin or os.environ.get(NO_PIN_ENV, "") not in ("", "0"):
         return
     done = measure.pin_unless_gpu(args.core)
     if console is not None and done:

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from jaxspec.cli.common import (
+    NO_PIN_ENV,
     add_draft_argument,
     add_mesh_arguments,
     add_model_arguments,
@@ -66,7 +67,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed rounds, AR and speculation round-robin")
     p.add_argument("--core", type=int, default=None,
                    help="the core to pin to, single-threaded XLA (default: the last allowed; not on a GPU machine)")
-    p.add_argument("--no-pin", action="store_true", help="run on every allowed core (the verdict will say so)")
+    p.add_argument("--no-pin", action="store_true",
+                   help=f"run on every allowed core (also: {NO_PIN_ENV}=1); the verdict will say so")
     add_weights_args(p, checkpoint=True)
     add_mesh_arguments(p)
     p.set_defaults(func=run)
@@ -141,8 +143,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     spec_arg = check_spec_arg(args.spec)  # a typo fails before the model loads
     if args.prompt_file is not None:
         _check_prompt_file(args.prompt_file)  # so does a missing or empty prompt file
-    if not args.no_pin:
-        pin_from_args(args, console)  # before the first computation
+    pin_from_args(args, console)  # before the first computation
 
     import jax
     import numpy as np
