@@ -204,21 +204,26 @@ class Streamer:
     def __call__(self, tokens: Any, counts: Any) -> None:
         self.calls += 1
         for row, count in enumerate(counts.tolist()):
-            if count <= 0:
-                continue
-            self.ids[row] += tokens[row, :count].tolist()
-            text = self.text(row)
-            if text.endswith("\ufffd"):  # half a UTF-8 character: wait for the rest
-                continue
-            new, self.shown[row] = text[len(self.shown[row]):], text
-            if self.show and new:
-                if len(self.ids) == 1:
-                    self.out.write(new)
-                else:
-                    self.out.write(f"[{self.first + row}] {new!r}\n")
-                self.out.flush()
+            if count > 0:
+                self.ids[row] += tokens[row, :count].tolist()
+                self._show(row, final=False)
+
+    def _show(self, row: int, final: bool) -> None:
+        text = self.text(row)
+        if text.endswith("\ufffd") and not final:  # half a UTF-8 character: wait for the rest
+            return
+        new, self.shown[row] = text[len(self.shown[row]):], text
+        if self.show and new:
+            if len(self.ids) == 1:
+                self.out.write(new)
+            else:
+                self.out.write(f"[{self.first + row}] {new!r}\n")
+            self.out.flush()
 
     def finish(self) -> None:
+        """Whatever was held back (a character still incomplete when the row ended)."""
+        for row in range(len(self.ids)):
+            self._show(row, final=True)
         if self.show and len(self.ids) == 1:
             self.out.write("\n")
             self.out.flush()
