@@ -103,17 +103,18 @@ def csv(kind):
 # ---- flag groups ------------------------------------------------------------------------------
 
 
-def add_weights_args(p: argparse.ArgumentParser, *, checkpoint: bool = False) -> None:
+def add_weights_args(p: argparse.ArgumentParser, *, checkpoint: bool = False, default: str = "plain") -> None:
     """--weights plain | fp8, and for plan / cost (abstract shapes, no file) --experts fp4 | fp8;
-    `checkpoint`: the command loads --checkpoint, whose files say how the experts are stored."""
+    `checkpoint`: the command loads --checkpoint, whose files say how the experts are stored;
+    `default`: the --weights default of plan / cost."""
     if checkpoint:
         p.add_argument("--weights", choices=("plain", "fp8"), default="plain",
                        help="plain: dequantize a DeepSeek-V4 release's FP8 / FP4 weights on load; fp8: keep them "
                        "resident with their scales, dequantized per block inside the matmuls (default plain)")
         return
-    p.add_argument("--weights", choices=("plain", "fp8"), default="plain",
+    p.add_argument("--weights", choices=("plain", "fp8"), default=default,
                    help="plain: every weight in the preset's dtype; fp8: the weights DeepSeek's release stores "
-                   "quantized stay FP8 / FP4 with their scales (default plain)")
+                   f"quantized stay FP8 / FP4 with their scales, as released (default {default})")
     p.add_argument("--experts", choices=("fp4", "fp8"), default="fp4",
                    help="with --weights fp8: routed experts FP4 1x32 (instruct release) or FP8 128x128 (Base release)")
 
