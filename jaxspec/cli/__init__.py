@@ -21,6 +21,7 @@ status, without a traceback. Every command keeps XLA's compiled programs in a pe
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from rich.console import Console
@@ -91,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.compile_cache_dir = enable_compile_cache(args)
         return int(args.func(args, console) or 0)
+    except BrokenPipeError:  # `jaxspec plan --format json | head`: the reader has gone, nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
     except (ValueError, OSError, FloatingPointError) as e:
         message = " ".join(str(e).split()) or type(e).__name__
         sys.exit(f"{PROG}: error: {message}")
