@@ -8,8 +8,9 @@ from jaxspec.checkpoint import (
     load_release,
     save_checkpoint,
 )
-from jaxspec.core.config import ModelConfig, SpecConfig
+from jaxspec.core.config import ModelConfig
 from jaxspec.core.dspark import DSparkConfig
+from jaxspec.core.spec import SpecConfig
 from jaxspec.model.network import ModelParams, forward, init_params
 from jaxspec.model.placement import memory_plan, shard_params
 from jaxspec.model.runner import prefill_logits

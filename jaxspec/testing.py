@@ -94,7 +94,7 @@ def mtp_models(params: ModelParams) -> Any:
 
 def mtp_speculator(cfg: Any, spec: Any, rule: str = "greedy", values: Any = None) -> Any:
     """The static `Speculator` of a cycle of the MTP draft (rule and values: `speculation/policy.py`)."""
-    from jaxspec.core.config import SpecConfig
+    from jaxspec.core.spec import SpecConfig
     from jaxspec.speculation.cycle import Speculator
     from jaxspec.speculation.mtp import MTPDrafter
     from jaxspec.speculation.policy import Policy

@@ -7,7 +7,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxspec.core.config import ModelConfig, SpecConfig
+from jaxspec.core.config import ModelConfig
+from jaxspec.core.spec import SpecConfig
 from jaxspec.layers.attention import AttentionContext
 from jaxspec.model.network import ModelParams, mtp_forward
 from jaxspec.speculation.cycle import SpecState

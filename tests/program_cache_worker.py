@@ -32,7 +32,7 @@ NEW_TOKENS = 6
 
 
 def specs() -> list[str]:
-    """Every valid spec with S <= 2 (29), then deeper chains and trees: the cheapest loops first."""
+    """Every valid spec with S <= 2 (27), then deeper chains and trees: the cheapest loops first."""
     out = []
     for s in (1, 2, 3, 4):
         for k in (1, 2, 4):

@@ -87,3 +87,17 @@ def test_bad_model_config(changes, match):
 def test_unknown_preset():
     with pytest.raises(ValueError, match="unknown preset"):
         js.ModelConfig.preset("v5")
+
+
+@pytest.mark.parametrize("name,match", [
+    ("s7_k9_d4", r"s7_k9_d4 drafts depths 4\.\.7 that no cycle can verify.*num_steps must be in 1\.\.3"),
+    ("s4_k2_d4", r"drafts depth 4 that no cycle can verify"),
+    ("s3_k1_d6", "linear chain"),
+    ("s2_k2_d12", r"allowed 2\.\.7"),
+])
+def test_spec_depths_the_verify_cannot_reach(name, match):
+    """A tree of D tokens reaches depth D - 1 at most (a chain): deeper draft steps are wasted work."""
+    with pytest.raises(ValueError, match=match) as e:
+        js.SpecConfig.parse(name)
+    assert "\n" not in str(e.value)
+    assert js.SpecConfig.parse("s3_k9_d4").num_steps == 3  # every depth reachable, wide or not

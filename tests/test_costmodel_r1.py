@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from jaxspec.core.config import SpecConfig
+from jaxspec.core.spec import SpecConfig
 from jaxspec.cost import fit as cost_fit
 from jaxspec.cost import inventory, latency, routing
 from jaxspec.cost.terms import Setup, layer_pass, stage_table

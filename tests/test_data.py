@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -68,6 +69,25 @@ def test_iter_json_array_stops_at_cut(tmp_path):
     assert sorted(e.id for e in ex) == ["sharegpt-0", "sharegpt-1", "sharegpt-2"]
     with pytest.raises(ValueError, match="JSON array"):
         list(data_lib.iter_json_array("{}"))
+
+
+def test_default_data_root_is_beside_the_checkout(tmp_path, monkeypatch):
+    """As documented: --data-root / root= first, else $JAXSPEC_DATA, else ../shared/data beside the
+    checkout (the folder holding pyproject.toml), not a folder inside it."""
+    checkout = Path(__file__).resolve().parents[1]
+    assert (checkout / "pyproject.toml").is_file()
+    monkeypatch.delenv("JAXSPEC_DATA", raising=False)
+    assert data_lib.default_data_root() == checkout.parent / "shared" / "data"
+    assert data_lib.data_root_source() == "../shared/data beside the checkout"
+    monkeypatch.setenv("JAXSPEC_DATA", str(tmp_path / "env"))
+    assert data_lib.default_data_root() == tmp_path / "env"
+    assert data_lib.data_root_source() == "$JAXSPEC_DATA"
+    assert data_lib.data_root_source(tmp_path) == "--data-root"  # an explicit root wins over the variable
+    (tmp_path / "flag" / "gsm8k").mkdir(parents=True)
+    (tmp_path / "flag" / "gsm8k" / "test.jsonl").write_text(json.dumps({"question": "q", "answer": "#### 1"}) + "\n")
+    assert len(data_lib.load_gsm8k("test", root=tmp_path / "flag")) == 1
+    with pytest.raises(ValueError, match=r"\(\$JAXSPEC_DATA\) does not exist"):
+        data_lib.load_gsm8k("test")
 
 
 def test_data_root_and_errors(tmp_path, monkeypatch):

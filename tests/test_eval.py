@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxspec.core.config import SpecConfig
+from jaxspec.core.spec import SpecConfig
 from jaxspec.harness.eval import SweepConfig, distinct_ngram_ratio
 from jaxspec.harness.report import markdown_table, plot_acceptance
 from jaxspec.speculation.budget import matched_linear, sequoia_optimum

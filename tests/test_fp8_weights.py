@@ -349,7 +349,7 @@ def test_weight_reads_whose_result_is_discarded_are_not_counted():
 
 def test_demo_cli_keeps_the_weights_of_a_release(agreeing, capsys):
     assert main(["demo", "--checkpoint", str(agreeing / "fp4"), "--weights", "fp8", "--batch", "1",
-                 "--new-tokens", "2", "--spec", "none"]) == 0
+                 "--new-tokens", "2", "--spec", "none", "--repeats", "1"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     n_kept = 2 * 11 + 1 + 11 + 2  # attn 5 + shared 3 + experts 3 per layer, 1 indexer, MTP block + 2
     assert f"{n_kept} weights kept FP8 / FP4 (fp4, fp8)" in out and "tokens/s" in out

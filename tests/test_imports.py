@@ -23,7 +23,7 @@ RANKS = [
     ("jaxspec.core.checks", "jaxspec.core", "jaxspec.model", "jaxspec.training", "jaxspec.harness"),
     # The safetensors reader, the FP8 / FP4 formats and the damaged-file errors need numpy only (the
     # checkpoint package's __init__ is higher, so only checkpoint modules may import them).
-    ("jaxspec.core.config", "jaxspec.core.dspark", "jaxspec.core.programs", "jaxspec.core.measure",
+    ("jaxspec.core.config", "jaxspec.core.spec", "jaxspec.core.dspark", "jaxspec.core.programs", "jaxspec.core.measure",
      "jaxspec.core.gpu_export", "jaxspec.core.stream", "jaxspec.training.tokenizer", "jaxspec.training.data",
      "jaxspec.training.optim", "jaxspec.speculation.auto", "jaxspec.checkpoint.safetensors_io",
      "jaxspec.checkpoint.quant", "jaxspec.checkpoint.errors"),

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from notebook_stamp import STAMP_KEY, code_hash, has_figure
+from notebook_stamp import STAMP_KEY, code_hash, has_figure, missing_figures
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -69,8 +69,37 @@ def test_notebooks_hold_their_outputs_and_figures():
         assert all(c.execution_count is not None for c in code), f"{name}: not executed"
         assert not [o for c in code for o in c.outputs if o.output_type == "error"], f"{name}: an error is committed"
         assert any(has_figure(c) for c in code), f"{name}: no figure"
+        assert missing_figures(nb) == [], f"{name}: cells that draw hold no figure (re-execute the notebook)"
         stamp = nb.metadata.get(STAMP_KEY, {}).get("code_hash")
         assert stamp == code_hash(nb), f"{name}: outputs are stale (code changed since they were made)"
+
+
+def test_library_plots_leave_a_notebooks_inline_figures_alone(tmp_path):
+    """A library function that draws a PNG (the loss curve, the reliability diagram) must not switch
+    matplotlib's global backend: once `matplotlib.use("Agg")` ran inside a kernel, every later inline
+    figure of the notebook vanished (03 lost five). A kernel of three cells: inline figure, library
+    plot, inline figure; each figure cell holds its figure."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in (
+        "%matplotlib inline\nimport matplotlib.pyplot as plt\nfig, ax = plt.subplots()\nax.plot([0, 1])\nplt.show()",
+        "from jaxspec.training.train import write_curve\n"
+        f"write_curve([{{'step': 1, 'train_main': 2.0}}], {str(tmp_path / 'c.csv')!r}, {str(tmp_path / 'c.png')!r})",
+        "fig, ax = plt.subplots()\nax.plot([1, 0])\nplt.show()",
+    )]
+    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3").execute(cwd=str(ROOT))
+    assert (tmp_path / "c.png").is_file()
+    assert missing_figures(nb) == []
+    assert [has_figure(c) for c in nb.cells] == [True, False, True]
+
+
+def test_figure_counting_sees_a_cell_that_lost_its_figure():
+    cell = nbformat.v4.new_code_cell("fig, ax = plt.subplots()  # plt.figure( in a comment is not counted\nplt.show()")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [cell]
+    [line] = missing_figures(nb)
+    assert line.startswith("cell 0 (fig, ax = plt.subplots()") and line.endswith("draws 1, holds 0")
+    cell.outputs = [nbformat.v4.new_output("display_data", data={"image/png": "", "text/plain": "<Figure>"})]
+    assert missing_figures(nb) == []
 
 
 def test_the_stamp_notices_a_changed_cell():
@@ -95,4 +124,5 @@ def test_notebook_runs(name):
     missing = [c.source.splitlines()[0] for c in committed.cells if c.cell_type == "code" and has_figure(c)
                and c.source not in drawn]
     assert missing == [], f"{name}: cells that drew a figure when committed draw none now: {missing}"
+    assert missing_figures(nb) == [], f"{name}: cells that draw hold no figure"
     print(f"{name}: {seconds:.0f} s")

@@ -114,10 +114,21 @@ def test_prompt_longer_than_the_state_is_one_line_error(test_params, test_cfg):
         prefill.chunked_logits(test_params, test_cfg, np.zeros((1, test_cfg.max_position_embeddings + 1), np.int32))
 
 
+@pytest.mark.parametrize("tokens,match", [
+    ([[1, 2, 3], [4, 5]], r"rows of one length, got rows of 2\.\.3 tokens"),
+    ([[1, 5000]], r"token id 5000 is outside the vocabulary \[0, "),
+    (np.array([[-1, 2]]), r"token id -1 is outside the vocabulary"),
+])
+def test_prefill_logits_rejects_ragged_rows_and_foreign_ids(test_params, test_cfg, tokens, match):
+    with pytest.raises(ValueError, match=match) as err:
+        js.prefill_logits(test_params, test_cfg, tokens)
+    assert "\n" not in str(err.value)
+
+
 def test_demo_prompt_file_and_chunk(tmp_path, capsys):
     path = tmp_path / "prompt.txt"
     path.write_text(" ".join(str(i % 90) for i in range(40)))  # no tokenizer: token ids
-    argv = ["demo", "--preset", "test", "--batch", "1", "--new-tokens", "4", "--spec", "none",
+    argv = ["demo", "--preset", "test", "--batch", "1", "--new-tokens", "4", "--spec", "none", "--repeats", "1",
             "--prompt-file", str(path)]
     assert main([*argv, "--prefill-chunk", "8"]) == 0
     assert "prompt: 40 tokens from" in capsys.readouterr().out

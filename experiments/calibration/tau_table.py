@@ -6,7 +6,7 @@ runs today (per-context values where S >= 8) and the raw-ranked tree, with the g
 import json
 import sys
 
-from jaxspec.core.config import SpecConfig
+from jaxspec.core.spec import SpecConfig
 from jaxspec.speculation.values import CONTEXT_CAP
 
 DATASETS = ("gsm8k", "mbpp", "sharegpt", "tau_all")

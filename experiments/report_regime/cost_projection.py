@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxspec.core.config import ModelConfig, SpecConfig
+from jaxspec.core.config import ModelConfig
+from jaxspec.core.spec import SpecConfig
 from jaxspec.cost import latency
 from jaxspec.cost.project import row
 from jaxspec.cost.terms import Setup

@@ -20,7 +20,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import read_records  # noqa: E402
 
-from jaxspec.core.config import SpecConfig  # noqa: E402
+from jaxspec.core.spec import SpecConfig  # noqa: E402
 from jaxspec.speculation.budget import expected_tokens_per_cycle  # noqa: E402
 
 MAIN = ("gsm8k", "mbpp", "sharegpt")

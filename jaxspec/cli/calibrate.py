@@ -34,7 +34,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--cycles", type=int, default=24, help="speculative cycles recorded per prompt")
     p.add_argument("--steps", type=int, default=COLLECT_STEPS, help="chain depth drafted per cycle")
     p.add_argument("--topk", type=int, default=COLLECT_TOPK, help="ranks recorded per chain node")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=64, help="prompts run together")
     p.add_argument("--heldout", type=int, default=32,
                    help="held-out (test-split) prompts per dataset to measure calibration error on (0 = none)")
     p.add_argument("--figure", default=None, help="reliability diagram PNG (held-out; default none)")

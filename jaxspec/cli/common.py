@@ -14,6 +14,61 @@ from rich.console import Console
 
 DEFAULT_PRESET = "tiny"
 MAX_RANDOM_INIT_BYTES = 16 * 2**30
+NO_COMPILE_CACHE_ENV = "JAXSPEC_NO_COMPILE_CACHE"
+NO_PIN_ENV = "JAXSPEC_NO_PIN"  # as --no-pin, for every command (the test suite sets it: one process, many commands)
+
+
+# ---- the persistent compilation cache ---------------------------------------------------------
+
+
+def default_compile_cache_dir() -> str:
+    """$JAX_COMPILATION_CACHE_DIR if set, else jaxspec/xla under the user's cache folder
+    ($XDG_CACHE_HOME, else ~/.cache)."""
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return os.environ["JAX_COMPILATION_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxspec", "xla")
+
+
+def add_compile_cache_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="keep XLA's compiled programs here across runs (default $JAX_COMPILATION_CACHE_DIR, else "
+                   "~/.cache/jaxspec/xla)")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help=f"compile every program afresh (also: {NO_COMPILE_CACHE_ENV}=1)")
+
+
+def compile_cache_dir(args: argparse.Namespace) -> str | None:
+    """The persistent compilation cache folder the flags and environment ask for; None when off."""
+    if getattr(args, "no_compile_cache", False) or os.environ.get(NO_COMPILE_CACHE_ENV, "") not in ("", "0"):
+        return None
+    return os.path.expanduser(getattr(args, "compile_cache", None) or default_compile_cache_dir())
+
+
+def enable_compile_cache(args: argparse.Namespace) -> str | None:
+    """Turn jax's persistent compilation cache on in `compile_cache_dir(args)` (or off) before the
+    first compile: a second run of the same command reads its programs instead of compiling them
+    (tens of seconds each for the shipped checkpoint on a CPU). -> the folder, None when off."""
+    import jax
+
+    folder = compile_cache_dir(args)
+    if folder is None:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
+    os.makedirs(folder, exist_ok=True)
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", folder)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:  # jax keeps only compiles over 1 s
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return folder
+
+
+def compile_cache_note(args: argparse.Namespace) -> str:
+    """One line for the log: where compiled programs are kept (or that they are not)."""
+    folder = getattr(args, "compile_cache_dir", None)
+    if folder is None:
+        return "compile cache: off (compiles every program)"
+    return f"compile cache: {folder} (a second run loads its programs instead of compiling; --no-compile-cache)"
 
 
 def step_progress(console: Console, description: str):
@@ -48,17 +103,18 @@ def csv(kind):
 # ---- flag groups ------------------------------------------------------------------------------
 
 
-def add_weights_args(p: argparse.ArgumentParser, *, checkpoint: bool = False) -> None:
+def add_weights_args(p: argparse.ArgumentParser, *, checkpoint: bool = False, default: str = "plain") -> None:
     """--weights plain | fp8, and for plan / cost (abstract shapes, no file) --experts fp4 | fp8;
-    `checkpoint`: the command loads --checkpoint, whose files say how the experts are stored."""
+    `checkpoint`: the command loads --checkpoint, whose files say how the experts are stored;
+    `default`: the --weights default of plan / cost."""
     if checkpoint:
         p.add_argument("--weights", choices=("plain", "fp8"), default="plain",
                        help="plain: dequantize a DeepSeek-V4 release's FP8 / FP4 weights on load; fp8: keep them "
                        "resident with their scales, dequantized per block inside the matmuls (default plain)")
         return
-    p.add_argument("--weights", choices=("plain", "fp8"), default="plain",
+    p.add_argument("--weights", choices=("plain", "fp8"), default=default,
                    help="plain: every weight in the preset's dtype; fp8: the weights DeepSeek's release stores "
-                   "quantized stay FP8 / FP4 with their scales (default plain)")
+                   f"quantized stay FP8 / FP4 with their scales, as released (default {default})")
     p.add_argument("--experts", choices=("fp4", "fp8"), default="fp4",
                    help="with --weights fp8: routed experts FP4 1x32 (instruct release) or FP8 128x128 (Base release)")
 
@@ -115,7 +171,8 @@ def add_measure_arguments(p: argparse.ArgumentParser, repeats: int = 3) -> None:
                    f"{repeats})")
     p.add_argument("--core", type=int, default=None,
                    help="the core to pin to, single-threaded XLA (default: the last allowed; not on a GPU machine)")
-    p.add_argument("--no-pin", action="store_true", help="run on every allowed core (the verdict will say so)")
+    p.add_argument("--no-pin", action="store_true",
+                   help=f"run on every allowed core (also: {NO_PIN_ENV}=1); the verdict will say so")
     p.add_argument("--allow-loaded", action="store_true",
                    help="keep figures measured on a loaded machine (they are marked LOADED) instead of refusing")
 
@@ -125,7 +182,7 @@ def pin_from_args(args: argparse.Namespace, console: Console | None = None) -> N
     from jaxspec.core import measure
 
     positive("repeats", args.repeats)
-    if args.no_pin:
+    if args.no_pin or os.environ.get(NO_PIN_ENV, "") not in ("", "0"):
         return
     done = measure.pin_unless_gpu(args.core)
     if console is not None and done:
@@ -184,11 +241,12 @@ def load_model(args: argparse.Namespace, console: Console | None = None, *, need
 
     checkpoint = getattr(args, "checkpoint", None)
     if checkpoint is not None:
+        if getattr(args, "preset", None) is not None:
+            raise ValueError(f"--preset {args.preset} and --checkpoint both name the model: the checkpoint's config "
+                             "is its own; pass one of them")
         path = os.path.expanduser(checkpoint)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"checkpoint folder {checkpoint!r} does not exist")
-        if getattr(args, "preset", None) is not None and console is not None:
-            console.print(f"[yellow]note:[/] --preset {args.preset} ignored: the config comes from the checkpoint")
         t0 = time.perf_counter()
         note = ""
         weights = getattr(args, "weights", "plain")

@@ -31,7 +31,7 @@ def add_parser(subparsers: Any) -> None:
                    help="analytic terms (default) or XLA's cost analysis of the lowered CPU program (the cross-check)")
     p.add_argument("--specs", type=csv(str), default=None,
                    help="comma-separated sS_kK_dD (default s4_k1_d5,s4_k2_d8, or every spec of --sweep)")
-    p.add_argument("--batch-sizes", type=csv(int), default=(1, 8, 32, 64))
+    p.add_argument("--batch-sizes", type=csv(int), default=(1, 8, 32, 64), help="comma-separated batch sizes")
     p.add_argument("--context", type=int, default=4096, help="positions the decode state holds (default 4096)")
     p.add_argument("--devices", type=int, default=1, help="devices of the mesh (simulated on a CPU)")
     p.add_argument("--mesh", default=None, metavar="D,T,E", help="data,tensor,expert (default: from --devices)")
@@ -74,7 +74,8 @@ def _taus(path: str) -> dict[tuple[str, int], float]:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    from jaxspec.core.config import ModelConfig, SpecConfig
+    from jaxspec.core.config import ModelConfig
+    from jaxspec.core.spec import SpecConfig
 
     if args.calibrate:
         from jaxspec.cli.cost_analytic import run_calibrate

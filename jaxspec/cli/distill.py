@@ -27,7 +27,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--new-tokens", type=int, default=128, help="continuation length (default 128)")
     p.add_argument("--temperatures", type=csv(float), default=(0.0, 1.0), help="default 0,1 (greedy and sampled)")
     p.add_argument("--chunk", type=int, default=64, help="prompts per chunk file (default 64)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling / data-order seed")
     p.add_argument("--out", default="runs/distill-data", help="output folder (default runs/distill-data)")
     p.set_defaults(func=run_data)
 
@@ -51,19 +51,20 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--depths", type=int, default=None,
                    help="draft steps S unrolled (default 4; one-step trains depth 1 and monitors 4)")
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps (cosine schedule length)")
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batch", type=int, default=8, help="sequences per optimizer step")
     p.add_argument("--seq-len", type=int, default=256, help="chains per row (rows hold seq-len + depths tokens)")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate")
+    p.add_argument("--warmup", type=int, default=20, help="linear warmup steps")
     p.add_argument("--ce-weight", type=float, default=0.0, help="weight of the draft's cross-entropy on the text")
-    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=50, help="held-out evaluation every N steps")
     p.add_argument("--eval-fraction", type=float, default=0.05, help="share of sequences held out for monitoring")
-    p.add_argument("--time-budget-minutes", type=float, default=None)
+    p.add_argument("--time-budget-minutes", type=float, default=None,
+                   help="stop (and save) after this long (default: no limit)")
     p.add_argument("--run-dir", default=None, help="train states (default runs/<out name>)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest state in --run-dir (the default; kept for old command lines)")
     p.add_argument("--fresh", action="store_true", help="start over, ignoring the states in --run-dir")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling / data-order seed")
     p.add_argument("--out", default=None, help="recipe distill: shipped checkpoint folder (target + trained draft)")
     p.set_defaults(func=run_distill)
 

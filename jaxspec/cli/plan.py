@@ -10,6 +10,12 @@ from rich.console import Console
 from rich.table import Table
 
 from jaxspec.cli.common import add_weights_args, positive, weights_label
+from jaxspec.cli.tables import add_format_argument, compact, print_json
+
+DEVICE_GIB = 140.0  # an H200 as nvidia-smi reports it (143,771 MiB)
+# DeepSeek-V4-Flash's DSpark drafter as released (its config.json's dspark_* keys; jaxspec.core.dspark).
+V4_FLASH_DSPARK = dict(block_size=5, noise_token_id=128799, target_layers=(40, 41, 42), markov_rank=256,
+                       num_stages=3)
 
 
 def add_parser(subparsers: Any) -> None:
@@ -22,14 +28,21 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--preset", default="v4-flash", help="model preset (default v4-flash)")
     p.add_argument("--devices", type=int, default=8, help="number of devices (default 8)")
     p.add_argument("--mesh", default=None, metavar="D,T,E", help="data,tensor,expert sizes (default: by devices)")
-    p.add_argument("--batch", type=int, default=16, help="sequences (default 16)")
+    p.add_argument("--batch", type=int, default=16, help="sequences decoded together (default 16)")
     p.add_argument("--context", type=int, default=65536, help="tokens per sequence (default 65536)")
     p.add_argument("--prefill", action="store_true",
                    help="also compile the chunked prefill of `--context` tokens (abstract shapes, simulated CPU "
                    "devices) and report XLA's temporaries per device (minutes for a large model)")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="prefill chunk, a power of two (default: jaxspec.model.prefill.prefill_chunk of the preset)")
-    add_weights_args(p)
+    p.add_argument("--draft", choices=("mtp", "dspark"), default="mtp",
+                   help="the draft to count: the model's own MTP block, or DeepSeek-V4-Flash's DSpark drafter "
+                   "(block 5, 3 stages, rank 256, target layers 40-42; v4-flash only) with its per-stage rings")
+    p.add_argument("--device-memory", type=float, default=DEVICE_GIB, metavar="GIB",
+                   help="memory of one device, for the fits / does-not-fit verdict (default 140: an H200; an "
+                   "H100 has 80)")
+    add_weights_args(p, default="fp8")
+    add_format_argument(p)
     p.set_defaults(func=run)
 
 
@@ -70,10 +83,20 @@ def run(args: argparse.Namespace, console: Console) -> int:
     positive("devices", args.devices)
     positive("batch", args.batch)
     positive("context", args.context)
+    if not args.device_memory > 0:
+        raise ValueError(f"--device-memory must be > 0 GiB, got {args.device_memory}")
     if args.prefill_chunk is not None:
         from jaxspec.model.prefill import check_chunk
 
         check_chunk(args.prefill_chunk)
+    draft = None
+    if args.draft == "dspark":
+        if not args.preset.startswith("v4-flash"):
+            raise ValueError(f"--draft dspark counts DeepSeek-V4-Flash's released drafter; --preset {args.preset} "
+                             "has none known (use --preset v4-flash, or --draft mtp)")
+        from jaxspec.core.dspark import DSparkConfig
+
+        draft = DSparkConfig(**V4_FLASH_DSPARK)
     if args.prefill and args.devices > 1:
         _simulate_devices(args.devices)
     cfg = ModelConfig.preset(args.preset)
@@ -84,33 +107,55 @@ def run(args: argparse.Namespace, console: Console) -> int:
         used = shape[0] * shape[1] * shape[2]
         if used != args.devices:
             raise ValueError(f"--mesh {args.mesh} spans {used} devices but --devices is {args.devices}")
-    plan = memory_plan(cfg, shape, args.batch, args.context, weights=args.weights, experts=args.experts)
+    plan = memory_plan(cfg, shape, args.batch, args.context, weights=args.weights, experts=args.experts, draft=draft)
+    temp = None
+    if args.prefill:
+        with console.status("compiling the prefill program"):
+            pm = _prefill_memory(args, cfg, shape, plan.batch)
+        temp = (pm.chunk, pm.temp_bytes)
     gib = 2.0**30
+    peak = plan.bytes_per_device + (temp[1] if temp else 0)
+    fits = peak <= args.device_memory * gib
+    what = "MTP block" if args.draft == "mtp" else "DSpark drafter"
+    if args.format == "json":
+        print_json({
+            "preset": args.preset, "weights": args.weights, "experts": args.experts, "draft": args.draft,
+            "devices": args.devices, "mesh": list(shape), "batch": plan.batch, "context": plan.context,
+            "per_device": {"parameters": dict(plan.param_groups), "decode_state": dict(plan.state_groups),
+                           "parameter_bytes": plan.param_bytes, "decode_state_bytes": plan.state_bytes,
+                           "prefill_temporary_bytes": temp[1] if temp else None, "total_bytes": peak},
+            "device_memory_gib": args.device_memory, "fits": fits,
+            "unsharded": {"parameter_bytes": plan.total_param_bytes, "decode_state_bytes": plan.total_state_bytes},
+        })
+        return 0
     console.print(
-        f"[bold]jaxspec plan[/]: {args.preset} ({weights_label(cfg, args)}) on {args.devices} devices, "
-        f"mesh data={shape[0]} "
-        f"tensor={shape[1]} expert={shape[2]}; batch {plan.batch}, context {plan.context}"
-    )
-    table = Table(show_lines=False)
-    table.add_column("per device")
+        f"[bold]jaxspec plan[/]: {args.preset} ({weights_label(cfg, args)}; draft: its {what}) on {args.devices} "
+        f"devices, mesh data={shape[0]} tensor={shape[1]} expert={shape[2]}; batch {plan.batch}, context "
+        f"{plan.context}", highlight=False)
+    table = Table(title="per device")
+    table.add_column("what")
     table.add_column("bytes", justify="right")
     table.add_column("GiB", justify="right")
     for title, groups in (("parameters", plan.param_groups), ("decode state", plan.state_groups)):
         for name, n in groups.items():
             table.add_row(f"{title}: {name}", f"{n:,}", f"{n / gib:.3f}")
-    console.print(table)
+    console.print(compact(table))
     for name, n in (("parameters", plan.param_bytes), ("decode state", plan.state_bytes),
                     ("total", plan.bytes_per_device)):
-        console.print(f"{name} per device: {n:,} bytes ({n / gib:.2f} GiB)")
-    if args.prefill:
-        with console.status("compiling the prefill program"):
-            pm = _prefill_memory(args, cfg, shape, plan.batch)
-        peak = plan.bytes_per_device + pm.temp_bytes
+        console.print(f"{name} per device: {n:,} bytes ({n / gib:.2f} GiB)", highlight=False)
+    if temp:
         console.print(
-            f"prefill ({pm.chunk}-token chunks, {plan.context} tokens) temporaries per device: {pm.temp_bytes:,} "
-            f"bytes ({pm.temp_bytes / gib:.2f} GiB, XLA memory analysis); peak with parameters and decode state: "
-            f"{peak / gib:.2f} GiB"
-        )
+            f"prefill ({temp[0]}-token chunks, {plan.context} tokens) temporaries per device: {temp[1]:,} "
+            f"bytes ({temp[1] / gib:.2f} GiB, XLA memory analysis); peak with parameters and decode state: "
+            f"{peak / gib:.2f} GiB", highlight=False)
+    used = peak / (args.device_memory * gib)
+    share = f"{peak / gib:.2f} of {args.device_memory:g} GiB per device ({100 * used:.0f}%)"
+    if fits:
+        console.print(f"[green]fits[/] on every device: {share}; activations and the speculation scratch come on top "
+                      "(a few GiB): keep some headroom", highlight=False)
+    else:
+        console.print(f"[bold red]does not fit[/]: {share}; spread it over more devices (--devices / --mesh), keep the "
+                      "weights as released (--weights fp8), or lower --batch / --context", highlight=False)
     console.print(
         f"[dim]unsharded: parameters {plan.total_param_bytes / gib:.1f} GiB, decode state "
         f"{plan.total_state_bytes / gib:.1f} GiB; "

@@ -25,8 +25,8 @@ def add_parser(subparsers: Any) -> None:
     add_data_arguments(p, 64, "held-out prompts")
     p.add_argument("--specs", type=csv(str), default=LINEAR_SPECS + TREE_SPECS,
                    help="e.g. s5_k1_d6,s3_k2_d6 (AR always runs; 'ar' alone runs only AR)")
-    p.add_argument("--batch-sizes", type=csv(int), default=(1, 4, 16, 64))
-    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--batch-sizes", type=csv(int), default=(1, 4, 16, 64), help="comma-separated batch sizes")
+    p.add_argument("--new-tokens", type=int, default=128, help="new tokens per prompt")
     p.add_argument("--out", default="runs/sweep", help="output folder")
     add_measure_arguments(p)
     p.add_argument("--resume", action="store_true",

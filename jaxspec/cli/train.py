@@ -26,9 +26,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     p.add_argument("--seq-len", type=int, default=256, help="target tokens per sequence T (rows hold T+2)")
     p.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate (default 2e-3)")
-    p.add_argument("--min-lr-ratio", type=float, default=0.1)
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="the cosine schedule ends at this share of --lr")
     p.add_argument("--warmup", type=int, default=30, help="linear warmup steps (default 30)")
-    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (default 1.0)")
     p.add_argument("--mtp-weight", type=float, default=0.5, help="weight of the MTP loss (default 0.5)")
     p.add_argument("--unlikelihood-weight", type=float, default=0.0,
@@ -38,11 +38,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest state in --run-dir (the default; kept for old command lines)")
     p.add_argument("--fresh", action="store_true", help="start over, ignoring the states in --run-dir")
-    p.add_argument("--time-budget-minutes", type=float, default=None, help="stop (and save) after this long")
+    p.add_argument("--time-budget-minutes", type=float, default=None,
+                   help="stop (and save) after this long (default: no limit)")
     p.add_argument("--eval-every", type=int, default=25, help="held-out eval every N steps (default 25)")
     p.add_argument("--save-every", type=int, default=None, help="save every N steps (default --eval-every)")
     p.add_argument("--eval-rows", type=int, default=8, help="held-out rows per dataset (default 8)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="init and data-order seed")
     p.add_argument("--data-root", default=None, help="GSM8K/MBPP folder (default $JAXSPEC_DATA or ../shared/data)")
     p.add_argument("--tokenizer", default=None, help="use this tokenizer.json instead of training one")
     p.add_argument("--ship-dtype", default="auto", choices=("auto", "float32", "bfloat16"),

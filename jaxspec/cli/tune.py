@@ -36,7 +36,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--checkpoint", required=True, help="checkpoint folder (with tokenizer)")
     add_draft_argument(p)
     add_data_arguments(p, 8, "tuning prompts (a bucket of batch b uses max(b, 8), cycled)")
-    p.add_argument("--batch-sizes", type=csv(int), default=(1, 4, 16, 64))
+    p.add_argument("--batch-sizes", type=csv(int), default=(1, 4, 16, 64),
+                   help="comma-separated batch buckets to choose for")
     p.add_argument("--candidates", type=csv(str), default=DEFAULT_CANDIDATES, help="specs to choose from")
     p.add_argument("--new-tokens", type=int, default=128, help="generation length the choice is for")
     p.add_argument("--prune-below", type=float, default=PRUNE_BELOW, metavar="RATIO",

@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxspec.core.config import ModelConfig, SpecConfig
+from jaxspec.core.config import ModelConfig
+from jaxspec.core.spec import SpecConfig
 from jaxspec.cost import latency
 from jaxspec.cost.terms import Costs, Setup, stage_table
 

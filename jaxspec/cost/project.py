@@ -9,7 +9,8 @@ import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxspec.core.config import ModelConfig, SpecConfig
+from jaxspec.core.config import ModelConfig
+from jaxspec.core.spec import SpecConfig
 from jaxspec.cost import latency
 from jaxspec.cost.terms import Costs, Setup, stage_table
 

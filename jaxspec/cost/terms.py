@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxspec.core.config import ModelConfig, SpecConfig
+from jaxspec.core.config import ModelConfig
+from jaxspec.core.spec import SpecConfig
 from jaxspec.cost import routing
 from jaxspec.cost.inventory import LayerState, Unit, layout_units, state_layers
 

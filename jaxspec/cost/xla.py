@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import DropVar, Var, jaxprs_in_params
 
-from jaxspec.core.config import ModelConfig, SpecConfig
+from jaxspec.core.config import ModelConfig
+from jaxspec.core.spec import SpecConfig
 from jaxspec.model.network import WEIGHTS, Models, abstract_params
 from jaxspec.model.runner import lower_program
 from jaxspec.model.sampling import Sampling

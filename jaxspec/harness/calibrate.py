@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.core.config import ModelConfig, SpecConfig
+from jaxspec.core.config import ModelConfig
 from jaxspec.core.programs import bounded_jit
+from jaxspec.core.spec import SpecConfig
 from jaxspec.model.network import ModelParams, Models
 from jaxspec.model.sampling import Sampling, processed_logprobs
 from jaxspec.speculation.cycle import (
@@ -267,14 +268,12 @@ def reliability_points(predicted: np.ndarray, label: np.ndarray, num_bins: int =
 
 def plot_reliability(calibration: Calibration, heldout: dict[float, dict[str, np.ndarray]], path: str) -> None:
     """One panel per temperature: raw draft probability vs fitted value against the observed rate."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # not pyplot: the caller's backend (a notebook's inline) is left alone
 
     maps = {0.0: calibration.greedy, **{m.temperature: m for m in calibration.sampling}}
     temps = [t for t in sorted(heldout) if t in maps]
-    fig, axes = plt.subplots(1, len(temps), figsize=(4.2 * len(temps), 4), squeeze=False)
+    fig = Figure(figsize=(4.2 * len(temps), 4))
+    axes = fig.subplots(1, len(temps), squeeze=False)
     for ax, t in zip(axes[0], temps, strict=True):
         s, value_map = heldout[t], maps[t]
         fitted = predict(value_map, s["depth"], s["rank"], map_feature(value_map, s))
@@ -292,7 +291,6 @@ def plot_reliability(calibration: Calibration, heldout: dict[float, dict[str, np
         ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 __all__ = ["collect", "fit", "calibration_errors", "plot_reliability", "draft_fingerprint", "chain_with_children"]

@@ -22,7 +22,8 @@ import jax
 import numpy as np
 
 from jaxspec.core import measure
-from jaxspec.core.config import ModelConfig, SpecConfig
+from jaxspec.core.config import ModelConfig
+from jaxspec.core.spec import SpecConfig
 from jaxspec.harness.report import write_report
 from jaxspec.model.network import ModelParams
 from jaxspec.sharding.rules import make_mesh

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxspec.core.config import SpecConfig
+from jaxspec.core.spec import SpecConfig
 from jaxspec.speculation.auto import NO_SPECULATION, Tuning
 from jaxspec.speculation.budget import matched_linear
 

@@ -34,7 +34,8 @@ import numpy as np
 
 from jaxspec import cost as costmodel
 from jaxspec.core.checks import is_int
-from jaxspec.core.config import ModelConfig, SpecConfig
+from jaxspec.core.config import ModelConfig
+from jaxspec.core.spec import SpecConfig
 from jaxspec.harness.eval import timed_methods
 from jaxspec.model.network import ModelParams, check_params
 from jaxspec.speculation.auto import NO_SPECULATION, Tuning

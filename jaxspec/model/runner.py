@@ -207,10 +207,27 @@ def on_mesh(jitted: Any, mesh: jax.sharding.Mesh | None, batch: int, rules: Mapp
     return call
 
 
+def _check_prefill_tokens(cfg: ModelConfig, tokens: Any) -> Any:
+    """`tokens` as an integer array after the checks a [B, S] array cannot make itself: equal-length
+    rows (a list of lists may be ragged) and every id inside the vocabulary (XLA would clamp it)."""
+    if isinstance(tokens, (list, tuple)) and tokens and all(isinstance(r, (list, tuple, np.ndarray)) for r in tokens):
+        lengths = sorted({len(r) for r in tokens})
+        if len(lengths) > 1:
+            raise ValueError(f"tokens must be [B, S] rows of one length, got rows of {lengths[0]}..{lengths[-1]} tokens"
+                             " (pad them to one length, or use generate with prompt_lengths=)")
+    if isinstance(cfg, ModelConfig) and not isinstance(tokens, jax.core.Tracer):
+        ids = np.asarray(tokens)
+        if ids.size and np.issubdtype(ids.dtype, np.integer) and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
+            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
+    return tokens
+
+
 def prefill_logits(params: Any, cfg: ModelConfig, tokens: Any, mesh: jax.sharding.Mesh | None = None) -> jax.Array:
     """`prefill.chunked_logits` (equal to the one-shot `model.one_shot_logits`), on `mesh`
     when given: tokens [B, S] -> logits [B, S, V] (rows padded to a multiple of "data" inside, cut
-    back after)."""
+    back after). Ragged rows and ids outside [0, vocab_size) are one-line ValueErrors."""
+    tokens = _check_prefill_tokens(cfg, tokens)
     if mesh is None:
         return chunked_logits(params, cfg, tokens)
     tokens = np.asarray(check_logits_inputs(params, cfg, tokens))

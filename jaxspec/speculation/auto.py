@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxspec.core.checks import positive_int
-from jaxspec.core.config import SpecConfig
+from jaxspec.core.spec import SpecConfig
 
 NO_SPECULATION = "ar"
 TUNING_FILE = "tune.json"

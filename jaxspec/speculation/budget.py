@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxspec.core.config import SpecConfig
+from jaxspec.core.spec import SpecConfig
 
 
 def sequoia_optimum(acceptance: Sequence[float] | Sequence[Sequence[float]], budget: int, max_depth: int) -> float:

@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec.core.config import ModelConfig, SpecConfig
+from jaxspec.core.config import ModelConfig
+from jaxspec.core.spec import SpecConfig
 from jaxspec.model import state as state_lib
 from jaxspec.model.network import ForwardOutput, Models, forward
 from jaxspec.model.prefill import chunked_prefill

@@ -21,7 +21,8 @@ from typing import Any, Protocol
 import jax
 from flax import struct
 
-from jaxspec.core.config import ModelConfig, SpecConfig
+from jaxspec.core.config import ModelConfig
+from jaxspec.core.spec import SpecConfig
 from jaxspec.model.network import Models
 from jaxspec.speculation.auto import Tuning
 from jaxspec.speculation.tree import Expander, Tree

@@ -16,8 +16,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxspec.core.config import ModelConfig, SpecConfig
+from jaxspec.core.config import ModelConfig
 from jaxspec.core.dspark import DSparkConfig
+from jaxspec.core.spec import SpecConfig
 from jaxspec.model.dspark import (
     DSparkParams,
     DSparkState,

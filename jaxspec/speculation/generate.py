@@ -19,8 +19,9 @@ import numpy as np
 from flax import struct
 
 from jaxspec.core import stream as stream_lib
-from jaxspec.core.config import ModelConfig, SpecConfig
+from jaxspec.core.config import ModelConfig
 from jaxspec.core.programs import bounded_jit
+from jaxspec.core.spec import SpecConfig
 from jaxspec.model import state as state_lib
 from jaxspec.model.network import ModelParams, Models, check_params, extend
 from jaxspec.model.prefill import chunked_prefill

@@ -16,7 +16,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxspec.core.config import ModelConfig, SpecConfig
+from jaxspec.core.config import ModelConfig
+from jaxspec.core.spec import SpecConfig
 from jaxspec.layers.attention import AttentionContext
 from jaxspec.layers.banded import band_block
 from jaxspec.model import state as state_lib

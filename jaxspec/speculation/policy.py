@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxspec.core.config import SpecConfig
+from jaxspec.core.spec import SpecConfig
 from jaxspec.model.sampling import Sampling
 from jaxspec.speculation.sampled import make_sampled_draft
 from jaxspec.speculation.tree import Expander

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxspec.core.config import SpecConfig
+from jaxspec.core.spec import SpecConfig
 from jaxspec.model.sampling import Sampling, node_keys, processed_logprobs
 from jaxspec.speculation.values import NUM_RANKS, PROB_EDGES, ValueMap, depth_bin
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec.core.config import SpecConfig
+from jaxspec.core.spec import SpecConfig
 from jaxspec.speculation.sampled import SampledDraft, sampled_children
 from jaxspec.speculation.values import Calibration, node_log_values
 

@@ -37,7 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.core.config import VALUE_SOURCES, ModelConfig, SpecConfig
+from jaxspec.core.config import ModelConfig
+from jaxspec.core.spec import VALUE_SOURCES, SpecConfig
 from jaxspec.model.network import standard_layout
 
 CALIBRATION_FILE = "calibration.json"

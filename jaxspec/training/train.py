@@ -261,13 +261,11 @@ def write_curve(history: Sequence[dict[str, Any]], csv_path: str, png_path: str 
     if png_path is None:
         return
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure  # not pyplot: the caller's backend (a notebook's inline) is left alone
     except ImportError:
         return
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
+    fig = Figure(figsize=(6, 3.6), dpi=100)
+    ax = fig.subplots()
     tr = [r for r in history if r.get("train_main") is not None]
     ev = [r for r in history if r.get("heldout_main") is not None]
     if tr:
@@ -287,7 +285,6 @@ def write_curve(history: Sequence[dict[str, Any]], csv_path: str, png_path: str 
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png_path)
-    plt.close(fig)
 
 
 # ---- loop --------------------------------------------------------------------------------------
