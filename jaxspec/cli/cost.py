@@ -5,6 +5,7 @@ allocated) and its roofline projection. A model, not a measurement."""
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 from typing import Any
@@ -13,6 +14,9 @@ from rich.console import Console
 from rich.table import Table
 
 from jaxspec.cli.common import add_weights_args, csv, positive, weights_label
+from jaxspec.cli.tables import add_format_argument, compact, print_json
+
+DEFAULT_SPECS = ("s4_k1_d5", "s4_k2_d8")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -30,7 +34,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--model", choices=("analytic", "xla"), default="analytic",
                    help="analytic terms (default) or XLA's cost analysis of the lowered CPU program (the cross-check)")
     p.add_argument("--specs", type=csv(str), default=None,
-                   help="comma-separated sS_kK_dD (default s4_k1_d5,s4_k2_d8, or every spec of --sweep)")
+                   help="comma-separated sS_kK_dD (default: every spec the tau source measured, else "
+                   "s4_k1_d5,s4_k2_d8)")
     p.add_argument("--batch-sizes", type=csv(int), default=(1, 8, 32, 64), help="comma-separated batch sizes")
     p.add_argument("--context", type=int, default=4096, help="positions the decode state holds (default 4096)")
     p.add_argument("--devices", type=int, default=1, help="devices of the mesh (simulated on a CPU)")
@@ -56,7 +61,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--sweep", default=None, metavar="RUNS_JSONL",
                    help="take tau per spec and batch size from `jaxspec sweep` runs.jsonl files (comma-separated; "
                    "mean over datasets; a batch size not swept takes the nearest one)")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write every number as JSON")
+    p.add_argument("--checkpoint", default=None, metavar="PATH",
+                   help="take tau per spec and batch size from what `jaxspec tune` measured on this checkpoint (its "
+                   "tune.json; a batch size not tuned takes the nearest one); without --tau / --sweep / --checkpoint "
+                   "the shipped checkpoints/tiny-v4's, said so")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write every number as JSON to PATH")
+    add_format_argument(p)
     add_weights_args(p)
     p.set_defaults(func=run)
 
@@ -73,6 +83,46 @@ def _taus(path: str) -> dict[tuple[str, int], float]:
     return {key: sum(v) / len(v) for key, v in sums.items()}
 
 
+def _tuned_taus(folder: str) -> dict[tuple[str, int], float]:
+    """(spec, batch) -> tau from the measurements of a checkpoint's tune.json (`jaxspec tune`)."""
+    from jaxspec.speculation.auto import load_tuning
+
+    tuning = load_tuning(os.path.expanduser(folder))
+    taus = {(m["spec"], int(m["batch"])): float(m["tau"]) for m in tuning.measurements
+            if m.get("spec", "ar") != "ar" and m.get("tau") is not None}
+    if not taus:
+        raise ValueError(f"{folder}: its tune.json holds no speculative measurement with a tau")
+    return taus
+
+
+def shipped_checkpoint() -> str:
+    """checkpoints/tiny-v4 of this checkout (where `./run.sh` finds it)."""
+    from jaxspec.training.data import checkout_root
+
+    return str(checkout_root() / "checkpoints" / "tiny-v4")
+
+
+def tau_source(args: argparse.Namespace) -> tuple[dict[tuple[str, int], float], str]:
+    """(spec, batch) -> tau, and one line saying where it came from: --tau, --sweep runs, --checkpoint's
+    tune.json, else the shipped checkpoint's tune.json when it is there."""
+    if args.tau is not None:
+        return {}, f"{args.tau:g} for every spec and batch size (--tau)"
+    if args.sweep:
+        taus: dict[tuple[str, int], float] = {}
+        for path in args.sweep.split(","):
+            taus.update(_taus(path))
+        return taus, f"measured by `jaxspec sweep` ({args.sweep}), mean over datasets, nearest batch size"
+    if args.checkpoint is not None:
+        return _tuned_taus(args.checkpoint), (f"measured by `jaxspec tune` on {args.checkpoint} (its tune.json), "
+                                              "nearest batch size")
+    shipped = shipped_checkpoint()
+    if os.path.isfile(os.path.join(shipped, "tune.json")):
+        return _tuned_taus(shipped), ("measured by `jaxspec tune` on the shipped checkpoints/tiny-v4 (a 15M-parameter "
+                                      "model's draft, not this preset's): pass --tau, --sweep or --checkpoint for "
+                                      "your own draft")
+    return {}, "none (pass --tau, --sweep RUNS_JSONL or --checkpoint PATH): the speculative columns stay '-'"
+
+
 def run(args: argparse.Namespace, console: Console) -> int:
     from jaxspec.core.config import ModelConfig
     from jaxspec.core.spec import SpecConfig
@@ -83,10 +133,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
         return run_calibrate(args, console)
     _check_args(args)
     cfg = ModelConfig.preset(args.preset)
-    taus: dict[tuple[str, int], float] = {}
-    for path in (args.sweep.split(",") if args.sweep else []):
-        taus.update(_taus(path))
-    names = args.specs or (sorted({name for name, _ in taus}) if taus else ("s4_k1_d5", "s4_k2_d8"))
+    if args.format == "json":  # the tables and notes go nowhere; the numbers to stdout at the end (`emit`)
+        console = Console(file=io.StringIO())
+    taus, args.tau_source = tau_source(args)
+    console.print(f"tau: {args.tau_source}", highlight=False)
+    # every spec the tau source measured (per-cycle widths aside), else two defaults
+    names = args.specs or (sorted({name for name, _ in taus if "_w" not in name}) if taus else DEFAULT_SPECS)
     specs = [SpecConfig.parse(s) for s in names]
     for spec in specs:
         spec.validate_for(cfg)
@@ -115,8 +167,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--overlap must be in [0, 1), got {args.overlap}")
     if args.tau is not None and args.tau < 1:
         raise ValueError(f"--tau must be >= 1 (the bonus token alone), got {args.tau}")
-    if args.tau is not None and args.sweep is not None:
-        raise ValueError("give --tau or --sweep, not both")
+    if sum(x is not None for x in (args.tau, args.sweep, args.checkpoint)) > 1:
+        raise ValueError("give one of --tau, --sweep and --checkpoint (where tau comes from)")
 
 
 def _xla_mesh(args: argparse.Namespace, cfg: Any) -> tuple[Any, tuple[int, int, int]]:
@@ -188,8 +240,8 @@ def _run_xla(args: argparse.Namespace, console: Console, cfg: Any, specs: list, 
                             f"{r.step_seconds / base.step_seconds:.2f}", "-" if tau is None else f"{tau:.2f}",
                             "-" if tau is None else f"{r.speedup(tau, base):.2f}x")
         table.add_section()
-    console.print(table)
-    console.print(summary)
+    console.print(compact(table))
+    console.print(compact(summary))
     console.print(
         "[dim]Model, not measurement: FLOPs and bytes are XLA's cost analysis of the program as written (before "
         "fusion: a gathered expert is counted as copied and read back; jax.lax.ragged_dot is counted dense over "
@@ -199,13 +251,21 @@ def _run_xla(args: argparse.Namespace, console: Console, cfg: Any, specs: list, 
            "simulated CPU devices, collectives scaled to the model's dtype) and bytes scale with the device's "
            "share of the FLOPs." if mesh is not None else "") + "[/]"
     )
+    emit(args, {"model": "xla", "preset": args.preset, "weights": args.weights, "experts": args.experts,
+                "context": args.context, "mesh": list(shape), "accelerator": acc.name, "overhead_us": overhead_us,
+                "tau_source": args.tau_source, "rows": [
+                    {"batch": r.batch, "spec": r.spec, "step_seconds": r.step_seconds,
+                     "tau": args.tau if args.tau is not None else taus.get((r.spec, r.batch)),
+                     "stages": {k: {"flops": c.flops, "bytes": c.bytes, "collective_bytes": c.collective_bytes,
+                                    "passes": c.passes, "seconds": r.seconds[k]} for k, c in r.costs.items()}}
+                    for r in rows]})
+    return 0
+
+
+def emit(args: argparse.Namespace, data: dict[str, Any]) -> None:
+    """Every number: to --json PATH when given, and to stdout with --format json."""
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"preset": args.preset, "weights": args.weights, "experts": args.experts,
-                       "context": args.context, "mesh": list(shape), "accelerator": acc.name,
-                       "overhead_us": overhead_us, "rows": [
-                           {"batch": r.batch, "spec": r.spec, "step_seconds": r.step_seconds,
-                            "stages": {k: {"flops": c.flops, "bytes": c.bytes, "collective_bytes": c.collective_bytes,
-                                           "passes": c.passes, "seconds": r.seconds[k]} for k, c in r.costs.items()}}
-                           for r in rows]}, f, indent=1)
-    return 0
+            json.dump(data, f, indent=1)
+    if args.format == "json":
+        print_json(data)

@@ -11,6 +11,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from jaxspec.cli.tables import compact
+
 ASSUMPTIONS = (
     "Model, not measurement: per device, the context full (every compressed entry exists); weights read once per "
     "stage at stored precision; routed experts at the expected distinct count per device (independent routing, "
@@ -103,9 +105,8 @@ def run_analytic(args: argparse.Namespace, console: Console, specs: list, taus: 
     for name in ("batch", "spec", "stage", "GFLOP", "GB (mean)", "GB (busiest)", "collectives", "ms"):
         stages.add_column(name, justify="left" if name in ("spec", "stage") else "right")
     summary = Table(title=f"projected on {hw.name} (a model, not a measurement)")
-    for name in ("batch", "AR ms", "best chain", "tau", "cycle ms", "break-even", "speedup", "best tree", "tau ",
-                 "cycle ms ", "break-even ", "speedup "):
-        summary.add_column(name, justify="right")
+    for name in ("batch", "AR ms", "best", "spec", "tau", "cycle ms", "break-even tau", "speedup"):
+        summary.add_column(name, justify="left" if name in ("best", "spec") else "right")
     out_rows, best_rows = [], []
     for b in args.batch_sizes:
         s = terms.Setup(cfg, mesh, b, args.context, args.weights, args.experts, args.overlap, args.layout)
@@ -120,20 +121,20 @@ def run_analytic(args: argparse.Namespace, console: Console, specs: list, taus: 
         ar = rows[0]
         chain, tree = (project.best(rows, ar, taus, args.tau, c) for c in (True, False))
         best_rows.append({"batch": b, "ar_ms": 1e3 * ar.step_seconds, "best_chain": chain, "best_tree": tree})
-        cells = [str(b), f"{1e3 * ar.step_seconds:.3f}"]
-        for pick in (chain, tree):
-            cells += (["-"] * 5 if pick is None else [pick["spec"], f"{pick['tau']:.2f}", f"{pick['cycle_ms']:.3f}",
-                                                        f"{pick['break_even_tau']:.2f}", f"{pick['speedup']:.2f}x"])
-        summary.add_row(*cells)
-    console.print(stages)
-    console.print(summary)
+        for kind, pick in (("chain", chain), ("tree", tree)):  # one row each: fits 80 columns
+            summary.add_row(str(b), f"{1e3 * ar.step_seconds:.3f}", kind, *(
+                ["-"] * 5 if pick is None else [pick["spec"], f"{pick['tau']:.2f}", f"{pick['cycle_ms']:.3f}",
+                                                f"{pick['break_even_tau']:.2f}", f"{pick['speedup']:.2f}x"]))
+        summary.add_section()
+    console.print(compact(stages))
+    console.print(compact(summary))
     console.print(f"[dim]{ASSUMPTIONS}[/]")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": "analytic", "preset": args.preset, "weights": args.weights, "experts": args.experts,
-                       "context": args.context, "mesh": list(mesh), "layout": args.layout, "overlap": args.overlap,
-                       "accelerator": hw.name, "latency": dataclasses.asdict(lat), "assumptions": ASSUMPTIONS,
-                       "rows": out_rows, "best": best_rows}, f, indent=1)
+    from jaxspec.cli.cost import emit
+
+    emit(args, {"model": "analytic", "preset": args.preset, "weights": args.weights, "experts": args.experts,
+                "context": args.context, "mesh": list(mesh), "layout": args.layout, "overlap": args.overlap,
+                "accelerator": hw.name, "latency": dataclasses.asdict(lat), "assumptions": ASSUMPTIONS,
+                "tau_source": getattr(args, "tau_source", None), "rows": out_rows, "best": best_rows})
     return 0
 
 
