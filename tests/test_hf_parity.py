@@ -37,7 +37,7 @@ from jaxspec.checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from jaxspec.model import network
 from jaxspec.model.network import one_shot_logits as prefill_logits
 from jaxspec.model.sampling import processed_logprobs
-from jaxspec.model.state import commit_mtp, init_state
+from jaxspec.model.state import commit_layer, init_state, layer_state
 
 TOL = 1e-5
 HCA = 8
@@ -328,19 +328,22 @@ def test_mtp_block_matches_torch_reference(tmp_path):
     h, nxt = jnp.asarray(hidden.numpy()), jnp.asarray(tokens[:, 1:], jnp.int32)
 
     @jax.jit
-    def mtp_step(params, state, h, nxt):
-        ctx = network.causal_context(state.mtp_length, jnp.ones(nxt.shape, bool))
-        logits, _, rows = network.mtp_forward(params, cfg, state, h, nxt, ctx)
-        return logits, commit_mtp(cfg, state, rows, ctx.positions, jnp.ones(nxt.shape, bool))
+    def mtp_step(params, ring, length, h, nxt):  # the MTP block's own window ring and its length
+        take = jnp.ones(nxt.shape, bool)
+        ctx = network.causal_context(length, take)
+        logits, _, rows = network.mtp_forward(params.replace(mtp=None), params.mtp, cfg, ring, h, nxt, ctx)
+        new_length = length + nxt.shape[1]
+        return logits, commit_layer(cfg, "sliding", ring, rows, ctx.positions, take, new_length), new_length
 
-    whole, _ = mtp_step(params, init_state(cfg, 2, TOTAL), h, nxt)
+    empty = layer_state(cfg, "sliding", 2, TOTAL), jnp.zeros((2,), jnp.int32)
+    whole, _, _ = mtp_step(params, *empty, h, nxt)
     err = relative_error(whole, ref)
     assert err <= TOL, f"one call: relative error {err:.3e}"
-    state, steps = init_state(cfg, 2, TOTAL), []
+    (ring, length), steps = empty, []
     for i in range(t):
-        logits, state = mtp_step(params, state, h[:, i : i + 1], nxt[:, i : i + 1])
+        logits, ring, length = mtp_step(params, ring, length, h[:, i : i + 1], nxt[:, i : i + 1])
         steps.append(np.asarray(logits[:, 0]))
-    assert int(state.mtp_length[0]) == t
+    assert int(length[0]) == t
     err = relative_error(np.stack(steps, axis=1), ref)
     assert err <= TOL, f"one position per call: relative error {err:.3e}"
 
