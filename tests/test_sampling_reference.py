@@ -48,19 +48,11 @@ EDGE_CASES = {
     "top_p_off_keeps_a_tiny_tail": ([0, -20, -25], 1.0, 2, None, [0, 1]),
     "top_p_over_tokens_tied_at_the_kth": ([4.75, 4.5, 3.75, 3.5, 3.0, 3.0], 1.0, 5, 0.9, [0, 1, 2, 3, 4, 5]),
 }
-# Where jaxspec.model.sampling departs from the rule it documents ("top-k, then top-p over what top-k
-# left"; top_p 1 = off). Strict: a fix turns these into failures until the marks go.
-KNOWN_DEPARTURES = {
-    "top_p_off_keeps_a_tiny_tail": "with top-k on, top_p = 1 still cuts tokens whose float32 mass-before rounds to 1",
-    "top_p_over_tokens_tied_at_the_kth": "top-p's mass is summed over the first k sorted tokens, not every token "
-                                         "top-k kept (ties at the k-th)",
-}
+# The last two were departures of `processed_logprobs` from its rule until it took top-p's mass over every
+# token top-k kept (by value) and let top_p = 1 cut nothing.
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(c, marks=pytest.mark.xfail(reason=KNOWN_DEPARTURES[c], strict=True)) if c in KNOWN_DEPARTURES else c
-    for c in EDGE_CASES
-])
+@pytest.mark.parametrize("case", list(EDGE_CASES))
 def test_processing_edge_cases(case):
     logits, temperature, top_k, top_p, kept = EDGE_CASES[case]
     ref = reference_probs(logits, temperature, top_k, top_p)
@@ -72,8 +64,7 @@ def test_processing_edge_cases(case):
     np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("ties", [False, pytest.param(True, marks=pytest.mark.xfail(
-    reason=KNOWN_DEPARTURES["top_p_over_tokens_tied_at_the_kth"], strict=True))], ids=["distinct", "ties"])
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
 def test_processing_matches_the_reference_on_random_rows(ties):
     """64 rows of V = 96 (distinct logits, or many ties: logits on a 0.25 grid; spread kept where no
     tail token's mass falls below float32's resolution), every combination of the settings."""
