@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv (once) and install what a command needs. Sourced by run.sh and test.sh:
 #   . scripts/setup.sh runtime   the package and its runtime dependencies (the main job)
-#   . scripts/setup.sh test      + the test extras, torch + transformers for the HF parity tests, mlx-vlm for DSpark's
+#   . scripts/setup.sh test      + the test extras (pinned), and the oracles: CPU torch, mlx, mlx-vlm (target and DSpark)
 #   . scripts/setup.sh jax012    .venv312: Python 3.12, jax 0.12 and pytest only (the GPU lowering tests)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -39,14 +39,20 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
     tail -30 "$LOG"; echo "setup: pip install failed (see $LOG)" >&2; exit 1
   fi
   if [ "$WHAT" = test ]; then
-    # HF parity tests compare against transformers' DeepSeek-V4; the pinned CPU torch wheel avoids
-    # a multi-GB CUDA download. Without them those tests skip with a reason.
-    if ! python -m pip install -q "torch==2.13.0" "transformers>=5.24" >>"$LOG" 2>&1; then
-      echo "setup: torch/transformers unavailable; HF parity tests will skip"
+    # The oracles the tests import (a missing one fails CI, it does not skip): transformers'
+    # DeepSeek-V4 on torch (tests/test_hf_parity.py; transformers is pinned in the test extras) and
+    # mlx-vlm's on MLX's CPU build (tests/test_mlx_parity.py). torch is the CPU build, never the CUDA
+    # one PyPI serves under the same version (several GB): a local wheel where pip's find-links has
+    # one, else PyTorch's CPU index (a ~190 MB wheel). macOS wheels on PyPI are CPU builds already.
+    TORCH="torch==2.13.0+cpu"
+    [ "$(uname -s)" = Darwin ] && TORCH="torch==2.13.0"
+    if ! python -m pip install -q "$TORCH" >>"$LOG" 2>&1 \
+        && ! python -m pip install -q --extra-index-url https://download.pytorch.org/whl/cpu "$TORCH" >>"$LOG" 2>&1; then
+      tail -30 "$LOG"; echo "setup: $TORCH could not be installed (see $LOG); the HF parity tests need it" >&2; exit 1
     fi
-    # The DSpark parity test runs mlx-vlm's V4 DSpark drafter (CPU mlx); it fails, never skips, without it.
     if ! python -m pip install -q "mlx[cpu]==0.32.4" "mlx-vlm==0.7.10" >>"$LOG" 2>&1; then
-      echo "setup: mlx / mlx-vlm unavailable; tests/test_dspark_parity.py will fail"
+      tail -30 "$LOG"; echo "setup: mlx / mlx-vlm could not be installed (see $LOG); the MLX parity tests need them" >&2
+      exit 1
     fi
     touch "$ROOT/.venv/.jaxspec-runtime"
   fi

@@ -16,11 +16,25 @@ SLOW_FIRST = ("test_sharding_8dev.py", "test_multiprocess_load.py", "test_gpu_lo
               "test_gpu_check.py", "test_programs.py", "test_calibration.py", "test_rsd.py")
 
 
+def _cuda_devices() -> int:
+    try:
+        return len(jax.devices("cuda"))
+    except RuntimeError:  # no CUDA backend in this jaxlib, or no device for it
+        return 0
+
+
 def pytest_collection_modifyitems(config, items):
-    """Slow modules first (SLOW_FIRST); `@pytest.mark.long` checks (too long for CI, each covered
-    there by a cheaper test of the same mechanism) run only with JAXSPEC_LONG_TESTS=1."""
+    """Slow modules first (SLOW_FIRST); `@pytest.mark.gpu` tests run only where jax sees a CUDA device;
+    `@pytest.mark.long` checks (too long for CI, each covered there by a cheaper test of the same
+    mechanism) run only with JAXSPEC_LONG_TESTS=1."""
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept within
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if gpu and not _cuda_devices():
+        skip = pytest.mark.skip(reason=f"gpu: no CUDA device here (jax's backend: {jax.default_backend()}); "
+                                       "scripts/gpu_check.sh runs these on one")
+        for item in gpu:
+            item.add_marker(skip)
     if os.environ.get("JAXSPEC_LONG_TESTS") == "1":
         return
     skip = pytest.mark.skip(reason="long: JAXSPEC_LONG_TESTS=1 ./test.sh runs it")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,5 +23,7 @@ def test_gpu_check_dry_run_writes_its_reports(tmp_path):
     assert {r["attention"] for r in result["stages"]} == {"pallas", "xla"}
     assert all(r["sum_of_stages_ms"] > 0 for r in result["stages"])
     assert json.loads((tmp_path / "kernels.json").read_text())
+    collected = re.search(r"gpu_check: (\d+) tests marked gpu collected", (tmp_path / "tests.txt").read_text())
+    assert collected and int(collected.group(1)) >= 20  # tests/test_gpu.py: kernels compiled, bf16 identity
     summary = (tmp_path / "summary.md").read_text()
     assert "Grouped experts" in summary and "Stage split" in summary and "(exit 0)" in summary

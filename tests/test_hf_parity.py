@@ -1,9 +1,18 @@
-"""Parity of `prefill_logits` with the transformers reference `DeepseekV4ForCausalLM` (eager, fp32).
+"""Parity with the transformers reference `DeepseekV4ForCausalLM` (eager, fp32): prefill without a
+cache, decode with its cache, the MTP block, and the sampling warpers.
 
 A tiny HF model gets random values for every parameter (including the ones HF zero/one-initialises:
 sinks, APE position biases, routing biases, hyper-connection base/scale, norms, and a random hash
 table), is written with `save_pretrained`, loaded with `load_hf_checkpoint` (HF spelling, and the
-official spelling after a key rewrite), and both models run the same batch without a cache.
+official spelling after a key rewrite), and both models run the same tokens.
+
+transformers has no MTP block (it drops `mtp.*` on load): the MTP reference is a second HF model of
+one sliding-attention layer, whose decoder layer, hc_head and norm are the MTP block's, fed
+u = h_proj(hnorm(H)) + e_proj(enorm(embed(next token))) per stream by five lines of torch here.
+
+torch and transformers are imported, not skipped: CI fails when the oracle is missing
+(scripts/setup.sh installs them). Tolerances: TOL, relative to the largest |logit|, where the
+measured errors are 0.4-3.5e-6.
 """
 
 from __future__ import annotations
@@ -12,21 +21,25 @@ import json
 import os
 import re
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+from safetensors.numpy import load_file, save_file
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+from transformers.cache_utils import DynamicCache
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.masking_utils import create_sliding_window_causal_mask
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RMSNorm
 
-torch = pytest.importorskip("torch", reason="torch is needed for the HF parity tests")
-transformers = pytest.importorskip("transformers", reason="transformers is needed for the HF parity tests")
-try:
-    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
-except ImportError:  # pragma: no cover - older transformers
-    pytest.skip("this transformers has no DeepSeek-V4 model", allow_module_level=True)
+from jaxspec.checkpoint import load_hf_checkpoint, save_hf_checkpoint
+from jaxspec.model import network
+from jaxspec.model.network import one_shot_logits as prefill_logits
+from jaxspec.model.sampling import processed_logprobs
+from jaxspec.model.state import commit_layer, init_state, layer_state
 
-import jax.numpy as jnp  # noqa: E402
-
-from jaxspec.checkpoint import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
-from jaxspec.model.network import one_shot_logits as prefill_logits  # noqa: E402
-
+TOL = 1e-5
 HCA = 8
 CSA = 4
 
@@ -91,8 +104,6 @@ def _randomize(model, seed: int) -> None:
 
 def _official_rewrite(src: str, dst: str, cfg: DeepseekV4Config) -> None:
     """Turn an HF save_pretrained folder into the official DeepSeek spelling and config form."""
-    from safetensors.numpy import load_file, save_file
-
     os.makedirs(dst, exist_ok=True)
     tensors = {}
     for f in sorted(os.listdir(src)):
@@ -137,12 +148,24 @@ def _official_rewrite(src: str, dst: str, cfg: DeepseekV4Config) -> None:
         json.dump(official, f)
 
 
-def _run_parity(tmp_path, seq_len: int, spelling: str = "hf", seed: int = 0, hca: int = HCA, **overrides):
+def _hf_model(seed: int, **overrides) -> DeepseekV4ForCausalLM:
     torch.manual_seed(seed)
-    rates = {"compressed_sparse_attention": CSA, "heavily_compressed_attention": hca}
-    hf_cfg = _hf_config(compress_rates=rates, **overrides)
-    model = DeepseekV4ForCausalLM(hf_cfg).float().eval()
+    model = DeepseekV4ForCausalLM(_hf_config(**overrides)).float().eval()
     _randomize(model, seed)
+    return model
+
+
+def relative_error(got, ref) -> float:
+    """max |got - ref| / max |ref|."""
+    got, ref = np.asarray(got), np.asarray(ref)
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+
+
+def _run_parity(tmp_path, seq_len: int, spelling: str = "hf", seed: int = 0, hca: int = HCA, **overrides):
+    rates = {"compressed_sparse_attention": CSA, "heavily_compressed_attention": hca}
+    model = _hf_model(seed, compress_rates=rates, **overrides)
+    hf_cfg = model.config
     hf_dir = str(tmp_path / "hf")
     model.save_pretrained(hf_dir)
     load_dir = hf_dir
@@ -159,9 +182,8 @@ def _run_parity(tmp_path, seq_len: int, spelling: str = "hf", seed: int = 0, hca
     with torch.no_grad():
         ref = model(torch.as_tensor(tokens), use_cache=False).logits.numpy()
     got = np.asarray(prefill_logits(params, cfg, jnp.asarray(tokens, jnp.int32)))
-    assert got.shape == ref.shape
-    err = np.max(np.abs(got - ref)) / np.max(np.abs(ref))
-    assert err <= 1e-4, f"relative error {err:.3e}"
+    err = relative_error(got, ref)
+    assert err <= TOL, f"relative error {err:.3e}"
     return cfg, params, hf_dir
 
 
@@ -169,8 +191,6 @@ def test_parity_hf_spelling_topk_cuts(tmp_path):
     # 61 tokens: 15 CSA entries per query at most, index_topk=3 keeps only some; 7 HCA entries.
     cfg, params, hf_dir = _run_parity(tmp_path, seq_len=61, spelling="hf", index_topk=3)
     # Writing the loaded params back in HF spelling reproduces save_pretrained's tensors exactly.
-    from safetensors.numpy import load_file
-
     save_hf_checkpoint(tmp_path / "again", cfg, params, spelling="hf")
     ref = load_file(os.path.join(hf_dir, "model.safetensors"))
     again = load_file(str(tmp_path / "again" / "model.safetensors"))
@@ -206,3 +226,147 @@ def test_parity_indexer_ties_break_to_lowest_index(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch.Tensor, "topk", stable_topk)
     _run_parity(tmp_path, seq_len=61, spelling="hf", seed=4, index_topk=3, index_n_heads=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# decode with a cache
+# ---------------------------------------------------------------------------------------------
+
+PREFILL, TOTAL = 13, 45  # a prefill that leaves partial CSA / HCA windows, then 32 one-token steps
+
+
+def test_decode_with_cache_matches_hf_cached_decode(tmp_path):
+    """Prefill 13 tokens, then decode token by token to 45 (teacher-forced): our `extend` with the
+    committed state against HF's forward with its DynamicCache, step for step. The decode crosses the
+    window (8) 4 times, CSA (4) 8 times, HCA (8) 4 times, with the indexer's top-3 cutting. HF's cached
+    decode is first held to its own full forward (same positions), so a fault of its cache path
+    could not pass as ours."""
+    model = _hf_model(5, index_topk=3)
+    model.save_pretrained(tmp_path / "hf")
+    cfg, params = load_hf_checkpoint(tmp_path / "hf")
+    tokens = np.random.default_rng(5).integers(0, cfg.vocab_size, size=(2, TOTAL))
+    with torch.no_grad():
+        full = model(torch.as_tensor(tokens), use_cache=False).logits.numpy()[:, PREFILL - 1:]
+        cache = DynamicCache(config=model.config)
+        hf = [model(torch.as_tensor(tokens[:, :PREFILL]), cache=cache, use_cache=True).logits[:, -1].numpy()]
+        for i in range(PREFILL, TOTAL):
+            hf.append(model(torch.as_tensor(tokens[:, i : i + 1]), cache=cache, use_cache=True).logits[:, -1].numpy())
+    hf = np.stack(hf, axis=1)  # [B, TOTAL - PREFILL + 1, V]: the logits after each prefix
+    assert relative_error(hf, full) <= TOL  # HF's cache path is consistent with HF itself
+
+    step = jax.jit(lambda p, st, t: network.extend(p, cfg, st, t, jnp.ones(t.shape, bool), banded=False))
+    out, state = step(params, init_state(cfg, 2, TOTAL), jnp.asarray(tokens[:, :PREFILL], jnp.int32))
+    ours = [np.asarray(out.logits[:, -1])]
+    for i in range(PREFILL, TOTAL):
+        out, state = step(params, state, jnp.asarray(tokens[:, i : i + 1], jnp.int32))
+        ours.append(np.asarray(out.logits[:, -1]))
+    assert int(state.length[0]) == TOTAL
+    err = relative_error(np.stack(ours, axis=1), hf)
+    assert err <= TOL, f"relative error {err:.3e}"
+
+
+# ---------------------------------------------------------------------------------------------
+# the MTP block
+# ---------------------------------------------------------------------------------------------
+
+
+def _with_mtp_block(main: DeepseekV4ForCausalLM, folder, seed: int):
+    """Save `main` to `folder` with an MTP block in the release's spelling (mtp.0.*) -> (the torch
+    modules of the block: host model whose layer 0 / hc_head / norm are the block's, e_proj, h_proj,
+    enorm, hnorm)."""
+    host = _hf_model(seed, num_hidden_layers=1, layer_types=["sliding_attention"], num_hash_layers=0)
+    d, eps = main.config.hidden_size, main.config.rms_norm_eps
+    g = torch.Generator().manual_seed(seed)
+    e_proj, h_proj = torch.nn.Linear(d, d, bias=False), torch.nn.Linear(d, d, bias=False)
+    enorm, hnorm = DeepseekV4RMSNorm(d, eps=eps), DeepseekV4RMSNorm(d, eps=eps)
+    with torch.no_grad():
+        for module in (e_proj, h_proj):
+            module.weight.copy_(torch.randn(d, d, generator=g) / np.sqrt(d))
+        for module in (enorm, hnorm):
+            module.weight.copy_(1.0 + 0.2 * torch.randn(d, generator=g))
+    main.save_pretrained(folder / "main")
+    host.save_pretrained(folder / "host")
+    tensors = load_file(str(folder / "main" / "model.safetensors"))
+    head = {"model.norm.weight": "norm.weight", "model.hc_head.hc_fn": "hc_head_fn",
+            "model.hc_head.hc_base": "hc_head_base", "model.hc_head.hc_scale": "hc_head_scale"}
+    for k, v in load_file(str(folder / "host" / "model.safetensors")).items():
+        if k.startswith("model.layers.0."):
+            tensors["mtp.0." + re.sub(r"^attn\.norm\.", "attn.kv_norm.", k[len("model.layers.0."):])] = v
+        elif k in head:
+            tensors["mtp.0." + head[k]] = v
+    for name, module in {"e_proj": e_proj, "h_proj": h_proj, "enorm": enorm, "hnorm": hnorm}.items():
+        tensors[f"mtp.0.{name}.weight"] = module.weight.detach().numpy().copy()
+    save_file(tensors, str(folder / "main" / "model.safetensors"), metadata={"format": "pt"})
+    return host, e_proj, h_proj, enorm, hnorm
+
+
+def test_mtp_block_matches_torch_reference(tmp_path):
+    """mtp_forward on the target's final streams H (taken from HF's forward) and the next tokens, at MTP
+    positions 0..43: the whole sequence in one call, and one position per call committing the MTP
+    window ring (width 8, wrapped 5 times), against the HF-module reference."""
+    main = _hf_model(6, index_topk=3)
+    host, e_proj, h_proj, enorm, hnorm = _with_mtp_block(main, tmp_path, seed=7)
+    cfg, params = load_hf_checkpoint(tmp_path / "main")
+    assert cfg.num_mtp_layers == 1 and params.mtp is not None
+    tokens = np.random.default_rng(6).integers(0, cfg.vocab_size, size=(2, TOTAL))
+    t = TOTAL - 1  # MTP position i reads H_i and token i + 1
+    streams = []
+    hook = main.model.hc_head.register_forward_hook(lambda module, args, out: streams.append(args[0]))
+    with torch.no_grad():
+        main(torch.as_tensor(tokens), use_cache=False)
+        hook.remove()
+        hidden, nxt = streams[0][:, :t], torch.as_tensor(tokens[:, 1:])
+        e = main.model.embed_tokens(nxt)
+        u = h_proj(hnorm(hidden)) + e_proj(enorm(e)).unsqueeze(2)  # [B, T, hc, d]
+        pos = torch.arange(t)[None]
+        rope = {kind: host.model.rotary_emb(e, position_ids=pos, layer_type=kind) for kind in ("main", "compress")}
+        mask = create_sliding_window_causal_mask(config=host.config, inputs_embeds=e, attention_mask=None,
+                                                 cache=None, position_ids=pos)
+        z = host.model.layers[0](u, position_embeddings=rope, position_ids=pos, attention_mask=mask, input_ids=nxt)
+        ref = main.lm_head(host.model.norm(host.model.hc_head(z))).numpy()
+
+    h, nxt = jnp.asarray(hidden.numpy()), jnp.asarray(tokens[:, 1:], jnp.int32)
+
+    @jax.jit
+    def mtp_step(params, ring, length, h, nxt):  # the MTP block's own window ring and its length
+        take = jnp.ones(nxt.shape, bool)
+        ctx = network.causal_context(length, take)
+        logits, _, rows = network.mtp_forward(params.replace(mtp=None), params.mtp, cfg, ring, h, nxt, ctx)
+        new_length = length + nxt.shape[1]
+        return logits, commit_layer(cfg, "sliding", ring, rows, ctx.positions, take, new_length), new_length
+
+    empty = layer_state(cfg, "sliding", 2, TOTAL), jnp.zeros((2,), jnp.int32)
+    whole, _, _ = mtp_step(params, *empty, h, nxt)
+    err = relative_error(whole, ref)
+    assert err <= TOL, f"one call: relative error {err:.3e}"
+    (ring, length), steps = empty, []
+    for i in range(t):
+        logits, ring, length = mtp_step(params, ring, length, h[:, i : i + 1], nxt[:, i : i + 1])
+        steps.append(np.asarray(logits[:, 0]))
+    assert int(length[0]) == t
+    err = relative_error(np.stack(steps, axis=1), ref)
+    assert err <= TOL, f"one position per call: relative error {err:.3e}"
+
+
+# ---------------------------------------------------------------------------------------------
+# sampling: transformers' logits warpers
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.6, 5, 0.9), (1.0, None, 0.8), (1.3, 20, None),
+                                                     (0.7, 40, 0.5)])
+def test_processed_logprobs_match_hf_warpers(temperature, top_k, top_p):
+    """Temperature, then top-k, then top-p over what top-k kept, as `generate`'s warpers apply them,
+    on distinct float32 logits (transformers keeps ties by sort order, we by value)."""
+    logits = np.random.default_rng(8).normal(size=(64, 96)).astype(np.float32) * 2.0
+    scores = torch.as_tensor(logits)
+    warpers = [TemperatureLogitsWarper(temperature)]
+    warpers += [TopKLogitsWarper(top_k)] if top_k else []
+    warpers += [TopPLogitsWarper(top_p)] if top_p else []
+    for warper in warpers:
+        scores = warper(None, scores)
+    ref = torch.softmax(scores, dim=-1).double().numpy()
+    got = np.exp(np.asarray(processed_logprobs(jnp.asarray(logits), jnp.float32(temperature), jnp.int32(top_k or 0),
+                                               jnp.float32(top_p or 1.0)), np.float64))
+    np.testing.assert_array_equal(got > 0, ref > 0)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-7)

@@ -44,10 +44,11 @@ def _rel_err(got, want):
     return np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30)
 
 
-def _attention_inputs(seed, mode, t, h, c, dtype, chain=False, window=8, lc=13, topk=3, ratio=4):
-    """Random tree (or causal chunk with padding) over a ragged batch: P < 4, P near W, P > W."""
+def _attention_inputs(seed, mode, t, h, c, dtype, chain=False, window=8, lc=13, topk=3, ratio=4,
+                      committed=(2, 9, 21)):
+    """Random tree (or causal chunk with padding) over a ragged batch: by default P < 4, P near W, P > W."""
     rng = np.random.default_rng(seed)
-    committed = jnp.asarray([2, 9, 21], jnp.int32)
+    committed = jnp.asarray(committed, jnp.int32)
     b = committed.shape[0]
     if chain:
         valid = jnp.arange(t)[None, :] < jnp.asarray([t, t // 2, 0])[:, None]  # ragged chunk, one empty row

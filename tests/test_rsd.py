@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_sampling import ALPHA, assert_samples_the_target, check_end_to_end, chi_square_p
+from sampling_laws import ALPHA, chi_square_p, reference_probs
+from test_sampling import assert_samples_the_target, check_end_to_end
 
 import jaxspec as js
 from jaxspec.model.sampling import Sampling, node_keys, processed_logprobs
@@ -137,9 +138,7 @@ def check_rule(tree, setting, variant="exact", seed=0, n=N):
     sampling = Sampling.create(temperature, top_p=top_p, key=jax.random.key(seed + 1))
     parent, rank, depth = (jnp.asarray(x) for x in padded_tree(tree))
     out, accepted = _rows(target, draft, parent, rank, depth, n, tree == "chain", sampling, variant)
-    logp = processed_logprobs(target[:NUM_EMITTED], jnp.float32(temperature), jnp.int32(0), jnp.float32(top_p or 1))
-    p = np.exp(np.asarray(logp, np.float64))
-    p /= p.sum(-1, keepdims=True)  # [3, V(prev), V]
+    p = reference_probs(target[:NUM_EMITTED], temperature, None, top_p)  # [3, V(prev), V], the numpy law
     joint = p[0, 3][:, None, None] * p[1][:, :, None] * p[2][None, :, :]
     cells = np.ravel_multi_index(tuple(np.asarray(out).T), (VOCAB,) * NUM_EMITTED)
     return chi_square_p(cells, joint.reshape(-1)), float(np.mean(accepted))

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats as scipy_stats
+from sampling_laws import ALPHA, chi_square_p, reference_probs
 
 import jaxspec as js
 from jaxspec.model.sampling import Sampling, gumbel_choice, node_keys, processed_logprobs
@@ -29,7 +29,6 @@ from jaxspec.speculation.verify import chain_residual_accept, greedy_accept, tar
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 SETTINGS = {"t0.5": (0.5, None, None), "t1": (1.0, None, None), "t1_p0.9": (1.0, None, 0.9)}
 SPECS = ["s3_k1_d4", "s3_k2_d6", "s2_k4_d9"]  # chain, K = 2, K = 4
-ALPHA = 0.01
 
 
 def _params(which, test_params, confident_params):
@@ -43,29 +42,8 @@ def _params(which, test_params, confident_params):
 
 def exact_next(params, cfg, prefixes, setting):
     """[N] equal-length token lists -> [N, V] float64: the processed next-token distribution."""
-    temperature, top_k, top_p = setting
     logits = js.prefill_logits(params, cfg, jnp.asarray(prefixes, jnp.int32))[:, -1]
-    logp = processed_logprobs(logits, jnp.float32(temperature), jnp.int32(top_k or 0), jnp.float32(top_p or 1.0))
-    probs = np.exp(np.asarray(logp, np.float64))
-    return probs / probs.sum(-1, keepdims=True)
-
-
-def chi_square_p(samples, probs):
-    """p-value of `samples` (ints) under `probs` [V]; tokens with probability 0 must never occur."""
-    samples = np.asarray(samples)
-    counts = np.bincount(samples, minlength=probs.shape[0]).astype(np.float64)
-    assert counts[probs == 0].sum() == 0, f"sampled tokens the target removed: {np.flatnonzero(counts * (probs == 0))}"
-    expected = probs * samples.size
-    order = np.argsort(expected)
-    rare = expected < 5
-    if rare.any() and expected[rare].sum() < 5:  # the pool itself must reach 5
-        rare[order[np.count_nonzero(rare)]] = True
-    obs = np.append(counts[~rare], counts[rare].sum())
-    exp = np.append(expected[~rare], expected[rare].sum())
-    keep = exp > 0
-    if keep.sum() < 2:
-        return 1.0
-    return float(scipy_stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue)
+    return reference_probs(logits, *setting)  # the numpy law, not the sampler's own processing
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,10 +139,7 @@ def check_tree_acceptance(tree_name, setting_name, accept=tree_accept, seed=0, n
     setting = SETTINGS[setting_name]
     sampling = Sampling.create(*setting, key=jax.random.key(seed))
     emitted, accepted = _accept_many(tokens, parent, logits, depth, n, sampling, accept)
-    temperature, top_k, top_p = setting
-    logp = processed_logprobs(logits[0], jnp.float32(temperature), jnp.int32(top_k or 0), jnp.float32(top_p or 1.0))
-    probs = np.exp(np.asarray(logp, np.float64))
-    law = exact_emission_law(tokens, parent, probs / probs.sum(-1, keepdims=True))
+    law = exact_emission_law(tokens, parent, reference_probs(logits[0], *setting))
     cells = {seq: i for i, seq in enumerate(law)}
     index = [cells.get(tuple(t for t in row if t >= 0), -1) for row in np.asarray(emitted).tolist()]
     assert min(index) >= 0, "emitted a sequence the exact law gives probability 0"

@@ -73,21 +73,24 @@ def processed_logprobs(
 
 
 def _truncated(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:  # scaled: [..., V]
-    """Top-k, then top-p over what top-k left; the tokens cut are -inf."""
+    """Top-k, then top-p over what top-k left; the tokens cut are -inf.
+
+    top-k keeps every token at least as likely as the k-th (ties with it included), and top-p's mass
+    is taken over exactly those tokens; top-p keeps the smallest prefix of them, in descending order,
+    whose mass reaches top_p, plus every token tied with the last one kept. top_p = 1 cuts nothing
+    (a float32 cumulative mass may round to 1 before the tail)."""
     vocab = scaled.shape[-1]
     descending = -jnp.sort(-scaled, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     kth = jnp.take(descending, k - 1, axis=-1)[..., None]
-    scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
-    # top-p: keep the smallest prefix of the sorted distribution whose mass reaches top_p (the
-    # token that crosses the threshold is kept).
-    descending = jnp.where(jnp.arange(vocab) < k, descending, -jnp.inf)
-    sorted_probs = jax.nn.softmax(descending, axis=-1)
+    # top-p over what top-k kept: by value, so tokens tied with the k-th (sorted past k) count too.
+    kept_by_k = jnp.where(descending >= kth, descending, -jnp.inf)
+    sorted_probs = jax.nn.softmax(kept_by_k, axis=-1)
     mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-    keep_sorted = mass_before < top_p
-    # the smallest kept logit is the cut-off value
-    cutoff = jnp.min(jnp.where(keep_sorted, descending, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(scaled < cutoff, -jnp.inf, scaled)
+    keep_sorted = (mass_before < top_p) | (top_p >= 1.0)
+    # the smallest kept logit is the cut-off value (never below the k-th: kept_by_k is -inf past it)
+    cutoff = jnp.min(jnp.where(keep_sorted, kept_by_k, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(scaled < jnp.maximum(cutoff, kth), -jnp.inf, scaled)
 
 
 def sample_tokens(
