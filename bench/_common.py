@@ -97,3 +97,33 @@ def write_json(path: str | os.PathLike | None, result: Any, console: Console | N
         json.dump(result, f, indent=2)
     if console is not None:
         console.print(f"wrote {path}")
+
+
+# ---------------------------------------------------------------------------------------------
+# One cycle, as the loop builds it
+# ---------------------------------------------------------------------------------------------
+
+
+def cycle_of(params: Any, cfg: Any, spec: Any, draft: Any = None, rule: str = "greedy") -> tuple[Any, Any]:
+    """(Speculator, Models) of a cycle of `spec` as `speculative_generate` builds it: `draft` (a
+    `load_checkpoint(...).draft`; None = the MTP block of `params`, uncalibrated), ranked by the draft's
+    calibration where it has one (the spec's scores resolved as the loop resolves them)."""
+    from jaxspec.core.config import SpecConfig
+    from jaxspec.model.network import Models
+    from jaxspec.speculation.cycle import Speculator
+    from jaxspec.speculation.generate import draft_of
+    from jaxspec.speculation.policy import Policy
+    from jaxspec.speculation.values import Calibration, resolve_scores
+
+    draft = draft_of(params, cfg, draft)
+    spec = SpecConfig.parse(spec) if isinstance(spec, str) else spec
+    spec.validate_for(cfg)
+    draft.drafter.check(cfg, spec)
+    calibration = draft.calibration
+    if calibration is not None and not isinstance(calibration, Calibration):  # an unreadable calibration.json
+        if spec.scores != "draft":
+            calibration.fail()
+        calibration = None
+    spec, values = resolve_scores(spec, calibration)
+    return (Speculator(cfg, spec, draft.drafter, Policy(rule, values)),
+            Models(target=params.replace(mtp=None), draft=draft.params))

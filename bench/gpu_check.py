@@ -13,8 +13,9 @@ Model: V4-Flash layer shapes (hidden 4096, 64 heads x 512, 256 experts of 2048, 
 HCA 128) with 2 layers (csa, hca) in bf16 (~13 GB of experts per layer) plus the MTP block (4
 layers fit one H200 too, but their 30 stage compiles would not fit the 8 minutes); the dry run
 uses 2 layers of the `test` preset at batch 1. Per attention impl and batch: `stages.time_stages` of a
-s3_k2_d6 cycle on a prefilled state, and one AR step (`stages.ar_step`); break-even tau = sum of
-stages / AR step (the accepted length a spec needs to match AR).
+s3_k2_d6 cycle of the MTP draft on a prefilled state (draft, plan, verify, commit = accept + commit),
+and one AR step (`speculation.stages.ar_step`); break-even tau = sum of stages / AR step (the accepted
+length a spec needs to match AR).
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxspec as js  # noqa: E402
+from jaxspec import testing  # noqa: E402
 from jaxspec.harness import stages  # noqa: E402
 from jaxspec.layers import moe  # noqa: E402
+from jaxspec.model.sampling import Sampling  # noqa: E402
 from jaxspec.ops import quant  # noqa: E402
-from jaxspec.speculation import stages as spec_stages  # noqa: E402
-from jaxspec.testing import mtp_models, mtp_prefill, mtp_speculator  # noqa: E402
+from jaxspec.speculation import stages as programs  # noqa: E402
 
 H200_TBPS = 4.8
 
@@ -84,8 +86,8 @@ def grouped_experts_bandwidth(cfg, tokens, iters) -> list[dict]:
 
 def stage_split(cfg, batches, spec_name, prompt_len, iters, budget_s) -> list[dict]:
     """Cases past `budget_s` seconds are skipped and listed as such (compiles dominate on a GPU)."""
-    spec = js.SpecConfig.parse(spec_name)
     params = js.init_params(cfg, jax.random.key(0))
+    models, sampling = testing.mtp_models(params), Sampling.create()
     out, start = [], time.perf_counter()
     for b in batches:
         for impl in ("pallas", "xla"):
@@ -95,10 +97,10 @@ def stage_split(cfg, batches, spec_name, prompt_len, iters, budget_s) -> list[di
                 continue
             tokens = jax.random.randint(jax.random.key(b), (b, prompt_len), 0, c.vocab_size, jnp.int32)
             lengths = jnp.full((b,), prompt_len, jnp.int32)
-            state = mtp_prefill(params, c, tokens, lengths, prompt_len + 64, spec=spec)
-            st = stages.time_stages(mtp_speculator(c, spec), mtp_models(params), state, iters=iters)
-            target = params.replace(mtp=None)
-            _, ar_s, _ = stages.median_seconds(lambda carry, c=c, t=target: spec_stages.ar_step(t, c, *carry),
+            sp = testing.mtp_speculator(c, spec_name)
+            state = programs.prefill(sp, models, tokens, lengths, prompt_len + 64, sampling)
+            st = stages.time_stages(sp, models, state, iters=iters)
+            _, ar_s, _ = stages.median_seconds(lambda carry, c=c: programs.ar_step(models.target, c, *carry),
                                                (state.target, state.root), iters)
             ar_ms = 1e3 * ar_s
             out.append({"attention": impl, "batch": b, "spec": spec_name, **st, "ar_step_ms": ar_ms,

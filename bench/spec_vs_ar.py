@@ -11,8 +11,10 @@ Model variants of a --preset (both from `init_params(cfg, jax.random.key(0))`):
   * agreeing : `jaxspec.testing.high_acceptance` of it (damped sub-layers, MTP made to compute
                the target's token -> next-token function), so drafts are accepted often and the
                table shows what high acceptance buys.
-With --checkpoint the one variant is "checkpoint": the trained model (`load_checkpoint`, float
-leaves cast to float32 on a CPU), its config replacing --preset; --variants does not apply. Its
+With --checkpoint the one variant is "checkpoint": the trained model (`load_checkpoint(dtype="float32")`
+on a CPU) with its own draft (`Checkpoint.draft`: calibration included), its config replacing --preset;
+--variants does not apply. On a CPU every variant's routed experts are in the CPU's per-expert layout
+(`model.network.cpu_layout`), as `load_checkpoint(cpu_experts=True)` gives them. Its
 prompts are GSM8K held-out (test) questions when the data is available: each encoded with the
 checkpoint's tokenizer, questions shorter than --prompt-len tokens skipped, the others cut to their
 last --prompt-len tokens. Otherwise (and always with --preset) prompts are random tokens (--seed).
@@ -24,13 +26,14 @@ spec round-robin (so load changes on a shared machine hit all alike); median per
   the same variant and batch; tau = mean accepted length (accepted drafts + bonus per cycle);
   cycles = verify cycles summed over the batch; check = greedy spec tokens == generate's tokens.
 
-Part 2, one cycle split into the separately jitted stages of `jaxspec.harness.stages` (the ones `jaxspec
-tune` times), on a state prefilled with the prompt (`stages.prefill`: target extend + MTP ring
-prefill, as `_speculative_loop` does), cache sized as the end-to-end run:
-  (a) draft   = draft_tree + prune_to_budget     (b) plan   = build_plan
-  (c) verify  = target forward with verify_context (d) accept = tree_accept + commit_accepted_path
-each timed by `stages.time_stages` (block_until_ready, median over `stage-iters` calls), plus a
-1-token decode step (`stages.ar_step`, T=1, on generate's cache size) for reference. break-even
+Part 2, one cycle split into the separately jitted stage programs of `jaxspec.speculation.stages` (the
+cycle's own, the ones `jaxspec tune` times), on a state prefilled with the prompt (`stages.prefill`:
+the target's chunked prefill with the drafter following it, as `_speculative_loop` does), cache sized
+as the end-to-end run:
+  (a) draft   = the drafter's beam + prune_to_budget (b) plan   = build_plan
+  (c) verify  = target forward with verify_context   (d) commit = acceptance + commit of the path
+each timed by `jaxspec.harness.stages.time_stages` (block_until_ready, median over `stage-iters` calls),
+plus a 1-token decode step (`stages.ar_step`, T=1, on generate's cache size) for reference. break-even
 tau = sum of stages / decode step: the mean accepted length a spec needs to match AR per cycle;
 tau for 1.2x = 1.2 x that; max tau = S + 1 (the deepest path plus the bonus token), so a spec whose
 tau for 1.2x exceeds it cannot reach 1.2x at this cycle cost whatever its acceptance.
@@ -55,22 +58,22 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import check_positive, console, machine_facts, machine_header, parser, write_json
+from _common import check_positive, console, cycle_of, machine_facts, machine_header, parser, write_json
 from rich.table import Table
 
 import jaxspec as js
 from jaxspec.core import measure
-from jaxspec.harness import stages as st
+from jaxspec.harness.stages import STAGES, median_seconds, time_stages
 from jaxspec.model.network import cpu_layout
+from jaxspec.model.sampling import Sampling
+from jaxspec.speculation import stages as st
 from jaxspec.speculation.generate import compile_count, length_bucket, speculative_compile_count
-from jaxspec.speculation.values import resolve_scores
 from jaxspec.testing import high_acceptance
 
 DEFAULT_PRESET = "tiny"
 DEFAULT_SPECS = ["s3_k1_d4", "s7_k1_d8", "s3_k2_d6", "s4_k2_d8"]
 VARIANTS = ("random", "agreeing")
 CHECKPOINT = "checkpoint"  # the one variant of a --checkpoint run
-STAGES = st.STAGES  # ("draft", "plan", "verify", "accept")
 TARGET_SPEEDUP = 1.2  # the batch-1 bar of the calibrated-trees and sampling issues
 
 
@@ -79,24 +82,23 @@ TARGET_SPEEDUP = 1.2  # the batch-1 bar of the calibrated-trees and sampling iss
 # ---------------------------------------------------------------------------------------------
 
 
-def make_variant(name: str, base):
+def make_variant(name: str, base, cfg):
+    """The variant's params, routed experts in the CPU's per-expert layout on a CPU (a checkpoint's
+    already are: `load_model`)."""
     if name in ("random", CHECKPOINT):
-        return base
+        return cpu_layout(base, cfg)
     if name == "agreeing":
-        return high_acceptance(base)
+        return cpu_layout(high_acceptance(base), cfg)
     raise ValueError(name)
 
 
-def load_model(path: str) -> tuple[js.ModelConfig, Any, Any, str]:
-    """-> (cfg, params, tokenizer or None, note) of a checkpoint, float leaves cast to float32 on a CPU."""
-    from jaxspec.cli.common import as_float32
-
-    cfg, params, tok = js.load_checkpoint(os.path.expanduser(path))
-    note = ""
-    if cfg.dtype != "float32" and jax.default_backend() == "cpu":
-        cfg, params = as_float32(cfg, params)
-        note = " (cast to float32 for the CPU)"
-    return cfg, params, tok, note
+def load_model(path: str) -> tuple[js.ModelConfig, Any, Any, str, js.Draft | None]:
+    """-> (cfg, params, tokenizer or None, note, draft) of a checkpoint, float32 on a CPU, its routed
+    experts in the CPU's layout, and its own draft (calibration included)."""
+    cpu = jax.default_backend() == "cpu"
+    ckpt = js.load_checkpoint(os.path.expanduser(path), dtype="float32" if cpu else None, cpu_experts=True)
+    note = " (cast to float32 for the CPU)" if cpu else ""
+    return ckpt.cfg, ckpt.params, ckpt.tokenizer, note, ckpt.draft
 
 
 def gsm8k_prompts(tok, count: int, prompt_len: int) -> np.ndarray | None:
@@ -132,15 +134,17 @@ def _timed(fn: Callable[[], js.GenerateOutput]) -> tuple[float, js.GenerateOutpu
     return time.perf_counter() - t0, out
 
 
-def bench_end_to_end(params, cfg, prompts, specs, new_tokens: int, repeats: int) -> list[dict[str, Any]]:
+def bench_end_to_end(params, cfg, prompts, specs, new_tokens: int, repeats: int, draft=None) -> list[dict[str, Any]]:
     """Warm up AR and every spec (compile + reference output), then time them round-robin, `repeats` rounds,
-    inside a `measure.Watch` (its verdict goes into the AR row)."""
+    inside a `measure.Watch` (its verdict goes into the AR row). `draft`: the checkpoint's (None: the MTP
+    block of `params`, uncalibrated)."""
     batch = prompts.shape[0]
     runs: dict[str, Callable[[], js.GenerateOutput]] = {
         "AR": lambda: js.generate(params, cfg, prompts, max_new_tokens=new_tokens)
     }
     for spec in specs:
-        runs[spec] = functools.partial(js.speculative_generate, params, cfg, prompts, spec, max_new_tokens=new_tokens)
+        runs[spec] = functools.partial(js.speculative_generate, params, cfg, prompts, spec, max_new_tokens=new_tokens,
+                                       draft=draft)
     c0, s0 = compile_count(), speculative_compile_count()
     warm, outs = {}, {}
     for name, fn in runs.items():
@@ -180,23 +184,27 @@ def bench_end_to_end(params, cfg, prompts, specs, new_tokens: int, repeats: int)
 
 
 # ---------------------------------------------------------------------------------------------
-# Part 2: per-stage split of one cycle (jaxspec.harness.stages)
+# Part 2: per-stage split of one cycle (jaxspec.speculation.stages)
 # ---------------------------------------------------------------------------------------------
 
+SAMPLING = Sampling.create()  # greedy
 
-def _prefill(params, cfg, prompt_tokens, max_len):
-    """Prompt prefill exactly as `_speculative_loop` (full-length prompts): -> state, root, last_hidden."""
+
+def _prefill(sp, models, prompt_tokens, max_len):
+    """Prompt prefill exactly as `_speculative_loop` (full-length prompts): -> SpecState."""
     lengths = jnp.full((prompt_tokens.shape[0],), prompt_tokens.shape[1], jnp.int32)
-    return st.prefill(params, cfg, prompt_tokens, lengths, max_len)
+    return st.prefill(sp, models, prompt_tokens, lengths, max_len, SAMPLING)
 
 
-def _bench_one_spec(params, cfg, name: str, prompt_tokens, new_tokens: int, iters: int, fused: bool) -> dict:
-    # Ranked as the loop ranks: the checkpoint's calibration when it has one, else raw draft log-probs.
-    spec, values = resolve_scores(params, cfg, js.SpecConfig.parse(name))
+def _bench_one_spec(params, cfg, name: str, prompt_tokens, new_tokens: int, iters: int, fused: bool,
+                    draft=None) -> dict:
+    # Ranked as the loop ranks: the draft's calibration when it has one, else raw draft log-probs.
+    sp, models = cycle_of(params, cfg, name, draft)
+    spec = sp.spec
     prompt_len = prompt_tokens.shape[1]
     max_len = length_bucket(prompt_len + new_tokens + spec.num_steps + 1, cfg.max_position_embeddings, minimum=64)
-    state, root, last_hidden = _prefill(params, cfg, prompt_tokens, max_len)
-    timed = st.time_stages(params, cfg, spec, state, root, last_hidden, iters, values)
+    state = _prefill(sp, models, prompt_tokens, max_len)
+    timed = time_stages(sp, models, state, iters)
     # A cycle emits at most its deepest path plus the bonus token, whatever the draft: where even that
     # is below the tau a target speed-up needs, no calibration or acceptance rule reaches it.
     row: dict[str, Any] = {"spec": name, "scores": spec.scores, "max_len": max_len, **timed, "fused_cycle_ms": None,
@@ -204,33 +212,33 @@ def _bench_one_spec(params, cfg, name: str, prompt_tokens, new_tokens: int, iter
     if fused:
         # Each call commits up to num_steps + 1 tokens of the carried state: as many calls as the cache holds.
         cycle_iters = max(1, min(iters, (max_len - prompt_len) // (spec.num_steps + 1) - 1))
-        first, seconds, _ = st.median_seconds(
-            lambda c: st.cycle(params, cfg, spec, c[0], c[1], c[2], values)[:3], (state, root, last_hidden),
-            cycle_iters)
+        first, seconds, _ = median_seconds(lambda s: st.cycle(sp, models, s, SAMPLING)[0], state, cycle_iters)
         row["first_call_s"]["cycle"] = first
         row["fused_cycle_ms"] = 1e3 * seconds
         row["fused_cycle_iters"] = cycle_iters
     return row
 
 
-def bench_stages(params, cfg, prompts, specs, new_tokens: int, iters: int, fused: bool) -> dict[str, Any]:
-    params = cpu_layout(params, cfg)  # the experts as the loops read them on a CPU
+def bench_stages(params, cfg, prompts, specs, new_tokens: int, iters: int, fused: bool, draft=None) -> dict[str, Any]:
+    """`params` as the loops read them (a variant's: the CPU's expert layout on a CPU)."""
     prompt_tokens = jnp.asarray(prompts, jnp.int32)
     prompt_len = prompts.shape[1]
     result: dict[str, Any] = {}
     # the 1-token decode step, on the cache size `generate` uses for this run; each call commits one
     # token of the carried state, so at most as many calls as the cache holds
     ar_len = length_bucket(prompt_len + new_tokens, cfg.max_position_embeddings, minimum=64)
-    state, root, _ = _prefill(params, cfg, prompt_tokens, ar_len)
+    sp, models = cycle_of(params, cfg, specs[0], draft)
+    state = _prefill(sp, models, prompt_tokens, ar_len)
     ar_iters = max(1, min(iters, ar_len - prompt_len - 1))
-    first, seconds, _ = st.median_seconds(lambda c: st.ar_step(params, cfg, *c), (state, root), ar_iters)
+    first, seconds, _ = median_seconds(lambda c: st.ar_step(models.target, cfg, *c), (state.target, state.root),
+                                       ar_iters)
     ms = 1e3 * seconds
     result["decode_step_ms"] = ms
     result["decode_step_first_call_s"] = first
     result["decode_step_iters"] = ar_iters
     result["specs"] = []
     for name in specs:
-        row = _bench_one_spec(params, cfg, name, prompt_tokens, new_tokens, iters, fused)
+        row = _bench_one_spec(params, cfg, name, prompt_tokens, new_tokens, iters, fused, draft)
         row["break_even_tau"] = row["sum_of_stages_ms"] / ms
         row["tau_for_target"] = TARGET_SPEEDUP * row["break_even_tau"]
         result["specs"].append(row)
@@ -331,7 +339,7 @@ def _print_stages(con, stages, args, variants, facts) -> None:
                       "1.00", "", "", "", *([""] if args.fused_cycle else []))
         con.print(table)
     con.print(
-        f"Stages of jaxspec.harness.stages jitted separately, median of {args.stage_iters} calls each "
+        f"Stages of jaxspec.speculation.stages jitted separately, median of {args.stage_iters} calls each "
         "(block_until_ready; one dispatch each); AR step = 1-token decode (stages.ar_step, T=1) on generate's "
         f"cache size; break-even tau = sum / AR step; tau for {TARGET_SPEEDUP}x = {TARGET_SPEEDUP} x break-even "
         "(prefill aside); max tau = S + 1, the deepest path plus the bonus token (>max: no acceptance reaches that "
@@ -347,14 +355,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.no_pin:
         measure.pin(args.core)  # before the first computation: XLA reads its flags then
     con = console()
-    tok, load_note = None, ""
+    tok, load_note, draft = None, "", None
     t0 = time.perf_counter()
     try:
         if args.checkpoint is not None:
             for flag, given in (("--preset", args.preset is not None), ("--variants", args.variants is not None)):
                 if given:
                     con.print(f"[yellow]note:[/] {flag} ignored: the model comes from --checkpoint")
-            cfg, base, tok, load_note = load_model(args.checkpoint)
+            cfg, base, tok, load_note, draft = load_model(args.checkpoint)
             model = f"checkpoint {os.path.basename(os.path.normpath(args.checkpoint))}"
             preset, variants = None, [CHECKPOINT]
         else:
@@ -362,7 +370,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cfg = js.ModelConfig.preset(preset)
             model, variants = preset, args.variants or list(VARIANTS)
         for s in args.specs:
-            js.SpecConfig.parse(s).validate_for(cfg)
+            spec = js.SpecConfig.parse(s)
+            spec.validate_for(cfg)
+            if draft is not None:
+                draft.drafter.check(cfg, spec)
     except ValueError as e:
         sys.exit(f"spec_vs_ar.py: error: {e}")
 
@@ -395,10 +406,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # Part 1
     e2e = []
     for variant in variants:
-        params = make_variant(variant, base)
+        params = make_variant(variant, base, cfg)
         for b in args.batch:
             with con.status(f"{variant}, batch {b}: compiling + timing..."):
-                rows = bench_end_to_end(params, cfg, prompts[b], args.specs, args.new_tokens, args.repeats)
+                rows = bench_end_to_end(params, cfg, prompts[b], args.specs, args.new_tokens, args.repeats, draft)
             for r in rows:
                 r.update(variant=variant, batch=b)
             e2e.extend(rows)
@@ -408,11 +419,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # Part 2
     stages = {}
     if not args.no_stages:
-        params = make_variant(variants[0], base)
+        params = make_variant(variants[0], base, cfg)
         for b in args.batch:
             with con.status(f"per-stage split, batch {b}: compiling + timing..."):
                 stages[b] = bench_stages(params, cfg, prompts[b], args.specs, args.new_tokens, args.stage_iters,
-                                         args.fused_cycle)
+                                         args.fused_cycle, draft)
             for r in stages[b]["specs"]:  # the same spec's end-to-end loop, for comparison
                 e = next((x for x in e2e if x["variant"] == variants[0] and x["batch"] == b
                           and x["spec"] == r["spec"]), None)
