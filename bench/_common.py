@@ -108,7 +108,7 @@ def cycle_of(params: Any, cfg: Any, spec: Any, draft: Any = None, rule: str = "g
     """(Speculator, Models) of a cycle of `spec` as `speculative_generate` builds it: `draft` (a
     `load_checkpoint(...).draft`; None = the MTP block of `params`, uncalibrated), ranked by the draft's
     calibration where it has one (the spec's scores resolved as the loop resolves them)."""
-    from jaxspec.core.config import SpecConfig
+    from jaxspec.core.spec import SpecConfig
     from jaxspec.model.network import Models
     from jaxspec.speculation.cycle import Speculator
     from jaxspec.speculation.generate import draft_of

@@ -34,10 +34,10 @@ PATHS = {"union": union_experts, "gathered": gathered_experts, "dense": dense_ex
 
 def load(args) -> tuple[js.ModelConfig, Any]:
     if args.checkpoint:
-        from jaxspec.cli.common import as_float32
-
-        cfg, params, _ = js.load_checkpoint(os.path.expanduser(args.checkpoint))
-        return as_float32(cfg, params) if jax.default_backend() == "cpu" else (cfg, params)
+        cpu = jax.default_backend() == "cpu"
+        ckpt = js.load_checkpoint(os.path.expanduser(args.checkpoint), dtype="float32" if cpu else None,
+                                  cpu_experts=cpu)
+        return ckpt.cfg, ckpt.params
     cfg = js.ModelConfig.preset(args.preset).replace(dtype="float32")
     return cfg, js.init_params(cfg, jax.random.key(args.seed))
 

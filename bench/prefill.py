@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxspec as js
-from jaxspec.cli.common import as_float32
 from jaxspec.model import network as model
 from jaxspec.model import prefill
 from jaxspec.model.state import abstract_state, init_state
@@ -35,8 +34,8 @@ def _rss_gb() -> float:
 
 
 def _checkpoint():
-    cfg, params, _ = js.load_checkpoint("checkpoints/tiny-v4")
-    return as_float32(cfg, params)
+    ckpt = js.load_checkpoint("checkpoints/tiny-v4", dtype="float32", cpu_experts=True)
+    return ckpt.cfg, ckpt.params
 
 
 def time_prefill(chunk: int = 0) -> None:

@@ -21,10 +21,12 @@ verdict says whether the machine was quiet. Stages:
   ar           one greedy decode step (extend, T = 1), state carried
   verify T     the target forward over a T-token chain (a tree's plan), against the prefilled state,
                a different window of the target's continuation each call (routing varies as in decoding)
-  draft        draft_tree + prune_to_budget of a spec (S MTP steps) from a different root each call;
-               "draft step" = draft / S
-  accept       greedy acceptance + commit of the accepted path, state carried
-  cycle        the whole speculative cycle (draft .. commit), state carried
+  draft        the draft stage of a spec (`cycle.draft_stage`: S MTP steps of the beam + prune_to_budget)
+               from a different root each call; "draft step" = draft / S
+  accept       greedy acceptance + commit of the accepted path (`cycle.accept_stage` + `commit_stage`),
+               the whole SpecState carried
+  cycle        the whole speculative cycle (`cycle.speculative_cycle`, draft .. commit), state carried
+A checkpoint runs with its own draft (`Checkpoint.draft`, its calibration ranking the tree as the loop does).
 The floor of the cycle is the sum of its stages' floors.
 """
 
@@ -36,7 +38,7 @@ import sys
 import time
 from typing import Any
 
-from _common import check_positive, console, parser, write_json
+from _common import check_positive, console, cycle_of, parser, write_json
 
 from jaxspec.core import measure
 
@@ -68,29 +70,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jaxspec.speculation.commit import commit_accepted_path
-    from jaxspec.speculation.draft import draft_tree, prune_to_budget
     from rich.table import Table
     from spec_vs_ar import gsm8k_prompts, load_model
 
     import jaxspec as js
     from jaxspec.core.programs import compiler_options
     from jaxspec.cost import terms
-    from jaxspec.harness.stages import prefill
     from jaxspec.model.network import cpu_layout, extend, forward
-    from jaxspec.speculation.generate import length_bucket, speculative_cycle
+    from jaxspec.model.sampling import Sampling
+    from jaxspec.speculation import cycle as cycle_lib
+    from jaxspec.speculation import stages as programs
+    from jaxspec.speculation.cycle import SpecStats
+    from jaxspec.speculation.generate import length_bucket
     from jaxspec.speculation.plan import build_plan, verify_context
-    from jaxspec.speculation.values import resolve_scores
-    from jaxspec.speculation.verify import tree_accept
 
     con = console()
     specs = [js.SpecConfig.parse(s) for s in args.specs]
     if args.checkpoint:
-        cfg, params, tok, note = load_model(args.checkpoint)
+        cfg, params, tok, note, draft = load_model(args.checkpoint)  # the CPU's expert layout already
     else:
         cfg = js.ModelConfig.preset(args.preset).replace(dtype="float32")
-        params, tok, note = js.init_params(cfg, jax.random.key(0)), None, ""
-    params = cpu_layout(params, cfg)
+        params, tok, note, draft = js.init_params(cfg, jax.random.key(0)), None, "", None
+        params = cpu_layout(params, cfg)
+    sampling = Sampling.create()  # greedy
     b, r = args.batch, args.calls
     data = gsm8k_prompts(tok, b, args.prompt_len)
     prompts = (jnp.asarray(data) if data is not None else
@@ -105,11 +107,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     max_len = length_bucket(args.prompt_len + r * (max_steps + 1) + max_steps + 1, cfg.max_position_embeddings,
                             minimum=64)
     lengths = jnp.full((b,), args.prompt_len, jnp.int32)
-    state, root, hidden = prefill(params, cfg, prompts, lengths, max_len)
+    speculators = {spec.name: cycle_of(params, cfg, spec, draft)[0] for spec in specs}
+    sp0, models = cycle_of(params, cfg, specs[0], draft)
+    prefilled = programs.prefill(sp0, models, prompts, lengths, max_len, sampling)  # the drafter follows it too
+    state, root = prefilled.target, prefilled.root
     opts = compiler_options()
 
     def loop(body, carry):
-        """jit of a fori_loop of `r` calls of body(carry) -> carry."""
+        """jit of a fori_loop of `r` calls of body(models, carry) -> carry."""
         return jax.jit(lambda p, c: jax.lax.fori_loop(0, r, lambda i, c: body(p, c), c), compiler_options=opts)
 
     def bump(tokens, x):  # a dependence on the last call's output that never changes the tokens
@@ -124,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     def ar_body(p, c):
         s, last = c
-        out, s = extend(p, cfg, s, last[:, None], ones)
+        out, s = extend(p.target, cfg, s, last[:, None], ones)
         return s, jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32)
 
     calls["ar"] = (loop(ar_body, None), (state, root))
@@ -146,51 +151,46 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             i, acc = c
             st = bumped(state, acc)
             ctx = verify_context(build_plan(bump(parent, acc), st.length, t), st.length)
-            out = forward(p, cfg, st, bump(window(i, t), acc), ctx)
+            out = forward(p.target, cfg, st, bump(window(i, t), acc), ctx, capture=sp0.drafter.capture)
             return i + 1, out.logits[:, :, 0]
 
         calls[f"verify {t}"] = (loop(verify_body, None), (jnp.int32(0), jnp.zeros((b, t), jnp.float32)))
     resolved = {}
     active = jnp.ones((b,), bool)
-    for spec in specs:
-        spec, values = resolve_scores(params, cfg, spec)
-        resolved[spec.name] = (spec, values)
+    for sp in speculators.values():
+        spec = sp.spec  # scores resolved as the loop resolves them
+        resolved[spec.name] = (spec, sp.policy.values)
+        start = prefilled.replace(stats=SpecStats.zeros(spec, b))  # the prefilled state, this spec's counters
 
-        def draft_body(p, c, spec=spec, values=values):  # a different root token each call, as in decoding
+        def draft_body(p, c, sp=sp, start=start):  # a different root token each call, as in decoding
             i, acc = c
             rt = bump(window(i, 1)[:, 0], acc)
-            pool = draft_tree(p, cfg, spec, bumped(state, acc), rt, bumped(hidden, acc), values=values)
-            tree = prune_to_budget(pool, rt, spec.num_draft_tokens)
+            tree = cycle_lib.draft_stage(sp, p, bumped(start, acc).replace(root=rt), sampling)
             return i + 1, tree.tokens.astype(jnp.float32)
 
         calls[f"draft {spec.name}"] = (loop(draft_body, None), (jnp.int32(0), jnp.zeros((b, spec.num_draft_tokens))))
-        tree = prune_to_budget(draft_tree(params, cfg, spec, state, root, hidden, values=values), root,
-                               spec.num_draft_tokens)
-        verify_out = forward(params, cfg, state, tree.tokens,
-                             verify_context(build_plan(tree.parent, state.length, spec.num_steps), state.length))
+        tree = programs.draft(sp, models, start, sampling)
+        verify_out = programs.verify(sp, models, state, tree, programs.plan(sp, state, tree))
 
-        def accept_body(p, c, spec=spec, tree=tree, verify_out=verify_out):
-            # The state is carried: every layer's commit and the MTP refresh are live (a loop that kept
+        def accept_body(p, c, sp=sp, tree=tree, verify_out=verify_out):
+            # The state is carried: every layer's commit and the drafter's follow are live (a loop that kept
             # one slice of the state let XLA drop the rest and timed 0.03 ms where the commit costs 0.11).
-            s, lh = c
-            logits = bumped(verify_out.logits, lh)  # not hoisted out of the loop
-            acceptance = tree_accept(tree.tokens, tree.parent, logits, spec.num_steps)
-            return commit_accepted_path(p, cfg, s, tree.tokens, verify_out, acceptance, lh, active)
+            logits = bumped(verify_out.logits, c.target.length)  # not hoisted out of the loop
+            acceptance = cycle_lib.accept_stage(sp, tree, logits, sampling, c.stats.cycles)
+            return cycle_lib.commit_stage(sp, p, c, tree, verify_out, acceptance, active)[0]
 
-        calls[f"accept {spec.name}"] = (loop(accept_body, None), (state, hidden))
+        calls[f"accept {spec.name}"] = (loop(accept_body, None), start)
 
-        def cycle_body(p, c, spec=spec, values=values):
-            s, rt, lh = c
-            s, lh, _, acc = speculative_cycle(p, cfg, spec, s, rt, lh, active, values=values)
-            return s, acc.bonus, lh
+        def cycle_body(p, c, sp=sp):
+            return cycle_lib.speculative_cycle(sp, p, c, sampling, active)[0]
 
-        calls[f"cycle {spec.name}"] = (loop(cycle_body, None), (state, root, hidden))
+        calls[f"cycle {spec.name}"] = (loop(cycle_body, None), start)
 
     with con.status("compiling the stage loops..."):
         runs = {}
         for name, (fn, carry) in calls.items():
-            jax.block_until_ready(fn(params, carry))
-            runs[name] = (lambda fn=fn, carry=carry: fn(params, carry))
+            jax.block_until_ready(fn(models, carry))
+            runs[name] = (lambda fn=fn, carry=carry: fn(models, carry))
     with con.status("measuring this core..."):
         rates = measure.machine_rates()
     with measure.Watch() as watch, con.status("timing..."):

@@ -26,21 +26,21 @@ DATASETS = ("gsm8k", "mbpp", "sharegpt")
 
 
 def load(checkpoint: str, num_prompts: int):
+    """-> (cfg, params, held-out prompts, the checkpoint's draft with its calibration); float32 and the CPU's
+    expert layout on a CPU."""
     import jax
 
     from jaxspec.checkpoint import load_checkpoint
-    from jaxspec.cli.common import as_float32
     from jaxspec.harness.eval import encode_prompts
     from jaxspec.training.data import HELDOUT_SPLITS, load_dataset
 
-    cfg, params, tokenizer = load_checkpoint(checkpoint)
-    if jax.default_backend() == "cpu":
-        cfg, params = as_float32(cfg, params)
+    cpu = jax.default_backend() == "cpu"
+    ckpt = load_checkpoint(checkpoint, dtype="float32" if cpu else None, cpu_experts=True)
     prompts = []
     for name in DATASETS:
         examples = load_dataset(name, HELDOUT_SPLITS[name])[:num_prompts]
-        prompts += encode_prompts(tokenizer, examples, 192)
-    return cfg, params, prompts
+        prompts += encode_prompts(ckpt.tokenizer, examples, 192)
+    return ckpt.cfg, ckpt.params, prompts, ckpt.draft
 
 
 def as_array(prompts: list[list[int]], rows: int, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -63,7 +63,9 @@ def tau_and_error(accepted: np.ndarray, cycles: np.ndarray) -> tuple[float, floa
 
 
 def measure_tau(params, cfg, prompts, spec, rule, temperature, top_p, new_tokens, batch, seed=0,
-                calibration=None) -> dict:
+                calibration=None, draft=None) -> dict:
+    """`draft`: the checkpoint's (its calibration ranks the tree unless `calibration` overrides it); None =
+    the MTP block of `params`, uncalibrated."""
     import jax
 
     import jaxspec as js
@@ -78,7 +80,7 @@ def measure_tau(params, cfg, prompts, spec, rule, temperature, top_p, new_tokens
         out = js.speculative_generate(
             params, cfg, tokens, spec, max_new_tokens=new_tokens, temperature=temperature,
             top_p=None if top_p >= 1.0 else top_p, rng=jax.random.key(seed + i), prompt_lengths=lengths, accept=rule,
-            calibration=calibration,
+            calibration=calibration, draft=draft,
         )
         per = {k: np.asarray(v)[: len(chunk)] for k, v in out.stats["per_sequence"].items()}
         accepted += int(per["accepted"].sum())
@@ -103,7 +105,7 @@ def measure_tau(params, cfg, prompts, spec, rule, temperature, top_p, new_tokens
     }
 
 
-def measure_speed(params, cfg, prompts, spec, rule, temperature, top_p, new_tokens, seed=0) -> dict:
+def measure_speed(params, cfg, prompts, spec, rule, temperature, top_p, new_tokens, seed=0, draft=None) -> dict:
     """Batch 1, one prompt at a time, one width: tokens/s of speculative sampling and of `generate`."""
     import jax
 
@@ -117,7 +119,7 @@ def measure_speed(params, cfg, prompts, spec, rule, temperature, top_p, new_toke
                                                            prompt_lengths=n)),
                       ("spec", lambda t, n, k: js.speculative_generate(
                           params, cfg, t, spec, new_tokens, temperature, None, top, None, k, prompt_lengths=n,
-                          accept=rule))):
+                          accept=rule, draft=draft))):
         tokens, lengths = as_array(prompts[:1], 1, width)
         run(tokens, lengths, jax.random.key(seed))  # compile
         generated, seconds = 0, 0.0
@@ -193,12 +195,12 @@ def main() -> None:
             r = json.loads(line)
             done.add((r["spec"], r["rule"], r["temperature"], r["top_p"], "tau" in r, r.get("calibration"),
                       r.get("seed", 0)))
-    cfg, params, prompts = load(args.checkpoint, args.prompts)
+    cfg, params, prompts, draft = load(args.checkpoint, args.prompts)
     calibration = None
     if args.calibration:
         from jaxspec.speculation.values import load_calibration
 
-        calibration = load_calibration(args.calibration, params, cfg)
+        calibration = load_calibration(args.calibration, draft.params, cfg)
     for spec, seed in ((s, int(x)) for s in args.specs.split(",") for x in args.seeds.split(",")):
         for rule in args.rules.split(","):
             for t in map(float, args.temperatures.split(",")):
@@ -206,10 +208,10 @@ def main() -> None:
                     if (spec, rule, t, top_p, not args.speed, args.calibration, seed) in done:
                         continue
                     if args.speed:
-                        r = measure_speed(params, cfg, prompts, spec, rule, t, top_p, args.new_tokens, seed)
+                        r = measure_speed(params, cfg, prompts, spec, rule, t, top_p, args.new_tokens, seed, draft)
                     else:
                         r = measure_tau(params, cfg, prompts, spec, rule, t, top_p, args.new_tokens, args.batch, seed,
-                                        calibration)
+                                        calibration, draft)
                     r["calibration"] = args.calibration
                     print(json.dumps({k: v for k, v in r.items() if k not in ("rank_histogram", "per_sequence")}),
                           flush=True)

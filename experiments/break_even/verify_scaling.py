@@ -27,7 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxspec as js
-from jaxspec.cli.common import as_float32
 from jaxspec.harness import stages as st
 from jaxspec.layers import moe
 from jaxspec.model.network import causal_context, forward
@@ -99,8 +98,7 @@ def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     sizes = [int(t) for t in args] or [1, 2, 4, 8, 16]
     variants = VARIANTS if "--experts" in sys.argv else {"shipped": SHIPPED}
-    cfg, params, _ = js.load_checkpoint("checkpoints/tiny-v4")
-    cfg, params = as_float32(cfg, params)
+    cfg, params, _ = js.load_checkpoint("checkpoints/tiny-v4", dtype="float32", cpu_experts=True)
     prompt = jax.random.randint(jax.random.key(0), (1, 32), 2, cfg.vocab_size).astype(jnp.int32)
     state, _, _ = st.prefill(params, cfg, prompt, jnp.full((1,), 32, jnp.int32), 128)
 

@@ -1,7 +1,7 @@
 """Experiment only (docs/sampling_values.md): residual values keyed by exp(-entropy) of the parent's
 processed draft q instead of its top-1 probability (both in (0, 1], the same PROB_EDGES bins), fitted
 on the samples experiments/rsd/values_fit.py left in /tmp; held-out tau of the trees under them. The
-engine is not changed: this process swaps `tree.sampled._child_log_values` before compiling.
+engine is not changed: this process swaps `speculation.sampled._child_log_values` before compiling.
 
     JAXSPEC_DATA=/work/shared/data python experiments/rsd/values_entropy_exp.py s7_k2_d8,s4_k2_d8 OUT.jsonl
 """
@@ -32,11 +32,11 @@ for t in (1.0, 0.6):
     s = dict(np.load(f"/tmp/exp21_samples_t{t}.npz"))
     maps.append(fit_map("residual", t, s["depth"], s["rank"], np.exp(-s["parent_entropy"]), s["label"]))
 sampled._child_log_values = entropy_values
-cfg, params, prompts = load("checkpoints/tiny-v4", 16)
-cal = with_residual(load_calibration("checkpoints/tiny-v4", params, cfg), maps)
+cfg, params, prompts, draft = load("checkpoints/tiny-v4", 16)
+cal = with_residual(load_calibration("checkpoints/tiny-v4", draft.params, cfg), maps)
 for spec in specs:
     for t in (1.0, 0.6):
-        r = measure_tau(params, cfg, prompts, spec, "residual", t, 1.0, 96, 64, 0, cal)
+        r = measure_tau(params, cfg, prompts, spec, "residual", t, 1.0, 96, 64, 0, cal, draft)
         r["calibration"] = "exp(-entropy) residual maps (values_entropy_exp.py)"
         print(json.dumps({k: v for k, v in r.items() if k not in ("rank_histogram", "per_sequence")}), flush=True)
         with open(out_path, "a") as f:

@@ -33,7 +33,8 @@ for t in (1.0, 0.6):
     if refit:
         s = dict(np.load(f"/tmp/exp21_samples_t{t}.npz"))
     else:
-        s = collect_residual(m.params, m.cfg, train, t, cycles=12, batch_size=48, num_steps=10, topk=4, replays=8)
+        s = collect_residual(m.params, m.cfg, train, t, cycles=12, batch_size=48, num_steps=10, topk=4, replays=8,
+                             draft=m.draft)
         np.savez(f"/tmp/exp21_samples_t{t}.npz", **s)
     mp = fit_residual(s, t)
     maps.append(mp)
