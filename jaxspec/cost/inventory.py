@@ -170,7 +170,6 @@ class LayerState:
     write_row_bytes: float  # bytes one committed token writes (ring rows; entries every `ratio`)
 
 
-@functools.lru_cache(maxsize=32)
 @struct.dataclass
 class _States:
     """The states a cycle reads, by unit: the target's layers and the MTP draft's ring."""
@@ -179,6 +178,7 @@ class _States:
     mtp: Any
 
 
+@functools.lru_cache(maxsize=64)
 def state_layers(cfg: ModelConfig, mesh: tuple[int, int, int], batch: int, context: int) -> dict[str, LayerState]:
     """Per device: {"layers.i" / "mtp": LayerState} from `abstract_state` and the state's rules."""
     sizes = dict(zip((DATA, TENSOR, "expert"), mesh, strict=True))
