@@ -11,6 +11,7 @@ import pytest
 
 import jaxspec as js
 from jaxspec.core.dspark import DSparkConfig
+from jaxspec.cost import fit as cost_fit
 from jaxspec.cost import latency, routing
 from jaxspec.cost.terms import Setup, main_pass, stage_table
 
@@ -164,3 +165,28 @@ def test_dspark_analytic_agrees_with_xla_cost_analysis(weights_dominate):
             assert ours["draft"].flops["markov"] > 0.5 * ours["draft"].total_flops
         assert xla["plan"].bytes < 5e4  # index arithmetic the table leaves out
         assert xla["draft"].passes == 1
+
+
+@pytest.fixture(scope="module")
+def sglang():
+    points = [p for p in cost_fit.load_points() if "8xb200" in p["name"] and p["preset"] == "v4-flash"]
+    return {r["name"]: r for r in cost_fit.residuals(points, latency.H200)}
+
+
+def test_sglang_dspark_check_points(sglang):
+    """SGLang's DSpark chain on 8 x B200 (docs/cost_model.md, "The SGLang check"): the model's cycle over its AR
+    step gives the published speedup over no speculation within 20% at the accept length assumed (2.74); the
+    TPOT is within 30% at the concurrency-1 serving point and not at the single-stream ones, where the model's
+    AR step itself is 1.7-2x the no-speculation TPOT of the same session (the H200-fitted latency terms)."""
+    chain = {k: v for k, v in sglang.items() if "dspark" in k}
+    assert len(chain) == 3
+    for r in chain.values():
+        assert abs(r["speedup_residual"]) <= 0.20, r
+        assert 2.2 <= r["implied_accept_length"] <= 2.8, r
+    assert abs(chain["v4-flash-dspark-sglang-8xb200-random-c1"]["residual"]) <= 0.30
+    assert abs(chain["v4-flash-dspark-sglang-8xb200-1024"]["speedup_residual"]) <= 0.05
+    for tag in ("1024", "512"):
+        tpot, ar = sglang[f"v4-flash-dspark-sglang-8xb200-{tag}"], sglang[f"v4-flash-sglang-8xb200-ar-{tag}"]
+        assert tpot["residual"] > 0.30 and ar["residual"] > 0.60
+        # the gap is the AR step's: TPOT residual = AR residual x the speedup check
+        assert 1 + tpot["residual"] == pytest.approx((1 + ar["residual"]) / (1 + tpot["speedup_residual"]), rel=1e-3)
