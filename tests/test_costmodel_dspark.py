@@ -5,6 +5,7 @@ real DSpark stage programs on abstract shapes, and the SGLang check points."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -190,3 +191,31 @@ def test_sglang_dspark_check_points(sglang):
         assert tpot["residual"] > 0.30 and ar["residual"] > 0.60
         # the gap is the AR step's: TPOT residual = AR residual x the speedup check
         assert 1 + tpot["residual"] == pytest.approx((1 + ar["residual"]) / (1 + tpot["speedup_residual"]), rel=1e-3)
+
+
+def test_cli_costs_a_dspark_draft(tmp_path, capsys):
+    from jaxspec.cli import main
+    from jaxspec.cost import default_dspark
+
+    out = tmp_path / "cost.json"
+    assert main(["cost", "--preset", "test", "--draft", "dspark", "--specs", "s4_k1_d5,s4_k2_d8", "--batch-sizes", "1",
+                 "--context", "64", "--tau", "2.5", "--json", str(out)]) == 0
+    assert "a model, not a measurement" in " ".join(capsys.readouterr().out.split())
+    cfg = js.ModelConfig.preset("test")
+    dcfg = default_dspark(cfg)
+    assert (dcfg.block_size, dcfg.target_layers, dcfg.num_stages) == (5, (1, 2, 3), 3)
+    assert default_dspark(js.ModelConfig.preset("v4-flash")) == V4_FLASH_DSPARK
+    rows = {r["spec"]: r["stages"] for r in json.loads(out.read_text())["rows"]}
+    for name in ("s4_k1_d5", "s4_k2_d8"):
+        want = stage_table(Setup(cfg, (1, 1, 1), 1, 64, layout="even"), js.SpecConfig.parse(name), dcfg)
+        assert rows[name]["draft"]["flops_terms"]["markov"] == pytest.approx(want["draft"].flops["markov"])
+        assert rows[name]["verify"]["bytes_terms"]["capture"] == pytest.approx(want["verify"].bytes["capture"])
+    # the XLA path lowers the DSpark cycle too
+    xla = tmp_path / "xla.json"
+    assert main(["cost", "--model", "xla", "--preset", "test", "--draft", "dspark", "--specs", "s3_k2_d5",
+                 "--batch-sizes", "1", "--context", "64", "--json", str(xla)]) == 0
+    stages = {r["spec"]: r["stages"] for r in json.loads(xla.read_text())["rows"]}["s3_k2_d5"]
+    assert stages["draft"]["passes"] == 1 and stages["verify"]["flops"] > 0
+    with pytest.raises(SystemExit) as excinfo:
+        main(["cost", "--preset", "test", "--draft", "dspark", "--specs", "s6_k1_d7"])
+    assert "deeper than the DSpark block of 5 positions" in excinfo.value.code and "\n" not in excinfo.value.code

@@ -258,6 +258,17 @@ def stage_table(s: Setup, spec: SpecConfig | None, draft: DSparkConfig | None = 
     return {"draft": draft, "plan": plan, "verify": main_pass(s, spec.num_draft_tokens, commit=0), "commit": commit}
 
 
+def default_dspark(cfg: ModelConfig) -> DSparkConfig:
+    """The DSpark drafter DeepSeek ships for a V4 target (reference/dspark_v4.md §1.3), sized to `cfg`: block
+    5, 3 stages, the target's last three layers captured (V4-Flash 40-42, V4-Pro 58-60), Markov rank 256
+    (512 at V4-Pro's width; at most the hidden size on toy configs), noise token 128799 (the last id on
+    vocabularies smaller than V4's)."""
+    rank = 512 if cfg.hidden_size >= 7168 else min(256, cfg.hidden_size)
+    layers = tuple(range(max(cfg.num_layers - 3, 0), cfg.num_layers))
+    noise = 128799 if cfg.vocab_size > 128799 else cfg.vocab_size - 1
+    return DSparkConfig(block_size=5, noise_token_id=noise, target_layers=layers, markov_rank=rank, num_stages=3)
+
+
 def check_dspark(cfg: ModelConfig, spec: SpecConfig, draft: DSparkConfig) -> None:
     """ValueError (one line) unless `draft` fits `cfg` and `spec` drafts within its block."""
     if not isinstance(draft, DSparkConfig):
