@@ -219,3 +219,27 @@ def test_cli_costs_a_dspark_draft(tmp_path, capsys):
     with pytest.raises(SystemExit) as excinfo:
         main(["cost", "--preset", "test", "--draft", "dspark", "--specs", "s6_k1_d7"])
     assert "deeper than the DSpark block of 5 positions" in excinfo.value.code and "\n" not in excinfo.value.code
+
+
+def test_projected_tau_of_chains_and_beam_trees_by_hand():
+    from jaxspec.cost.acceptance import beam_tau, rates_from_chain
+
+    published = (0.579, 0.447, 0.316, 0.237, 0.158)  # V4-Flash-0731, greedy, 5 drafts: accept length 2.74
+    rates = rates_from_chain(published, 0.25)
+    assert [r[0] for r in rates] == pytest.approx([0.579, 0.447 / 0.579, 0.316 / 0.447, 0.237 / 0.316, 0.158 / 0.237])
+    assert rates[0][1] == pytest.approx(0.421 * 0.25)
+    tau, kept = beam_tau(rates, js.SpecConfig.parse("s5_k1_d6"))
+    assert tau == pytest.approx(1 + sum(published)) and kept == [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0), (0,) * 5]
+    # by hand: c = 0.6, 0.5 and siblings at half the rest: depth 1 holds 0.6 / 0.2, depth 2 0.3 / 0.15 / 0.1 / 0.05;
+    # a budget of 4 keeps 0.6, 0.3 and 0.2
+    tau, kept = beam_tau(rates_from_chain((0.6, 0.3), 0.5), js.SpecConfig.parse("s2_k2_d4"))
+    assert tau == pytest.approx(2.1) and kept == [(0,), (0, 0), (1,)]
+    # the beam expands only the K best of a step: at depth 3 the children of (0, 0) and (0, 1) (0.30, 0.24), not
+    # of (1, 0) (0.15); a budget of 11 keeps the whole pool of 2 + 4 + 4
+    tau, kept = beam_tau([[0.6, 0.3], [0.5, 0.4], [0.9, 0.1]], js.SpecConfig.parse("s3_k2_d11"))
+    assert {p[:2] for p in kept if len(p) == 3} == {(0, 0), (0, 1)} and len(kept) == 10
+    assert tau == pytest.approx(1 + 0.6 + 0.3 + 0.30 + 0.24 + 0.15 + 0.12 + 0.27 + 0.03 + 0.216 + 0.024)
+    with pytest.raises(ValueError, match="non-increasing"):
+        rates_from_chain((0.5, 0.6), 0.2)
+    with pytest.raises(ValueError, match="needs rates for 6 depths"):
+        beam_tau(rates, js.SpecConfig.parse("s6_k1_d7"))
