@@ -33,6 +33,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--preset", default="v4-flash", help="model preset (default v4-flash)")
     p.add_argument("--model", choices=("analytic", "xla"), default="analytic",
                    help="analytic terms (default) or XLA's cost analysis of the lowered CPU program (the cross-check)")
+    p.add_argument("--draft", choices=("mtp", "dspark"), default="mtp",
+                   help="the draft a cycle runs: the model's MTP block (default) or DeepSeek's DSpark drafter as "
+                   "shipped for the preset (block 5, 3 stages, the last three target layers captured, Markov rank "
+                   "256; jaxspec.cost.default_dspark)")
     p.add_argument("--specs", type=csv(str), default=None,
                    help="comma-separated sS_kK_dD (default: every spec the tau source measured, else "
                    "s4_k1_d5,s4_k2_d8)")
@@ -142,6 +146,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
     specs = [SpecConfig.parse(s) for s in names]
     for spec in specs:
         spec.validate_for(cfg)
+    if args.draft == "dspark":
+        from jaxspec.cost.terms import check_dspark, default_dspark
+
+        for spec in specs:
+            check_dspark(cfg, spec, default_dspark(cfg))
     if args.model == "analytic":
         from jaxspec.cli.cost_analytic import run_analytic
 
@@ -205,6 +214,7 @@ def _xla_mesh(args: argparse.Namespace, cfg: Any) -> tuple[Any, tuple[int, int, 
 def _run_xla(args: argparse.Namespace, console: Console, cfg: Any, specs: list, taus: dict) -> int:
     """`--model xla`: XLA's cost analysis of each stage's lowered CPU program and its roofline."""
     from jaxspec.cost import xla as cost
+    from jaxspec.cost.terms import default_dspark
 
     acc = cost.accelerator(args.accelerator)
     overhead_us = cost.DEFAULT_OVERHEAD_US if args.overhead_us is None else args.overhead_us
@@ -219,7 +229,7 @@ def _run_xla(args: argparse.Namespace, console: Console, cfg: Any, specs: list, 
     with console.status("lowering") as status:
         rows = cost.project(cfg, specs, args.batch_sizes, args.context, acc, overhead_us * 1e-6, mesh,
                             progress=lambda what: status.update(f"lowering {what}"), weights=args.weights,
-                            experts=args.experts)
+                            experts=args.experts, draft=default_dspark(cfg) if args.draft == "dspark" else None)
     table = Table(title="per device, one call" if mesh is not None else "one call")
     for name in ("batch", "spec", "stage", "GFLOP", "GB accessed", "collective MB", "projected ms", "bound"):
         table.add_column(name, justify="left" if name in ("spec", "stage", "bound") else "right")

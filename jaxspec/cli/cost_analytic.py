@@ -91,6 +91,7 @@ def run_analytic(args: argparse.Namespace, console: Console, specs: list, taus: 
     from jaxspec.cost import latency, project, terms
 
     cfg = ModelConfig.preset(args.preset)
+    draft = terms.default_dspark(cfg) if getattr(args, "draft", "mtp") == "dspark" else None
     hw = latency.hardware(args.accelerator)
     lat = _latency(args, cfg.replace(kernels="pallas"))  # the GPU program runs the kernels
     mesh = _mesh(args, cfg)
@@ -110,7 +111,7 @@ def run_analytic(args: argparse.Namespace, console: Console, specs: list, taus: 
     out_rows, best_rows = [], []
     for b in args.batch_sizes:
         s = terms.Setup(cfg, mesh, b, args.context, args.weights, args.experts, args.overlap, args.layout)
-        rows = [project.row(s, spec, hw, lat) for spec in [None, *specs]]
+        rows = [project.row(s, spec, hw, lat, draft) for spec in [None, *specs]]
         for r in rows:
             for stage, c in r.stages.items():
                 n = sum(k for k, _ in c.collectives.values())

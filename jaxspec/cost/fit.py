@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from jaxspec.core.config import ModelConfig
+from jaxspec.core.dspark import DSparkConfig
 from jaxspec.core.spec import SpecConfig
 from jaxspec.cost import latency
 from jaxspec.cost.terms import Costs, Setup, stage_table
@@ -86,9 +87,20 @@ def _setup(p: dict[str, Any], batch: int | None = None) -> Setup:
                  p["experts"], layout="even", mtp_weights=p.get("mtp_weights"), moe_groups=p.get("moe_groups"))
 
 
+def point_draft(p: dict[str, Any]) -> DSparkConfig | None:
+    """A point's DSpark drafter ("draft": {DSparkConfig fields}), or None for the model's MTP block."""
+    d = p.get("draft")
+    if d is None:
+        return None
+    try:
+        return DSparkConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+    except (TypeError, AttributeError) as e:
+        raise ValueError(f"calibration point {p.get('name', '?')}: draft must hold DSparkConfig fields ({e})") from None
+
+
 def cycle_costs(p: dict[str, Any], spec: SpecConfig | None) -> Costs:
     """One AR step (spec None) or one cycle (draft + plan + verify + commit) of a point's setup."""
-    table = stage_table(_setup(p), spec)
+    table = stage_table(_setup(p), spec, point_draft(p) if spec is not None else None)
     total = None
     for c in table.values():
         total = c if total is None else total + c
@@ -138,9 +150,15 @@ def residuals(points: list[dict[str, Any]], lat: latency.Latency) -> list[dict[s
                        what="ms of step per draft token (slope)", model_ms=model, published_ms=p["step_ms"])
         else:
             spec = SpecConfig.parse(p["spec"]) if p.get("spec") else None
-            ms = 1e3 * latency.seconds(cycle_costs(p, spec), latency.hardware(p["accelerator"]), lat)
+            hw = latency.hardware(p["accelerator"])
+            ms = 1e3 * latency.seconds(cycle_costs(p, spec), hw, lat)
             target = p["ms_per_token"] * p.get("accept_length", 1.0)
             row.update(published=target, model=ms, residual=ms / target - 1.0,
                        what="ms per cycle (ms per token x accept length)" if spec else "ms per AR step")
+            if spec is not None and "speedup" in p:  # the ratio to the same session's AR step
+                ar = 1e3 * latency.seconds(cycle_costs(p, None), hw, lat)
+                model = p["accept_length"] * ar / ms
+                row.update(speedup=p["speedup"], model_speedup=model, speedup_residual=model / p["speedup"] - 1.0,
+                           model_ar_ms=ar, implied_accept_length=p["speedup"] * ms / ar)
         out.append(row)
     return out

@@ -19,6 +19,8 @@ from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from jaxspec.core.config import ModelConfig
+from jaxspec.core.dspark import DSparkConfig
+from jaxspec.model.dspark import abstract_dspark_params
 from jaxspec.model.network import abstract_params
 from jaxspec.model.placement import _path_str, param_specs, state_specs
 from jaxspec.model.state import abstract_state, layer_state
@@ -76,57 +78,115 @@ def _leaves(cfg: ModelConfig, sizes: dict[str, int], weights: str, experts: str)
     return [(_path_str(path), x, spec) for (path, x), spec in zip(flat, specs, strict=True)]
 
 
+def _accumulate(cfg: ModelConfig, sizes: dict[str, int], stored: list, plain: list,
+                unit_of: Any, elem_scale: Any = None) -> dict[str, dict[str, Any]]:
+    """Per unit the byte / element tallies of (path, leaf, spec) lists (`stored`: at stored precision,
+    `plain`: the plain tree, for matmul elements); `unit_of(path)` names the units a leaf counts toward
+    (a leaf may count toward more than one: the commit's kv projections are also a stage's)."""
+    acc: dict[str, dict[str, Any]] = {}
+
+    def slot(name: str) -> dict[str, Any]:
+        return acc.setdefault(name, {"dense_bytes": 0.0, "dense_elems": 0.0, "expert_bytes": 0.0,
+                                     "expert_elems": 0.0, "expert_groups": 1, "hash_routed": False,
+                                     "row_bytes": 0.0, "heads": 0})
+
+    for path, x, spec in stored:
+        shard, ways = _shard(x.shape, spec, sizes)
+        nbytes = math.prod(shard) * np.dtype(x.dtype).itemsize
+        name = path.rsplit(".", 1)[-1]
+        if name in ("data", "scale"):
+            name = path.rsplit(".", 2)[-2]
+        for unit in unit_of(path):
+            u = slot(unit)
+            if name in GATHERED:
+                u["row_bytes"] += math.prod(x.shape[1:]) * np.dtype(x.dtype).itemsize / ways[0]  # mean device
+                if name == "tid2eid":
+                    u["hash_routed"] = True
+            elif ".ffn.experts." in path:
+                per_device = shard[0]
+                u["expert_bytes"] += nbytes / per_device
+                u["expert_groups"] = ways[0]
+            else:
+                u["dense_bytes"] += nbytes
+    for path, x, spec in plain:
+        if len(x.shape) < 2 or path.rsplit(".", 1)[-1] in GATHERED:
+            continue
+        shard, _ = _shard(x.shape, spec, sizes)
+        for unit in unit_of(path):
+            u = slot(unit)
+            if ".ffn.experts." in path:
+                u["expert_elems"] += math.prod(shard[1:])
+            else:
+                u["dense_elems"] += math.prod(shard) * (elem_scale(path) if elem_scale else 1)
+            if path.endswith("attn.wq_b") and ".indexer." not in path:
+                u["heads"] = cfg.num_heads * shard[1] // x.shape[1]
+    return acc
+
+
 @functools.lru_cache(maxsize=32)
 def weight_units(cfg: ModelConfig, mesh: tuple[int, int, int], weights: str = "plain",
                  experts: str = "fp4") -> dict[str, Unit]:
     """Per device: {"layers.i" / "mtp" / "mtp_head" / "head" / "vocab" / "embed": Unit}. Bytes from the stored
     tree (`weights` "fp8": as the release stores them), elements from the plain one."""
     sizes = dict(zip((DATA, TENSOR, "expert"), mesh, strict=True))
-    acc: dict[str, dict[str, Any]] = {}
 
-    def slot(path: str, name: str | None = None) -> dict[str, Any]:
-        name = name or _unit_name(path)
-        return acc.setdefault(name, {"dense_bytes": 0.0, "dense_elems": 0.0, "expert_bytes": 0.0,
-                                     "expert_elems": 0.0, "expert_groups": 1, "hash_routed": False,
-                                     "row_bytes": 0.0, "heads": 0})
+    def unit_of(path: str) -> tuple[str, ...]:
+        name = _unit_name(path)
+        return (name, "mtp_kv") if path.startswith(_MTP_KV) else (name,)
 
-    for path, x, spec in _leaves(cfg, sizes, weights, experts):
-        shard, ways = _shard(x.shape, spec, sizes)
-        nbytes = math.prod(shard) * np.dtype(x.dtype).itemsize
-        u = slot(path)
-        name = path.rsplit(".", 1)[-1]
-        if name in ("data", "scale"):
-            name = path.rsplit(".", 2)[-2]
-        if name in GATHERED:
-            u["row_bytes"] += math.prod(x.shape[1:]) * np.dtype(x.dtype).itemsize / ways[0]  # mean device
-            if name == "tid2eid":
-                u["hash_routed"] = True
-        elif ".ffn.experts." in path:
-            per_device = shard[0]
-            u["expert_bytes"] += nbytes / per_device
-            u["expert_groups"] = ways[0]
-        else:
-            u["dense_bytes"] += nbytes
-            if path.startswith(_MTP_KV):
-                slot(path, "mtp_kv")["dense_bytes"] += nbytes
-    for path, x, spec in _leaves(cfg, sizes, "plain", experts):
-        if len(x.shape) < 2 or path.rsplit(".", 1)[-1] in GATHERED:
-            continue
-        shard, _ = _shard(x.shape, spec, sizes)
-        u = slot(path)
-        if ".ffn.experts." in path:
-            u["expert_elems"] += math.prod(shard[1:])
-        else:
-            # h_proj maps each of the hc residual streams (docs/cost_model.md): hc x the tokens
-            elems = math.prod(shard) * (cfg.hc_mult if path == "mtp.inputs.h_proj" else 1)
-            u["dense_elems"] += elems
-            if path.startswith(_MTP_KV):
-                slot(path, "mtp_kv")["dense_elems"] += elems
-        if path.endswith("attn.wq_b") and ".indexer." not in path:
-            u["heads"] = cfg.num_heads * shard[1] // x.shape[1]
+    # h_proj maps each of the hc residual streams (docs/cost_model.md): hc x the tokens
+    acc = _accumulate(cfg, sizes, _leaves(cfg, sizes, weights, experts), _leaves(cfg, sizes, "plain", experts),
+                      unit_of, lambda path: cfg.hc_mult if path == "mtp.inputs.h_proj" else 1)
     kinds = {f"layers.{i}": k for i, k in enumerate(cfg.layer_types)}
     kinds.update(mtp="mtp", mtp_kv="mtp", mtp_head="head", head="head", vocab="head", embed="embed")
     return {name: Unit(kind=kinds[name], **v) for name, v in acc.items()}
+
+
+# DSpark units: "dspark.stage.i" (a full V4 block, sliding-window attention), "dspark.kv.i" (its wkv and
+# kv_norm: what the commit runs over the committed rows), "dspark.context" (main_proj, main_norm: once
+# per committed row), "dspark.head" (its hc_head and norm before the target's head), "dspark.markov"
+# (W2 read whole per step, W1 rows gathered) and "dspark.confidence".
+_DSPARK_KV = (".attn.wkv", ".attn.kv_norm")
+# Read by every device in the `even` layout: the engines replicate the Markov head across tensor ranks,
+# so its per-step logits need no all-gather (reference/dspark_v4.md §3); the confidence head is 17 KB.
+DSPARK_REPLICATED = ("dspark.markov", "dspark.confidence")
+
+
+def _dspark_unit_of(path: str) -> tuple[str, ...]:
+    parts = path.split(".")
+    if parts[0] == "stages":
+        stage = f"dspark.stage.{parts[1]}"
+        return (stage, f"dspark.kv.{parts[1]}") if any(k in path for k in _DSPARK_KV) else (stage,)
+    if parts[0] in ("main_proj", "main_norm"):
+        return ("dspark.context",)
+    if parts[0] in ("hc_head", "norm"):
+        return ("dspark.head",)
+    if parts[0].startswith("markov"):
+        return ("dspark.markov",)
+    return ("dspark.confidence",)
+
+
+def _dspark_leaves(cfg: ModelConfig, dcfg: DSparkConfig, sizes: dict[str, int], weights: str, experts: str):
+    params = abstract_dspark_params(cfg, dcfg, weights, experts)
+    specs = jax.tree.leaves(param_specs(cfg, sizes, None, params), is_leaf=lambda s: isinstance(s, P))
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return [(_path_str(path), x, spec) for (path, x), spec in zip(flat, specs, strict=True)]
+
+
+@functools.lru_cache(maxsize=32)
+def dspark_weight_units(cfg: ModelConfig, dcfg: DSparkConfig, mesh: tuple[int, int, int], weights: str = "plain",
+                        experts: str = "fp4") -> dict[str, Unit]:
+    """Per device, a DSpark drafter's units (above) as jaxspec's sharding rules place them; the
+    Markov head's W1 counts as gathered rows (one [r] row per drafted slot), like the embedding."""
+    dcfg.validate_for(cfg)
+    sizes = dict(zip((DATA, TENSOR, "expert"), mesh, strict=True))
+    stored = [(p.replace("markov_w1", "markov.embed"), x, s) for p, x, s in
+              _dspark_leaves(cfg, dcfg, sizes, weights, experts)]
+    plain = [(p.replace("markov_w1", "markov.embed"), x, s) for p, x, s in
+             _dspark_leaves(cfg, dcfg, sizes, "plain", experts)]
+    acc = _accumulate(cfg, sizes, stored, plain, _dspark_unit_of)
+    return {name: Unit(kind="sliding" if name.startswith("dspark.stage.") else "head" if name == "dspark.head"
+                       else "dspark", **v) for name, v in acc.items()}
 
 
 LAYOUTS = ("rules", "even")
@@ -134,29 +194,35 @@ LAYOUTS = ("rules", "even")
 
 @functools.lru_cache(maxsize=64)
 def layout_units(cfg: ModelConfig, mesh: tuple[int, int, int], weights: str, experts: str,
-                 layout: str, moe_groups: int | None = None) -> dict[str, Unit]:
+                 layout: str, moe_groups: int | None = None, draft: DSparkConfig | None = None) -> dict[str, Unit]:
     """`weight_units` under the sharding rules ("rules": jaxspec's layout, some leaves replicated)
     or "even": every non-routed weight split evenly over "tensor" (replicated over "data" and
     "expert", as tensor-parallel attention is) and the routed experts over tensor x expert: the
     issue's hand count, and how the serving stacks behind the published points place V4.
     `moe_groups` (even only): the experts split into that many expert-parallel groups, each expert
-    tensor-split over the group's devices (TensorRT-LLM's TP4 x EP2 on 8 GPUs: moe_groups 2)."""
+    tensor-split over the group's devices (TensorRT-LLM's TP4 x EP2 on 8 GPUs: moe_groups 2).
+    `draft`: a DSpark drafter's units join the target's ("dspark.*"; `even` keeps the Markov and
+    confidence heads whole on every device, `DSPARK_REPLICATED`)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if layout == "rules":
         if moe_groups is not None:
             raise ValueError("moe_groups needs layout 'even'")
-        return weight_units(cfg, mesh, weights, experts)
+        units = weight_units(cfg, mesh, weights, experts)
+        return units if draft is None else {**units, **dspark_weight_units(cfg, draft, mesh, weights, experts)}
     t, ways = mesh[1], mesh[1] * mesh[2]
     groups = ways if moe_groups is None else moe_groups
     if groups < 1 or ways % groups or cfg.n_routed_experts % groups:
         raise ValueError(f"moe_groups must divide the {ways} devices and {cfg.n_routed_experts} experts, got {groups}")
     split = ways // groups  # devices one expert is split over
     whole = weight_units(cfg, (1, 1, 1), weights, experts)
-    return {name: dataclasses.replace(u, dense_bytes=u.dense_bytes / t, dense_elems=u.dense_elems / t,
-                                      expert_bytes=u.expert_bytes / split, expert_elems=u.expert_elems / split,
-                                      expert_groups=groups if u.expert_bytes else 1, row_bytes=u.row_bytes / t,
-                                      heads=u.heads // t)
+    if draft is not None:
+        whole = {**whole, **dspark_weight_units(cfg, draft, (1, 1, 1), weights, experts)}
+    return {name: u if name in DSPARK_REPLICATED else
+            dataclasses.replace(u, dense_bytes=u.dense_bytes / t, dense_elems=u.dense_elems / t,
+                                expert_bytes=u.expert_bytes / split, expert_elems=u.expert_elems / split,
+                                expert_groups=groups if u.expert_bytes else 1, row_bytes=u.row_bytes / t,
+                                heads=u.heads // t)
             for name, u in whole.items()}
 
 
@@ -170,32 +236,35 @@ class LayerState:
     write_row_bytes: float  # bytes one committed token writes (ring rows; entries every `ratio`)
 
 
-@functools.lru_cache(maxsize=32)
 @struct.dataclass
 class _States:
-    """The states a cycle reads, by unit: the target's layers and the MTP draft's ring."""
+    """The states a cycle reads, by unit: the target's layers, the MTP draft's ring and one window ring
+    of a draft block (a DSpark stage's context ring: the same [B, W, c] rows, `model.dspark`)."""
 
     layers: tuple[Any, ...]
     mtp: Any
+    ring: Any
 
 
+@functools.lru_cache(maxsize=64)
 def state_layers(cfg: ModelConfig, mesh: tuple[int, int, int], batch: int, context: int) -> dict[str, LayerState]:
-    """Per device: {"layers.i" / "mtp": LayerState} from `abstract_state` and the state's rules."""
+    """Per device: {"layers.i" / "mtp" / "ring": LayerState} from `abstract_state` and the state's rules
+    ("ring": one draft block's window ring, what each DSpark stage keeps)."""
     sizes = dict(zip((DATA, TENSOR, "expert"), mesh, strict=True))
     target = abstract_state(cfg, batch, context)
     # the MTP draft keeps its own window ring beside the target's state
-    mtp = jax.eval_shape(lambda: layer_state(cfg, "sliding", batch, context)) if cfg.has_mtp else None
-    state = _States(layers=target.layers, mtp=mtp)
+    ring = jax.eval_shape(lambda: layer_state(cfg, "sliding", batch, context))
+    state = _States(layers=target.layers, mtp=ring if cfg.has_mtp else None, ring=ring)
     specs = jax.tree.leaves(state_specs(cfg, state, sizes), is_leaf=lambda s: isinstance(s, P))
     flat = jax.tree_util.tree_flatten_with_path(state)[0]
     acc: dict[str, dict[str, float]] = {}
     for (path, x), spec in zip(flat, specs, strict=True):
         p = _path_str(path)
-        if not (p.startswith("layers.") or p.startswith("mtp.")):
+        if not p.startswith(("layers.", "mtp.", "ring.")):
             continue
-        unit = "mtp" if p.startswith("mtp.") else ".".join(p.split(".")[:2])
+        unit = p.split(".")[0] if p.startswith(("mtp.", "ring.")) else ".".join(p.split(".")[:2])
         field = p.rsplit(".", 1)[-1]
-        kind = "sliding" if unit == "mtp" else cfg.layer_types[int(unit.split(".")[1])]
+        kind = "sliding" if unit in ("mtp", "ring") else cfg.layer_types[int(unit.split(".")[1])]
         g = cfg.geometry(kind)
         ratio = g.ratio or 1  # a window row is written per token
         shard, _ = _shard(x.shape, spec, sizes)

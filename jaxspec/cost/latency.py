@@ -39,8 +39,13 @@ HARDWARE = {
 # e_proj) and its selection kernels ("draft_sample": log-softmax max and sum, vocab top-k, scratch kv
 # and position scatters; "draft_expand", every step but the last: top-k of the step's candidates,
 # gathers of the next inputs and streams), counted from speculation/draft.py and layers/mtp.py.
+# A DSpark cycle (speculation/dspark.py, model/dspark.py): the block's embedding gather and hc expand
+# ("dspark_in"); per Markov step, "markov": the W1 row gather, the rank-r product with the base-logit add,
+# log-softmax max and sum, the vocab top-k and the confidence head; in the verify one hc-mean per captured
+# layer ("capture"); in the commit main_proj and main_norm ("dspark_ctx") and per stage wkv, kv_norm +
+# RoPE and the ring write ("dspark_kv").
 DEFAULT_KERNELS = {"sliding": 22, "hca": 26, "csa": 34, "head": 4, "mtp_kv": 6, "mtp_in": 5, "draft_sample": 5,
-                   "draft_expand": 3}
+                   "draft_expand": 3, "dspark_in": 1, "markov": 6, "capture": 1, "dspark_ctx": 2, "dspark_kv": 3}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxspec.core.config import ModelConfig
+from jaxspec.core.dspark import DSparkConfig
 from jaxspec.core.spec import SpecConfig
 from jaxspec.cost import latency
 from jaxspec.cost.terms import Costs, Setup, stage_table
@@ -24,8 +25,10 @@ class Row:
     step_seconds: float  # AR: one step; spec: one cycle
 
 
-def row(s: Setup, spec: SpecConfig | None, hw: latency.Hardware, lat: latency.Latency) -> Row:
-    table = stage_table(s, spec)
+def row(s: Setup, spec: SpecConfig | None, hw: latency.Hardware, lat: latency.Latency,
+        draft: DSparkConfig | None = None) -> Row:
+    """One AR step (spec None) or one cycle of `spec` with the model's MTP draft, or a DSpark `draft`."""
+    table = stage_table(s, spec, draft)
     secs = {name: latency.seconds(c, hw, lat) for name, c in table.items()}
     return Row("ar" if spec is None else spec.name, s.batch, table, secs, sum(secs.values()))
 

@@ -2,9 +2,9 @@
 hand (docs/cost_model.md), per device.
 
 A pass runs `tokens` tokens per sequence through a list of units (main layers, the MTP block, the
-head). Bytes: every unit's whole weights once (at stored precision), the routed experts its
-tokens touch (expected distinct, `routing`), the gathered rows (embedding, hash table), the
-decode state it reads and the rows it commits. FLOPs: 2 x tokens x matmul elements, 2 x
+head; a DSpark drafter's stages, `dspark_table`). Bytes: every unit's whole weights once (at stored
+precision), the routed experts its tokens touch (expected distinct, `routing`), the gathered rows
+(embedding, hash table), the decode state it reads and the rows it commits. FLOPs: 2 x tokens x matmul elements, 2 x
 assignments x expert elements, attention over the window + compressed entries (+ the indexer).
 Collectives per layer from the mesh. The context is assumed full (the state holds `context`
 positions and every compressed entry exists), the worst case a decode step meets.
@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxspec.core.config import ModelConfig
+from jaxspec.core.dspark import DSparkConfig
 from jaxspec.core.spec import SpecConfig
 from jaxspec.cost import routing
 from jaxspec.cost.inventory import LayerState, Unit, layout_units, state_layers
@@ -81,8 +82,9 @@ class Setup:
     def act_bytes(self) -> int:
         return 2 if self.cfg.dtype == "bfloat16" else 4
 
-    def units(self) -> dict[str, Unit]:
-        units = layout_units(self.cfg, self.mesh, self.weights, self.experts, self.layout, self.moe_groups)
+    def units(self, draft: DSparkConfig | None = None) -> dict[str, Unit]:
+        """The target's units (and its MTP block's); with `draft` a DSpark drafter's too ("dspark.*")."""
+        units = layout_units(self.cfg, self.mesh, self.weights, self.experts, self.layout, self.moe_groups, draft)
         if self.mtp_weights is None:
             return units
         mtp = layout_units(self.cfg, self.mesh, self.mtp_weights, self.experts, self.layout, self.moe_groups)
@@ -130,11 +132,13 @@ def kv_pass(s: Setup, tokens: int, commit: int) -> Costs:
     return Costs(nbytes, sum(nbytes.values()), {"matmul": 2.0 * n * u.dense_elems}, {}, {"mtp_kv": 1}, 0)
 
 
-def layer_pass(s: Setup, name: str, tokens: int, prior: int = 0, commit: int = 0) -> Costs:
-    """One pass of `tokens` tokens per sequence through unit `name` ("layers.i" or "mtp"); `prior`
-    scratch keys a draft step also reads; `commit` tokens per sequence written to its state."""
-    cfg, u = s.cfg, s.units()[name]
-    st = s.state()[name]
+def layer_pass(s: Setup, name: str, tokens: int, prior: int = 0, commit: int = 0,
+               draft: DSparkConfig | None = None) -> Costs:
+    """One pass of `tokens` tokens per sequence through unit `name` ("layers.i", "mtp" or, with
+    `draft`, a DSpark stage "dspark.stage.i" over its context ring); `prior` scratch keys a draft step
+    also reads; `commit` tokens per sequence written to its state."""
+    cfg, u = s.cfg, s.units(draft)[name]
+    st = s.state()["ring" if name.startswith("dspark.") else name]
     kind = cfg.layer_types[int(name.split(".")[1])] if name.startswith("layers.") else "sliding"
     n = s.rows * tokens  # tokens on this device's data shard
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
@@ -172,12 +176,13 @@ def layer_pass(s: Setup, name: str, tokens: int, prior: int = 0, commit: int = 0
     return Costs(nbytes, busy, flops, coll, {kind: 1}, 0)
 
 
-def head_pass(s: Setup, tokens: int, mtp: bool = False) -> Costs:
-    """The hc head and final norm (the MTP block's own with `mtp`) and the shared vocab head over
-    `tokens` tokens per sequence."""
-    units = s.units()
+def head_pass(s: Setup, tokens: int, mtp: bool = False, draft: DSparkConfig | None = None) -> Costs:
+    """The hc head and final norm (the MTP block's own with `mtp`, the DSpark drafter's with `draft`)
+    and the shared vocab head over `tokens` tokens per sequence."""
+    units = s.units(draft)
     n = s.rows * tokens
-    parts = [units["mtp_head" if mtp else "head"], units["vocab"]]
+    own = "dspark.head" if draft is not None else "mtp_head" if mtp else "head"
+    parts = [units[own], units["vocab"]]
     nbytes = {"weights": sum(p.dense_bytes for p in parts)}
     coll = {}
     t = s.mesh[1]
@@ -192,13 +197,26 @@ def embed_rows(s: Setup, tokens: int) -> Costs:
     return Costs({"rows": b}, b, {}, {}, {}, 0)
 
 
-def main_pass(s: Setup, tokens: int, commit: int) -> Costs:
-    """The target model over `tokens` tokens per sequence (+ head), committing `commit` of them."""
+def main_pass(s: Setup, tokens: int, commit: int, capture: tuple[int, ...] = ()) -> Costs:
+    """The target model over `tokens` tokens per sequence (+ head), committing `commit` of them;
+    `capture`: the layers whose output streams are averaged over hc for a DSpark draft (`capture_term`)."""
     total = embed_rows(s, tokens)
     for i in range(s.cfg.num_layers):
         total = total + layer_pass(s, f"layers.{i}", tokens, commit=commit)
-    total = total + head_pass(s, tokens)
+    total = total + head_pass(s, tokens) + capture_term(s, tokens, capture)
     return dataclasses.replace(total, passes=1)
+
+
+def capture_term(s: Setup, tokens: int, layers: tuple[int, ...]) -> Costs:
+    """A DSpark draft's context rows taken during the verify: per captured layer the mean over the hc
+    streams of its output, [rows, tokens, hc, d] read, [rows, tokens, d] written (activations, which the
+    model otherwise leaves out: counted here because the capture is the draft's), hc x d adds per token;
+    one kernel per layer ("capture")."""
+    if not layers:
+        return EMPTY
+    n, d, hc = s.rows * tokens, s.cfg.hidden_size, s.cfg.hc_mult
+    b = len(layers) * n * (hc + 1) * d * s.act_bytes
+    return Costs({"capture": b}, b, {"capture": float(len(layers) * n * hc * d)}, {}, {"capture": len(layers)}, 0)
 
 
 def mtp_pass(s: Setup, tokens: int, prior: int, commit: int, head: bool) -> Costs:
@@ -211,11 +229,19 @@ def mtp_pass(s: Setup, tokens: int, prior: int, commit: int, head: bool) -> Cost
     return dataclasses.replace(total, passes=1)
 
 
-def stage_table(s: Setup, spec: SpecConfig | None) -> dict[str, Costs]:
-    """{"ar"} or {"draft", "plan", "verify", "commit"}: one call of each, per device."""
+def target_row_bytes(s: Setup) -> float:
+    """Bytes one committed token writes into the target's state, all layers (ring rows; entries every ratio)."""
+    return sum(layer.write_row_bytes for name, layer in s.state().items() if name.startswith("layers."))
+
+
+def stage_table(s: Setup, spec: SpecConfig | None, draft: DSparkConfig | None = None) -> dict[str, Costs]:
+    """{"ar"} or {"draft", "plan", "verify", "commit"}: one call of each, per device. The draft is the
+    model's MTP block, or with `draft` a DSpark drafter (`dspark_table`)."""
     check_setup(s.cfg, s.mesh, s.batch, s.context)
     if spec is None:
         return {"ar": main_pass(s, 1, commit=1)}
+    if draft is not None:
+        return dspark_table(s, spec, draft)
     slots = 1 + (spec.num_steps - 1) * spec.topk
     draft = EMPTY
     for step in range(1, spec.num_steps + 1):
@@ -228,9 +254,93 @@ def stage_table(s: Setup, spec: SpecConfig | None) -> dict[str, Costs]:
     plan = Costs({}, 0.0, {}, {}, {}, 0)  # index arithmetic on [B, D]: no weights, no state
     path = spec.num_steps + 1  # commit: the accepted path's rows (at most S + 1) and the MTP refresh
     commit = embed_rows(s, path) + dataclasses.replace(kv_pass(s, path, commit=path), passes=1)
-    writes = sum(layer.write_row_bytes for name, layer in s.state().items() if name != "mtp") * s.rows * path
+    writes = target_row_bytes(s) * s.rows * path
     commit = commit + Costs({"state_write": writes}, writes, {}, {}, {}, 0)
     return {"draft": draft, "plan": plan, "verify": main_pass(s, spec.num_draft_tokens, commit=0), "commit": commit}
+
+
+def default_dspark(cfg: ModelConfig) -> DSparkConfig:
+    """The DSpark drafter DeepSeek ships for a V4 target (reference/dspark_v4.md §1.3), sized to `cfg`: block
+    5, 3 stages, the target's last three layers captured (V4-Flash 40-42, V4-Pro 58-60), Markov rank 256
+    (512 at V4-Pro's width; at most the hidden size on toy configs), noise token 128799 (the last id on
+    vocabularies smaller than V4's)."""
+    rank = 512 if cfg.hidden_size >= 7168 else min(256, cfg.hidden_size)
+    layers = tuple(range(max(cfg.num_layers - 3, 0), cfg.num_layers))
+    noise = 128799 if cfg.vocab_size > 128799 else cfg.vocab_size - 1
+    return DSparkConfig(block_size=5, noise_token_id=noise, target_layers=layers, markov_rank=rank, num_stages=3)
+
+
+def check_dspark(cfg: ModelConfig, spec: SpecConfig, draft: DSparkConfig) -> None:
+    """ValueError (one line) unless `draft` fits `cfg` and `spec` drafts within its block."""
+    if not isinstance(draft, DSparkConfig):
+        raise ValueError(f"draft must be a DSparkConfig (or None for the MTP block), got {type(draft).__name__}")
+    draft.validate_for(cfg)
+    if spec.num_steps > draft.block_size:
+        raise ValueError(f"num_steps={spec.num_steps} drafts deeper than the DSpark block of {draft.block_size} "
+                         f"positions: allowed 1..{draft.block_size}")
+
+
+def markov_step(s: Setup, draft: DSparkConfig, slots: int, expand: bool) -> Costs:
+    """One step of the Markov loop over the `slots` nodes it expands (per sequence): each a W1 row
+    ([r], gathered) times W2 [r, V] added to the base logits of its position, plus the confidence head
+    ([hh ; W1 row] . w). W2 and w are read once per step (the steps are serial: a step's parents are the
+    previous step's picks). Kernels: "markov" (W1 gather, rank-r product with the base add, log-softmax
+    max and sum, vocab top-k, confidence) and, before every step but the last, "draft_expand" (top-k of the
+    step's candidates, gathers of the next parents). In `rules` the vocab-split W2 gives split logits:
+    one all-gather of them (fp32) per step; `even` keeps the head whole on every device (none)."""
+    units = s.units(draft)
+    markov, conf = units["dspark.markov"], units["dspark.confidence"]
+    n, v, r = s.rows * slots, s.cfg.vocab_size, draft.markov_rank
+    nbytes = {"weights": markov.dense_bytes + conf.dense_bytes, "rows": n * markov.row_bytes}
+    flops = {"markov": 2.0 * n * markov.dense_elems, "confidence": 2.0 * n * conf.dense_elems}
+    coll = {}
+    split = r * v / markov.dense_elems  # devices W2 is split over
+    if split > 1:
+        coll["all_gather"] = (1, (split - 1) / split * n * v * 4.0)
+    passes = {"markov": 1, **({"draft_expand": 1} if expand else {})}
+    return Costs(nbytes, sum(nbytes.values()), flops, coll, passes, 0)
+
+
+def dspark_table(s: Setup, spec: SpecConfig, draft: DSparkConfig) -> dict[str, Costs]:
+    """A DSpark cycle (reference/dspark_v4.md §2-§5, `speculation/dspark.py`), per device:
+
+    draft   one pass of the stages over the block [anchor, noise x (gamma-1)], gamma = block_size rows:
+            each stage a full V4 block (hyper-connections, attention over its ring's W rows + the gamma block
+            keys, MoE with the expected distinct experts of rows x gamma tokens), the block's embedding rows
+            ("dspark_in"), the drafter's hc_head and norm and the target's head over the gamma positions;
+            then the Markov loop (`markov_step`) over the beam's slots: 1 at step one, then K per step
+            (1 + (S-1)K in all; a chain S).
+    plan    index arithmetic (nothing).
+    verify  the target over D rows plus the capture of `draft.target_layers` (`capture_term`).
+    commit  the path's S + 1 rows written into every target layer's state; for them main_proj + main_norm
+            (once, "dspark_ctx"; its tensor-split input summed by one all-reduce) and each stage's wkv +
+            kv_norm + RoPE with its ring write ("dspark_kv")."""
+    check_dspark(s.cfg, spec, draft)
+    units, ring = s.units(draft), s.state()["ring"]
+    gamma = draft.block_size
+    draft_cost = embed_rows(s, gamma) + Costs({}, 0.0, {}, {}, {"dspark_in": 1}, 0)
+    for i in range(draft.num_stages):
+        draft_cost = draft_cost + layer_pass(s, f"dspark.stage.{i}", gamma, draft=draft)
+    draft_cost = draft_cost + head_pass(s, gamma, draft=draft)
+    for step in range(1, spec.num_steps + 1):
+        draft_cost = draft_cost + markov_step(s, draft, 1 if step == 1 else spec.topk, step < spec.num_steps)
+    draft_cost = dataclasses.replace(draft_cost, passes=1)
+    plan = Costs({}, 0.0, {}, {}, {}, 0)
+    verify = main_pass(s, spec.num_draft_tokens, commit=0, capture=draft.target_layers)
+    path = spec.num_steps + 1
+    n, d = s.rows * path, s.cfg.hidden_size
+    ctx = units["dspark.context"]
+    coll = {"all_reduce": (1, 2.0 * (s.mesh[1] - 1) / s.mesh[1] * n * d * s.act_bytes)} if s.mesh[1] > 1 else {}
+    commit = Costs({"weights": ctx.dense_bytes}, ctx.dense_bytes, {"matmul": 2.0 * n * ctx.dense_elems}, coll,
+                   {"dspark_ctx": 1}, 1)
+    for i in range(draft.num_stages):
+        kv = units[f"dspark.kv.{i}"]
+        nbytes = {"weights": kv.dense_bytes, "state_write": n * ring.write_row_bytes}
+        commit = commit + Costs(nbytes, sum(nbytes.values()), {"matmul": 2.0 * n * kv.dense_elems}, {},
+                                {"dspark_kv": 1}, 0)
+    writes = target_row_bytes(s) * n
+    commit = commit + Costs({"state_write": writes}, writes, {}, {}, {}, 0)
+    return {"draft": draft_cost, "plan": plan, "verify": verify, "commit": commit}
 
 
 def units_count(cfg: ModelConfig) -> int:

@@ -32,7 +32,9 @@ import numpy as np
 from jax.extend.core import DropVar, Var, jaxprs_in_params
 
 from jaxspec.core.config import ModelConfig
+from jaxspec.core.dspark import DSparkConfig
 from jaxspec.core.spec import SpecConfig
+from jaxspec.model.dspark import abstract_dspark_params
 from jaxspec.model.network import WEIGHTS, Models, abstract_params
 from jaxspec.model.runner import lower_program
 from jaxspec.model.sampling import Sampling
@@ -42,6 +44,7 @@ from jaxspec.sharding.active import is_dynamic
 from jaxspec.sharding.rules import DATA, check_mesh
 from jaxspec.speculation import stages
 from jaxspec.speculation.cycle import SpecState, SpecStats, Speculator
+from jaxspec.speculation.dspark import DSparkDrafter
 from jaxspec.speculation.mtp import MTPDrafter
 
 STAGES = ("ar", "draft", "plan", "verify", "commit")
@@ -95,16 +98,19 @@ def project_seconds(cost: StageCost, acc: Accelerator, overhead_s: float) -> flo
 # ---- lowering the stages on abstract shapes -----------------------------------------------------
 
 
-def _abstract_inputs(cfg: ModelConfig, spec: SpecConfig | None, batch: int, context: int) -> dict[str, Any]:
+def _abstract_inputs(cfg: ModelConfig, spec: SpecConfig | None, batch: int, context: int,
+                     draft: DSparkConfig | None = None) -> dict[str, Any]:
     """ShapeDtypeStructs of every stage's arguments (the tree and verify output by eval_shape), for a
-    greedy cycle of the model's MTP draft."""
+    greedy cycle of the model's MTP draft, or of a DSpark drafter (`draft`)."""
     sds = jax.ShapeDtypeStruct
     params = abstract_params(cfg)
     state = abstract_state(cfg, batch, context)
     out = {"params": params, "state": state, "last": sds((batch,), jnp.int32)}
     if spec is not None:
-        sp = Speculator(cfg, spec, MTPDrafter())
-        models = Models(target=params.replace(mtp=None), draft=params.mtp)
+        sp = Speculator(cfg, spec, MTPDrafter() if draft is None else DSparkDrafter(draft))
+        sp.drafter.check(cfg, spec)
+        own = params.mtp if draft is None else abstract_dspark_params(cfg, draft)
+        models = Models(target=params.replace(mtp=None), draft=own)
         draft_state = jax.eval_shape(lambda: sp.drafter.init_state(cfg, batch, context))
         full = SpecState(target=state, draft=draft_state, root=out["last"],
                          stats=jax.eval_shape(lambda: SpecStats.zeros(spec, batch)))
@@ -230,17 +236,19 @@ def _live_scopes(jaxpr: Any) -> set[str]:
 
 
 def _layered_cost(name: str, cfg: ModelConfig, spec: SpecConfig | None, batch: int, context: int,
-                  mesh: Any, weights: str = "plain", experts: str = "fp4") -> StageCost:
+                  mesh: Any, weights: str = "plain", experts: str = "fp4",
+                  draft: DSparkConfig | None = None) -> StageCost:
     """A stage's cost on the full config: lowered whole for shallow models, else the hash-routed
-    prefix plus one lowering per further layer kind, summed over the layers (costs are additive)."""
+    prefix plus one lowering per further layer kind, summed over the layers (costs are additive). A
+    DSpark draft reads captured layers deep in the target: its cycle is always lowered whole."""
 
     def lowered(c: ModelConfig) -> StageCost:
-        inputs = _abstract_inputs(c, spec, batch, context)
+        inputs = _abstract_inputs(c, spec, batch, context, draft)
         fn, args = _stage_call(name, c, spec, inputs)
         extra = stored_bytes_delta(name, c, spec, inputs, experts) if weights == "fp8" else 0
         return _lowered_cost(fn, args, mesh, batch, c, extra)
 
-    if cfg.num_layers <= FULL_LOWERING_MAX_LAYERS:
+    if cfg.num_layers <= FULL_LOWERING_MAX_LAYERS or (draft is not None and name != "ar"):
         return lowered(cfg)
     prefix = list(cfg.layer_types[: max(cfg.num_hash_layers, 1)])
     base = lowered(_truncated(cfg, prefix))
@@ -256,11 +264,14 @@ def _layered_cost(name: str, cfg: ModelConfig, spec: SpecConfig | None, batch: i
 
 
 def stage_costs(cfg: ModelConfig, spec: SpecConfig | None, batch: int, context: int, mesh: Any = None,
-                which: Sequence[str] = STAGES, weights: str = "plain", experts: str = "fp4") -> dict[str, StageCost]:
+                which: Sequence[str] = STAGES, weights: str = "plain", experts: str = "fp4",
+                draft: DSparkConfig | None = None) -> dict[str, StageCost]:
     """Per device cost of one call of each stage: "ar" (one greedy decode step), and with a spec
     "draft", "plan", "verify" (the target over D nodes) and "commit" (acceptance + path commit + MTP
     refresh). The decode state holds `context` positions per sequence. weights "fp8": the weights the
-    release stores quantized are read at their stored bytes (`experts`: "fp4" or "fp8" routed experts)."""
+    release stores quantized are read at their stored bytes (`experts`: "fp4" or "fp8" routed experts).
+    `draft`: a DSpark drafter's cycle (one block pass and the Markov loop; the verify captures its
+    layers; the commit writes its rings) instead of the MTP block's."""
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
     if weights not in WEIGHTS:
@@ -275,8 +286,9 @@ def stage_costs(cfg: ModelConfig, spec: SpecConfig | None, batch: int, context: 
     for name in which:
         if name != "ar" and spec is None:
             continue
-        cost = _layered_cost(name, cfg, spec, batch, context, mesh, weights, experts)
-        passes = {"ar": 1, "draft": spec.num_steps if spec else 0, "plan": 0, "verify": 1, "commit": 1}[name]
+        cost = _layered_cost(name, cfg, spec, batch, context, mesh, weights, experts, draft)
+        steps = (spec.num_steps if draft is None else 1) if spec else 0  # DSpark: one block pass
+        passes = {"ar": 1, "draft": steps, "plan": 0, "verify": 1, "commit": 1}[name]
         out[name] = dataclasses.replace(cost, passes=passes)
     return out
 
@@ -300,7 +312,7 @@ class Projection:
 def project(cfg: ModelConfig, specs: Sequence[SpecConfig], batch_sizes: Sequence[int], context: int,
             acc: Accelerator, overhead_s: float, mesh: Any = None,
             progress: Callable[[str], None] | None = None, weights: str = "plain",
-            experts: str = "fp4") -> list[Projection]:
+            experts: str = "fp4", draft: DSparkConfig | None = None) -> list[Projection]:
     """AR and each spec's cycle per batch size, costed and projected onto `acc`."""
     out = []
     for batch in batch_sizes:
@@ -308,7 +320,7 @@ def project(cfg: ModelConfig, specs: Sequence[SpecConfig], batch_sizes: Sequence
             if progress is not None:
                 progress(f"batch {batch} {spec.name if spec else 'ar'}")
             which = ("ar",) if spec is None else STAGES[1:]
-            costs = stage_costs(cfg, spec, batch, context, mesh, which, weights, experts)
+            costs = stage_costs(cfg, spec, batch, context, mesh, which, weights, experts, draft)
             seconds = {name: project_seconds(c, acc, overhead_s) for name, c in costs.items()}
             out.append(Projection("ar" if spec is None else spec.name, batch, costs, seconds, sum(seconds.values())))
     return out
