@@ -5,6 +5,8 @@ a few steps lower the loss and train the drafter only; a stopped run resumes whe
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,17 +114,27 @@ def test_steps_lower_the_loss_and_resume(small, tmp_path):
     evals = [h["heldout"] for h in hist if "heldout" in h]
     assert len(evals) == 3 and evals[-1]["loss"] < evals[0]["loss"]
     assert exported[-1][1]["final"] and exported[-1][1]["step"] == 6
-    assert jax.tree.structure(exported[-1][0]) == jax.tree.structure(ds.init_dspark_params(cfg, DCFG, jax.random.key(0)))
+    fresh = ds.init_dspark_params(cfg, DCFG, jax.random.key(0))
+    assert jax.tree.structure(exported[-1][0]) == jax.tree.structure(fresh)
     assert 0 <= evals[-1]["accept1"] <= 1 and evals[-1]["tau5"] >= 1
     # a longer schedule resumes from the saved step 6 and draws the same blocks a straight run would
-    tc9 = dataclasses_replace(tc, steps=9)
+    tc9 = dataclasses.replace(tc, steps=9)
     ts, hist2 = train.train_loop(target, cfg, DCFG, tc9, cache, cache, run_dir=str(tmp_path), eval_every=3,
                                  log=logs.append)
     assert any(line.startswith("resumed at step 6") for line in logs) and int(ts.step) == 9
     assert [h["step"] for h in hist2 if "train_loss" in h] == list(range(1, 10))
 
 
-def dataclasses_replace(tc, **kw):
-    import dataclasses
+def test_shipped_dspark_draft_loads_and_its_greedy_chain_is_generate():
+    import os
 
-    return dataclasses.replace(tc, **kw)
+    path = os.path.join(os.path.dirname(__file__), "..", "checkpoints", "tiny-v4")
+    ck = js.load_checkpoint(path, draft="dspark", dtype="float32")
+    assert ck.draft.drafter.config.block_size >= 7  # a chain reaches D = 8
+    from jaxspec.training.tokenizer import encode
+
+    prompt = [encode(ck.tokenizer, "Question: Tom has 3 apples and buys 5 more. How many apples?\nAnswer:")]
+    want = js.generate(ck.params, ck.cfg, prompt, max_new_tokens=16)
+    out = js.speculative_generate(ck.params, ck.cfg, prompt, "s7_k1_d8", max_new_tokens=16, draft=ck.draft)
+    assert out.tokens[0, : int(out.lengths[0])].tolist() == want.tokens[0, : int(want.lengths[0])].tolist()
+    assert out.stats["cycles"] < 16  # it drafts tokens the target accepts

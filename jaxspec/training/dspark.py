@@ -200,8 +200,7 @@ def build_cache(
         if progress is not None:
             progress(done, math.ceil(len(order) / batch))
         idx = order[start : start + batch]
-        width = max(len(seqs[i]) for i in idx)
-        width = -(-width // 16) * 16  # few distinct shapes: one program per 16 tokens of width
+        width = -(-max(len(s) for s in seqs) // 16) * 16  # one width for all: one program
         tokens = np.zeros((batch, width), np.int32)
         for j, i in enumerate(idx):
             tokens[j, : len(seqs[i])] = seqs[i]
@@ -281,7 +280,8 @@ def init_from_target(target: ModelParams, cfg: ModelConfig, dcfg: DSparkConfig, 
     params = dspark_model.init_dspark_params(cfg, dcfg, key)
     stages = []
     for s, stage in enumerate(params.stages):
-        src = target.layers[cfg.num_layers - dcfg.num_stages + s]
+        # stacked experts, as the drafter stores them (a CPU load may hand the target's unstacked)
+        src = model_lib.standard_layout(target.layers[cfg.num_layers - dcfg.num_stages + s])
         if src.ffn.tid2eid is not None:  # a hash-routed layer has no score gate bias: keep the fresh one
             stages.append(stage)
             continue
@@ -391,6 +391,7 @@ def train_loop(
             ts, meta = restored
             history, elapsed0 = list(meta.get("history", [])), float(meta.get("elapsed_s", 0.0))
             log(f"resumed at step {int(ts.step)} ({elapsed0 / 60:.1f} min trained)")
+    ts = jax.device_put(ts, jax.devices()[0])  # committed like a step's outputs: one compile, not two
     clock = StepClock(tc, elapsed0, time_budget_s, on_step)
 
     def checkpoint(final: bool) -> None:
