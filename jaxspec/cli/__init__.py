@@ -5,6 +5,7 @@
     jaxspec train [--preset tiny] [--steps 1000] [--out checkpoints/tiny-v4] [--resume]
     jaxspec distill-data --checkpoint PATH [--num-prompts 512] [--out runs/distill-data]
     jaxspec distill --checkpoint PATH --data runs/distill-data --out PATH [--depths 4] [--steps 1000] [--resume]
+    jaxspec train-dspark --checkpoint PATH --data runs/distill-data [--stages 1] [--block-size 8] [--steps 3000]
     jaxspec sweep --checkpoint PATH [--datasets gsm8k,mbpp,sharegpt] [--specs ...] [--batch-sizes 1,4,16,64]
     jaxspec tune  --checkpoint PATH [--candidates ...] [--batch-sizes 1,4,16,64] [--compare RUNS_JSONL]
     jaxspec calibrate --checkpoint PATH [--datasets gsm8k,mbpp,sharegpt] [--num-prompts 64] [--temperatures 0.6,1.0]
@@ -26,11 +27,11 @@ import sys
 
 from rich.console import Console
 
-from jaxspec.cli import calibrate, cost, demo, distill, generate, plan, sweep, train, tune
+from jaxspec.cli import calibrate, cost, demo, distill, generate, plan, sweep, train, train_dspark, tune
 from jaxspec.cli.common import add_compile_cache_arguments, enable_compile_cache
 
 PROG = "jaxspec"
-COMMANDS = (demo, generate, train, distill, sweep, tune, calibrate, plan, cost)
+COMMANDS = (demo, generate, train, distill, train_dspark, sweep, tune, calibrate, plan, cost)
 
 
 class _Formatter(argparse.HelpFormatter):

@@ -1,0 +1,140 @@
+"""DSpark training sees what inference sees: the batched training blocks (a window of the target's
+captured rows committed into a fresh state, the block pass, the teacher-forced Markov head) equal the
+drafter's own path (prefill with capture -> commit_context -> block_logits + markov) at every anchor;
+a few steps lower the loss and train the drafter only; a stopped run resumes where it stopped."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec as js
+from jaxspec.core.dspark import DSparkConfig
+from jaxspec.model import dspark as ds
+from jaxspec.model.network import extend
+from jaxspec.model.state import init_state
+from jaxspec.testing import randomize
+from jaxspec.training import dspark as train
+
+DCFG = DSparkConfig(block_size=4, noise_token_id=2, target_layers=(0, 1), markov_rank=8, num_stages=1)
+
+
+@pytest.fixture(scope="module")
+def small():
+    # The `test` preset cut to two layers (window 8); captured rows of both.
+    cfg = js.ModelConfig.preset("test", num_layers=2, layer_types=("sliding", "csa"))
+    key = jax.random.key(0)
+    target = jax.jit(lambda k: randomize(js.init_params(cfg, k), jax.random.fold_in(k, 1)))(key)
+    draft = jax.jit(lambda k: randomize(ds.init_dspark_params(cfg, DCFG, k), jax.random.fold_in(k, 2), 0.1))(
+        jax.random.fold_in(key, 3))
+    return cfg, target, draft
+
+
+def _cache(cfg, target, seqs, prompts):
+    return train.build_cache(target, cfg, DCFG, seqs, prompts, batch=2)
+
+
+def test_training_blocks_equal_the_inference_forward(small):
+    cfg, target, draft = small
+    rng = np.random.default_rng(0)
+    seq = rng.integers(3, cfg.vocab_size, 30).astype(np.int32)
+    cache = _cache(cfg, target, [seq], [1])
+    g = DCFG.block_size
+    anchors = np.array([1, 5, 8, 9, 17, 25])  # before the window is full, at it and past it
+    host = cache.blocks(cache.anchors[anchors - 1], cfg.sliding_window, g)
+    assert host["anchor_pos"].tolist() == anchors.tolist()
+    logits, conf = jax.jit(train.block_forward, static_argnums=(2, 3))(
+        draft, target, cfg, DCFG, jnp.asarray(host["window"]), jnp.asarray(host["anchor_pos"]),
+        jnp.asarray(host["tokens"][:, :g]))
+
+    @jax.jit
+    def inference(tokens, length, anchor, prevs):
+        state = init_state(cfg, 1, 32)
+        out, _ = extend(target, cfg, state, tokens, jnp.arange(32)[None] < length, capture=DCFG.target_layers)
+        dstate = ds.commit_context(draft, cfg, DCFG, ds.init_dspark_state(cfg, DCFG, 1), out.captured,
+                                   jnp.arange(32, dtype=jnp.int32)[None], jnp.arange(32)[None] < length)
+        base, hh = ds.block_logits(draft, target, cfg, DCFG, dstate, anchor)
+        e, bias = ds.markov(draft, prevs)
+        return base + bias, ds.confidence_logits(draft, hh, e)
+
+    for i, a in enumerate(anchors):
+        prompt = np.zeros((1, 32), np.int32)
+        prompt[0, :a] = seq[:a]  # x_0 .. x_{a-1} committed, x_a the anchor
+        want, want_conf = inference(jnp.asarray(prompt), jnp.int32(a), jnp.asarray(seq[None, a]),
+                                    jnp.asarray(seq[None, a : a + g]))
+        np.testing.assert_allclose(np.asarray(logits[i]), np.asarray(want[0]), rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(np.asarray(conf[i]), np.asarray(want_conf[0]), rtol=2e-5, atol=2e-5)
+    # the greedy chain of the drafter, where its drafts follow the sequence, is the teacher-forced argmax
+    chain = jax.jit(ds.draft_chain, static_argnums=(2, 3))
+    a = 17
+    state = init_state(cfg, 1, 32)
+    prompt = np.zeros((1, 32), np.int32)
+    prompt[0, :a] = seq[:a]
+    out, _ = extend(target, cfg, state, jnp.asarray(prompt), jnp.arange(32)[None] < a, capture=DCFG.target_layers)
+    dstate = ds.commit_context(draft, cfg, DCFG, ds.init_dspark_state(cfg, DCFG, 1), out.captured,
+                               jnp.arange(32, dtype=jnp.int32)[None], jnp.arange(32)[None] < a)
+    drafted = chain(draft, target, cfg, DCFG, dstate, jnp.asarray(seq[None, a]))
+    teacher_forced = np.argmax(np.asarray(logits[anchors.tolist().index(a)]), -1)
+    assert drafted.tokens[0, 0] == teacher_forced[0]
+
+
+def test_cache_rows_and_labels(small):
+    cfg, target, _ = small
+    seqs = [np.arange(3, 23, dtype=np.int32), np.arange(30, 42, dtype=np.int32)]
+    cache = _cache(cfg, target, seqs, [12, 4])
+    # anchors: response positions P..L-2 of each sequence
+    assert sorted(cache.positions[cache.anchors][cache.seq[cache.anchors] == 0].tolist()) == list(range(12, 19))
+    assert sorted(cache.positions[cache.anchors][cache.seq[cache.anchors] == 1].tolist()) == list(range(4, 11))
+    host = cache.blocks(cache.anchors, cfg.sliding_window, DCFG.block_size)
+    last = np.flatnonzero((host["anchor_pos"] == 18) & (host["tokens"][:, 0] == 21))[0]
+    assert host["valid"][last].tolist() == [True, False, False, False]  # supervision stops at the end
+    assert host["tokens"][last, :2].tolist() == [21, 22]
+    # the window holds positions a-W..a-1 (zeros before position 0)
+    first = np.flatnonzero(host["anchor_pos"] == 4)[0]
+    assert not host["window"][first, :4].any() and host["window"][first, 4:].any()
+    # the rows are the target's own
+    cap, _ = train.target_rows(target, cfg, DCFG.target_layers, jnp.asarray(seqs[0][None]))
+    np.testing.assert_allclose(host["window"][0][-1], np.asarray(cap[0, host["anchor_pos"][0] - 1]), rtol=1e-6)
+
+
+def test_steps_lower_the_loss_and_resume(small, tmp_path):
+    cfg, target, _ = small
+    rng = np.random.default_rng(1)
+    seqs = [rng.integers(3, cfg.vocab_size, 24).astype(np.int32) for _ in range(4)]
+    cache = _cache(cfg, target, seqs, [6] * 4)
+    tc = train.DSparkTrainConfig(steps=6, warmup_steps=0, lr=3e-3, blocks=16)
+    exported = []
+    logs = []
+    _, hist = train.train_loop(target, cfg, DCFG, tc, cache, cache, run_dir=str(tmp_path), eval_every=3,
+                               export=lambda p, r: exported.append((p, r)), log=logs.append, resume=False)
+    evals = [h["heldout"] for h in hist if "heldout" in h]
+    assert len(evals) == 3 and evals[-1]["loss"] < evals[0]["loss"]
+    assert exported[-1][1]["final"] and exported[-1][1]["step"] == 6
+    fresh = ds.init_dspark_params(cfg, DCFG, jax.random.key(0))
+    assert jax.tree.structure(exported[-1][0]) == jax.tree.structure(fresh)
+    assert 0 <= evals[-1]["accept1"] <= 1 and evals[-1]["tau5"] >= 1
+    # a longer schedule resumes from the saved step 6 and draws the same blocks a straight run would
+    tc9 = dataclasses.replace(tc, steps=9)
+    ts, hist2 = train.train_loop(target, cfg, DCFG, tc9, cache, cache, run_dir=str(tmp_path), eval_every=3,
+                                 log=logs.append)
+    assert any(line.startswith("resumed at step 6") for line in logs) and int(ts.step) == 9
+    assert [h["step"] for h in hist2 if "train_loss" in h] == list(range(1, 10))
+
+
+def test_shipped_dspark_draft_loads_and_its_greedy_chain_is_generate():
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "checkpoints", "tiny-v4")
+    ck = js.load_checkpoint(path, draft="dspark", dtype="float32")
+    assert ck.draft.drafter.config.block_size >= 7  # a chain reaches D = 8
+    from jaxspec.training.tokenizer import encode
+
+    prompt = [encode(ck.tokenizer, "Question: Tom has 3 apples and buys 5 more. How many apples?\nAnswer:")]
+    want = js.generate(ck.params, ck.cfg, prompt, max_new_tokens=16)
+    out = js.speculative_generate(ck.params, ck.cfg, prompt, "s7_k1_d8", max_new_tokens=16, draft=ck.draft)
+    assert out.tokens[0, : int(out.lengths[0])].tolist() == want.tokens[0, : int(want.lengths[0])].tolist()
+    assert out.stats["cycles"] < 16  # it drafts tokens the target accepts
