@@ -98,7 +98,8 @@ def test_cache_rows_and_labels(small):
     assert not host["window"][first, :4].any() and host["window"][first, 4:].any()
     # the rows are the target's own
     cap, _ = train.target_rows(target, cfg, DCFG.target_layers, jnp.asarray(seqs[0][None]))
-    np.testing.assert_allclose(host["window"][0][-1], np.asarray(cap[0, host["anchor_pos"][0] - 1]), rtol=1e-6)
+    np.testing.assert_allclose(host["window"][0][-1], np.asarray(cap[0, host["anchor_pos"][0] - 1]),
+                               rtol=1e-5, atol=1e-6)  # one row of two programs: float32 rounding
 
 
 def test_steps_lower_the_loss_and_resume(small, tmp_path):

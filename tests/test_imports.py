@@ -42,7 +42,7 @@ RANKS = [
     # What runs the model: loading and measuring below, the loops that drive them above.
     ("jaxspec.checkpoint", "jaxspec.harness.stages", "jaxspec.harness.report", "jaxspec.training.packing",
      "jaxspec.training.plots", "jaxspec.cost"),
-    ("jaxspec.cost.xla", "jaxspec.harness.eval", "jaxspec.training.train"),
+    ("jaxspec.cost.xla", "jaxspec.harness.eval", "jaxspec.training.train", "jaxspec.training.dspark"),
     ("jaxspec.harness.tune", "jaxspec.training.distill", "jaxspec.harness.calibrate",
      "jaxspec.harness.calibrate_residual"),
     ("jaxspec.cli",),

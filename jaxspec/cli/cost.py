@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 from typing import Any
 
@@ -14,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from jaxspec.cli.common import add_weights_args, csv, positive, weights_label
-from jaxspec.cli.tables import add_format_argument, compact, print_json
+from jaxspec.cli.tables import add_format_argument, compact, emit
 
 DEFAULT_SPECS = ("s4_k1_d5", "s4_k2_d8")
 
@@ -271,11 +270,3 @@ def _run_xla(args: argparse.Namespace, console: Console, cfg: Any, specs: list, 
                     for r in rows]})
     return 0
 
-
-def emit(args: argparse.Namespace, data: dict[str, Any]) -> None:
-    """Every number: to --json PATH when given, and to stdout with --format json."""
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(data, f, indent=1)
-    if args.format == "json":
-        print_json(data)

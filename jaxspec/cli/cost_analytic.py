@@ -130,7 +130,7 @@ def run_analytic(args: argparse.Namespace, console: Console, specs: list, taus: 
     console.print(compact(stages))
     console.print(compact(summary))
     console.print(f"[dim]{ASSUMPTIONS}[/]")
-    from jaxspec.cli.cost import emit
+    from jaxspec.cli.tables import emit
 
     emit(args, {"model": "analytic", "preset": args.preset, "weights": args.weights, "experts": args.experts,
                 "context": args.context, "mesh": list(mesh), "layout": args.layout, "overlap": args.overlap,

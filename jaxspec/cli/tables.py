@@ -35,3 +35,12 @@ def print_json(data: Any) -> None:
     json.dump(data, sys.stdout, indent=1, default=str)
     sys.stdout.write("\n")
     sys.stdout.flush()
+
+
+def emit(args: Any, data: dict[str, Any]) -> None:
+    """Every number of a command: to --json PATH when given, and to stdout with --format json."""
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=1)
+    if args.format == "json":
+        print_json(data)

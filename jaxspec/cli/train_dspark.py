@@ -47,22 +47,23 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--block-size", type=int, default=8, help="block length γ (default 8)")
     p.add_argument("--target-layers", type=csv(int), default=None,
                    help="captured target layers (default: the last three)")
-    p.add_argument("--markov-rank", type=int, default=64)
+    p.add_argument("--markov-rank", type=int, default=64, help="rank r of the Markov head's bigram W1 W2^T")
     p.add_argument("--noise-token", type=int, default=2, help="noise slot token id (default 2, <|pad|>)")
     p.add_argument("--init", choices=("target", "random"), default="target",
                    help="target: stages start as copies of the target's last layers (default); random: fresh")
     p.add_argument("--steps", type=int, default=3000, help="optimizer steps (cosine schedule length)")
     p.add_argument("--blocks", type=int, default=256, help="blocks (anchors) per step")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=60)
-    p.add_argument("--eval-every", type=int, default=200)
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
+    p.add_argument("--warmup", type=int, default=60, help="linear warm-up steps")
+    p.add_argument("--eval-every", type=int, default=200,
+                   help="steps between held-out evaluations (each saves the states and ships the drafter)")
     p.add_argument("--eval-blocks", type=int, default=1024, help="held-out blocks per evaluation")
     p.add_argument("--eval-fraction", type=float, default=0.05, help="share of sequences held out for monitoring")
     p.add_argument("--cache-batch", type=int, default=16, help="sequences per target pass when caching")
-    p.add_argument("--time-budget-minutes", type=float, default=None)
+    p.add_argument("--time-budget-minutes", type=float, default=None, help="stop (resumably) after this much training")
     p.add_argument("--run-dir", default=None, help="cache and train states (default runs/<draft name>)")
     p.add_argument("--fresh", action="store_true", help="start over, ignoring the states in --run-dir")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="initialization and block sampling seed")
     p.set_defaults(func=run)
 
 
