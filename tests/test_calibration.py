@@ -78,7 +78,10 @@ def test_calibration_round_trips_and_checks_its_checkpoint(tmp_path, calibration
                                                             test_cfg):
     path = calibration.save(tmp_path)
     assert path.name == "calibration.json"
-    assert load_calibration(path) == calibration
+    assert load_calibration(path) == calibration and calibration.feature == "draft"
+    samples, _ = synthetic_samples()  # a confidence-valued calibration keeps its feature through a trip
+    confidence = fit({0.0: samples}, calibration.fingerprint, feature="confidence")
+    assert load_calibration(confidence.save(tmp_path / "vc")).feature == "confidence"
     assert hash(load_calibration(tmp_path)) == hash(calibration)  # static in jit: hashable, equal after a trip
     # float32 cast of the same draft: same fingerprint; another draft: one-line error
     cast = jax.tree.map(lambda x: x.astype(jnp.float32), agreeing_params.mtp)

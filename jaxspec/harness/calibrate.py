@@ -207,8 +207,8 @@ def fit(samples_by_temperature: dict[float, dict[str, np.ndarray]], fingerprint:
     maps = {}
     for t, s in sorted(samples_by_temperature.items()):
         mode = "greedy" if t == 0 else "sampling"
-        feature = s["own_prob"] if mode == "greedy" else s["parent_top1"]
-        maps[t] = fit_map(mode, t, s["depth"], s["rank"], feature, s["label"])
+        values = s["own_prob"] if mode == "greedy" else s["parent_top1"]
+        maps[t] = fit_map(mode, t, s["depth"], s["rank"], values, s["label"])
     meta_items = tuple(sorted((str(k), str(v)) for k, v in (meta or {}).items()))
     return Calibration(fingerprint, maps[0.0], tuple(m for t, m in sorted(maps.items()) if t > 0), meta_items,
                        fit_context_maps(samples_by_temperature[0.0], maps[0.0]), feature=feature)
