@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from committed_state import run_and_check
 
 import jaxspec as js
 from jaxspec.model import network as model
@@ -241,6 +242,18 @@ def test_poisoned_rejected_branches_do_not_leak_and_state_equals_prefill(agreein
     for x, y in zip(jax.tree.leaves(final.layers), jax.tree.leaves(reference.layers), strict=True):
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
         assert np.max(np.abs(x - y)) <= 1e-5 * max(np.max(np.abs(y)), 1e-30)
+
+
+def test_committed_state_equals_step_decode_mixed(mixed_params, test_cfg):
+    """After every cycle of the mixed-acceptance model (partial paths, sibling accepts) the whole speculative
+    state (target leaves, MTP ring, lengths, paired streams) equals step-by-step decoding of the committed
+    tokens, and every emitted token is that decode's argmax."""
+    spec = js.SpecConfig.parse("s3_k2_d6")
+    state = _prefilled(mixed_params, test_cfg, PROMPTS, spec)
+    got = run_and_check(mtp_speculator(test_cfg, spec), mtp_models(mixed_params), mixed_params, state, PROMPTS,
+                        128, cycles=8)
+    assert got["rank_hist"][1:].sum() >= 1, got  # a sibling was accepted and committed
+    assert got["stops"][0] >= 1 and got["stops"][1 : spec.num_steps].sum() >= 1, got  # rejections and partial paths
 
 
 def test_loop_compiles_once_per_bucket(test_params, test_cfg):
