@@ -21,8 +21,9 @@ from jaxspec.testing import mixed_acceptance, mtp_models, mtp_prefill, mtp_specu
 
 
 def v4_cfg(**overrides) -> js.ModelConfig:
-    return js.ModelConfig.preset("test", num_layers=2, layer_types=("csa", "hca"), num_hash_layers=1,
-                                 sliding_window=128, csa_ratio=4, hca_ratio=128, index_topk=512, **overrides)
+    v4 = dict(num_layers=2, layer_types=("csa", "hca"), num_hash_layers=1, sliding_window=128, csa_ratio=4,
+              hca_ratio=128, index_topk=512)
+    return js.ModelConfig.preset("test", **{**v4, **overrides})
 
 
 @pytest.fixture(scope="module")
