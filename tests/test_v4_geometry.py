@@ -31,9 +31,16 @@ def cfg():
     return v4_cfg()
 
 
+def v4_params(cfg):
+    """The mixed-acceptance model of this config; its defaults (tuned on the test preset) accept almost every
+    draft here (2 layers), so more context and a stronger skew: measured on CI_LENGTHS, s3_k4_d9, 5 cycles,
+    acceptance per depth .45 .67 .83, 4 of 20 accepted drafts siblings (defaults: .85 .94 .81, 4 of 46)."""
+    return mixed_acceptance(randomize(js.init_params(cfg, jax.random.key(3)), jax.random.key(4)), mix=0.15, skew=0.9)
+
+
 @pytest.fixture(scope="module")
 def params(cfg):
-    return mixed_acceptance(randomize(js.init_params(cfg, jax.random.key(3)), jax.random.key(4)))
+    return v4_params(cfg)
 
 
 def prompts_of(lengths, vocab, seed=0):
@@ -86,7 +93,7 @@ def test_greedy_speculative_equals_generate_v4(params, cfg):
 @pytest.mark.parametrize("spec", ["s3_k1_d4", "s5_k1_d6", "s3_k2_d6", "s4_k2_d8", "s3_k4_d9", "s4_k4_d16"])
 def test_committed_state_v4_long(spec, topk):
     cfg = v4_cfg(index_topk=topk)
-    params = mixed_acceptance(randomize(js.init_params(cfg, jax.random.key(3)), jax.random.key(4)))
+    params = v4_params(cfg)
     lengths = (126, 127, 128, 129, 130, 254, 255, 256, 257, 258)
     got, ends = check(params, cfg, spec, lengths, cycles=16, seed=2)
     assert min(ends[:5]) > 130 and min(ends[5:]) > 258, ends
