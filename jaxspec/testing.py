@@ -59,6 +59,33 @@ def high_acceptance(params: ModelParams, mix: float = 0.05) -> ModelParams:
     return params.replace(layers=tuple(damp(b) for b in params.layers), mtp=mtp)
 
 
+def mixed_acceptance(params: ModelParams, mix: float = 0.05, gap: float = 0.1, skew: float = 0.5) -> ModelParams:
+    """Params whose MTP draft is right about half the time at every depth, and whose second choice is
+    often the target's token (sibling accepts): the case exactness claims rest on, between `params`
+    (random: almost nothing accepted) and `high_acceptance` (almost everything on the first branch).
+
+    Deterministic, on top of `high_acceptance(params, mix)` (target and draft both follow the token-only
+    function rms_norm(embed[v]) * norm @ head, context moving it a little):
+    - near-tied pairs: the head's odd column 2j+1 is pulled to `gap` of its distance from column 2j,
+      so after any token the two tokens of the winning pair have nearly equal logits and the target
+      picks between them by a small margin that the context moves;
+    - a skewed draft: the draft's final norm is scaled by 1 + skew on even and 1 - skew on odd
+      dimensions, so within a pair the draft ranks by a differently weighted margin; where the two
+      disagree the target's token is the draft's rank-1 child.
+    Everything that the target computes is unchanged in kind (only the head's values move), so the
+    greedy identity and the committed state still test every mechanism.
+    """
+    p = high_acceptance(params, mix)
+    head = p.head  # [d, V]
+    pairs = head.shape[1] // 2
+    even, odd = head[:, 0 : 2 * pairs : 2], head[:, 1 : 2 * pairs : 2]
+    odd = even + gap * (odd - even)
+    head = head.at[:, 1 : 2 * pairs : 2].set(odd.astype(head.dtype))
+    d = head.shape[0]
+    pattern = jnp.where(jnp.arange(d) % 2 == 0, 1.0 + skew, 1.0 - skew).astype(p.mtp.norm.dtype)
+    return p.replace(head=head, mtp=p.mtp.replace(norm=p.mtp.norm * pattern))
+
+
 def sharpened(params: ModelParams, factor: float = 8.0) -> ModelParams:
     """The target's logits scaled by `factor` (its final norm), the argmax kept: on `high_acceptance`
     params, whose target is near uniform at temperature 1 (top token ~2%), sampled trees then get

@@ -7,7 +7,7 @@ import jax
 import pytest
 
 import jaxspec as js
-from jaxspec.testing import high_acceptance, randomize, sharpened
+from jaxspec.testing import high_acceptance, mixed_acceptance, randomize, sharpened
 
 # Modules whose tests start subprocesses of minutes (the 8-device worker, the 2-process cluster, the
 # CUDA lowering worker) or sample for minutes: first in the run, so under `-n 2 --dist loadfile`
@@ -89,6 +89,12 @@ def test_params(test_cfg):
 @pytest.fixture(scope="session")
 def agreeing_params(test_params):
     return high_acceptance(test_params)
+
+
+@pytest.fixture(scope="session")
+def mixed_params(test_params):
+    """The MTP draft right about half the time per depth, siblings often accepted (`mixed_acceptance`)."""
+    return mixed_acceptance(test_params)
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from committed_state import run_and_check
 
 import jaxspec as js
 from jaxspec.model import network as model
@@ -114,11 +115,33 @@ if os.environ.get("JAXSPEC_SPEC_GRID_BATCHES"):  # e.g. "1,8": split a long grid
     SPEC_BATCHES = [(spec, batch) for spec, batch in SPEC_BATCHES if batch in _keep]
 
 
-# "which" varies fastest, so both models reuse one compiled loop back to back.
-@pytest.mark.parametrize("which", ["random", "agreeing"])
+def stop_depths(stats, num_steps: int) -> np.ndarray:
+    """[S + 1] cycles per number of accepted drafts, from the per-depth hits (cycles reaching depth d)."""
+    hits = np.asarray(stats["per_sequence"]["depth_hits"]).sum(0)
+    reached = np.concatenate([[stats["cycles"]], hits, [0]])
+    return reached[:-1] - reached[1:]
+
+
+# Floors on what the mixed-acceptance model must exercise in each CI config (batch 3, 56 new tokens;
+# measured, conditional acceptance per depth / sibling accepts (rank >= 1) / cycles per number accepted):
+#   s1_k1_d2   .46                   -          stops [62, 53]
+#   s5_k1_d6   .42 .51 .94 .94 .06   -          stops [48, 17, 1, 1, 15, 1]
+#   s3_k2_d6   .48 .92 .51           20 of 91   stops [42, 3, 17, 18]
+#   s5_k2_d16  .55 .54 1.0 .95 .94   33 of 108  stops [29, 16, 0, 1, 1, 17]
+#   s2_k4_d9   .71 .61               36 of 90   stops [23, 22, 34]
+#   s4_k4_d16  .56 .89 .59 .95       34 of 105  stops [28, 4, 13, 1, 18]
+# Alone a mixed case compiles its loop (~40 s on one core); after "random" and "agreeing" it reuses theirs.
+MIXED_FIRST_DEPTH = (0.2, 0.85)  # cycles accepting >= 1 draft / cycles
+MIXED_SIBLING_SHARE = 0.1  # accepted drafts of rank >= 1 / accepted drafts, K >= 2
+MIXED_PARTIAL_SHARE = 0.1  # cycles accepting 1..S-1 drafts (a path cut below full depth) / cycles, S >= 2
+
+
+# "which" varies fastest, so the models reuse one compiled loop back to back.
+@pytest.mark.parametrize("which", ["random", "agreeing", "mixed"])
 @pytest.mark.parametrize("spec,batch", SPEC_BATCHES)
-def test_greedy_speculative_equals_generate(test_params, agreeing_params, test_cfg, spec, which, batch):
-    params = test_params if which == "random" else agreeing_params
+def test_greedy_speculative_equals_generate(test_params, agreeing_params, mixed_params, test_cfg, spec, which,
+                                            batch):
+    params = {"random": test_params, "agreeing": agreeing_params, "mixed": mixed_params}[which]
     prompts = PROMPT_SETS[batch]
     n = 56  # from each prompt this crosses the window (8) and HCA blocks (16) several times
     ref = js.generate(params, test_cfg, prompts, max_new_tokens=n)
@@ -126,9 +149,19 @@ def test_greedy_speculative_equals_generate(test_params, agreeing_params, test_c
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     np.testing.assert_array_equal(out.lengths, ref.lengths)
     stats = out.stats
-    assert stats["cycles"] > 0 and len(stats["per_depth_acceptance"]) == js.SpecConfig.parse(spec).num_steps
+    sc = js.SpecConfig.parse(spec)
+    assert stats["cycles"] > 0 and len(stats["per_depth_acceptance"]) == sc.num_steps
     if which == "agreeing":
         assert stats["mean_accepted_length"] > 1.5, stats  # long accepts are exercised
+    if which == "mixed" and batch == 3:  # the identity held on partial paths and sibling accepts
+        stops, ranks = stop_depths(stats, sc.num_steps), np.asarray(stats["rank_histogram"])
+        first = 1 - stops[0] / stats["cycles"]
+        assert MIXED_FIRST_DEPTH[0] <= first <= MIXED_FIRST_DEPTH[1], (first, stats)
+        assert stops[0] >= 1, (stops, stats)  # a rejected first depth
+        if sc.num_steps > 1:
+            assert stops[1 : sc.num_steps].sum() >= MIXED_PARTIAL_SHARE * stats["cycles"], (stops, stats)
+        if sc.topk > 1:
+            assert ranks[1:].sum() >= MIXED_SIBLING_SHARE * ranks.sum(), (ranks, stats)
     emitted = sum(stats["per_sequence"]["accepted"]) + stats["cycles"]
     assert emitted >= out.lengths.sum() - len(prompts)  # every token after the first came from a cycle
 
@@ -209,6 +242,18 @@ def test_poisoned_rejected_branches_do_not_leak_and_state_equals_prefill(agreein
     for x, y in zip(jax.tree.leaves(final.layers), jax.tree.leaves(reference.layers), strict=True):
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
         assert np.max(np.abs(x - y)) <= 1e-5 * max(np.max(np.abs(y)), 1e-30)
+
+
+def test_committed_state_equals_step_decode_mixed(mixed_params, test_cfg):
+    """After every cycle of the mixed-acceptance model (partial paths, sibling accepts) the whole speculative
+    state (target leaves, MTP ring, lengths, paired streams) equals step-by-step decoding of the committed
+    tokens, and every emitted token is that decode's argmax."""
+    spec = js.SpecConfig.parse("s3_k2_d6")
+    state = _prefilled(mixed_params, test_cfg, PROMPTS, spec)
+    got = run_and_check(mtp_speculator(test_cfg, spec), mtp_models(mixed_params), mixed_params, state, PROMPTS,
+                        128, cycles=8)
+    assert got["rank_hist"][1:].sum() >= 1, got  # a sibling was accepted and committed
+    assert got["stops"][0] >= 1 and got["stops"][1 : spec.num_steps].sum() >= 1, got  # rejections and partial paths
 
 
 def test_loop_compiles_once_per_bucket(test_params, test_cfg):
