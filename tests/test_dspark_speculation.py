@@ -9,6 +9,8 @@ runs exercise partial paths and sibling commits, which the tests assert happened
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -46,6 +48,18 @@ def test_greedy_dspark_chains_and_trees_are_generate(agreeing_params, test_cfg, 
     assert depth[0] > 0.5 and depth[-1] > 0.2 and depth[-1] < depth[0], depth
     if js.SpecConfig.parse(spec).topk > 1:  # a sibling (rank >= 1) was accepted and committed
         assert sum(out.stats["rank_histogram"][1:]) >= 2, out.stats["rank_histogram"]
+
+
+def test_dspark_confidence_chooses_the_verify_width(agreeing_params, test_cfg, draft):
+    """The confidence head as a per-cycle verify width: `_vc` values the nodes by the confidence head's
+    path value, and `_w4` verifies 4 or 8 nodes by that value (a static threshold); output exact."""
+    ref = js.generate(agreeing_params, test_cfg, PROMPTS, max_new_tokens=40)
+    spec = dataclasses.replace(js.SpecConfig.parse("s4_k2_d8_w4_vc"), width_threshold=0.5)
+    out = js.speculative_generate(agreeing_params, test_cfg, PROMPTS, spec, max_new_tokens=40, draft=draft)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    seq = out.stats["per_sequence"]
+    per_cycle = np.sum(seq["verified"]) / np.sum(seq["cycles"])
+    assert 4 < per_cycle < 8, per_cycle  # both widths were chosen
 
 
 def test_dspark_loop_compiles_once_and_checks_its_depth(agreeing_params, test_cfg, draft):
