@@ -212,7 +212,7 @@ def dspark_run(params, mesh) -> dict:
     from jaxspec.speculation.dspark import dspark_draft
     from jaxspec.testing import agreeing_dspark
 
-    dcfg = DSparkConfig(block_size=4, noise_token_id=CFG.vocab_size - 1, target_layers=(1, 2, 3),
+    dcfg = DSparkConfig(block_size=4, noise_token_id=CFG.vocab_size - 1, target_layers=(0, 1),
                         markov_rank=CFG.hidden_size, num_stages=1)
     draft = dspark_draft(agreeing_dspark(params, CFG, dcfg, jax.random.key(5)), dcfg)
     one = js.speculative_generate(params, CFG, PROMPTS, "s3_k2_d6", max_new_tokens=NEW_TOKENS, draft=draft)

@@ -89,7 +89,7 @@ def test_bad_draft_names_are_one_line_errors(saved, tmp_path):
         draft_dir(plain, "other")
     with pytest.raises(ValueError, match="plain folder name"):
         save_draft(folder, DEFAULT_DRAFT, saved[1], saved[3])
-    with pytest.raises(ValueError, match="does not match the MTP block"):
+    with pytest.raises(ValueError, match="do not match the mtp draft"):
         save_draft(folder, "broken", saved[1], saved[3].block)
 
 

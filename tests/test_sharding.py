@@ -163,7 +163,8 @@ def test_memory_plan_matches_hand_calculation():
 
 
 def test_plan_cli(capsys):
-    assert main(["plan", "--preset", "v4-flash", "--devices", "8", "--batch", "16", "--context", "65536"]) == 0
+    assert main(["plan", "--preset", "v4-flash", "--devices", "8", "--batch", "16", "--context", "65536",
+                 "--weights", "plain"]) == 0
     out = capsys.readouterr().out
     params, state = _flash_bytes_by_hand(8)
     assert f"parameters per device: {params:,} bytes" in out

@@ -35,7 +35,8 @@ from jaxspec.training.data import DATASETS, HELDOUT_SPLITS, load_dataset
 from jaxspec.training.tokenizer import encode
 
 LINEAR_SPECS = ("s4_k1_d5", "s5_k1_d6", "s6_k1_d7", "s7_k1_d8")
-TREE_SPECS = tuple(f"s{s}_k2_d{d}" for s in (3, 4, 5) for d in (5, 6, 7, 8))
+# Draft depth s needs s + 1 tokens at least (the root and one per depth): s5_k2_d5 is not a tree.
+TREE_SPECS = tuple(f"s{s}_k2_d{d}" for s in (3, 4, 5) for d in (5, 6, 7, 8) if s < d)
 
 
 # ---- data-parallel runs ------------------------------------------------------------------------
