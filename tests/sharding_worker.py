@@ -222,6 +222,24 @@ def dspark_run(params, mesh) -> dict:
             "tau": one.stats["mean_accepted_length"]}
 
 
+def harness_run(params, mesh) -> dict:
+    """What `jaxspec calibrate / sweep / tune --mesh` run: calibration's chain-cycle records and a sweep
+    batch (`run_batch` given the mesh) on the mesh and on one device."""
+    from jaxspec.harness.calibrate import collect
+    from jaxspec.harness.eval import run_batch
+
+    placed = js.shard_params(params, CFG, mesh)
+    one = collect(params, CFG, PROMPTS, 0.0, cycles=3, batch_size=4, num_steps=3, topk=2)
+    many = collect(placed, CFG, PROMPTS, 0.0, cycles=3, batch_size=4, num_steps=3, topk=2, mesh=mesh)
+    batch_one = run_batch(params, CFG, None, PROMPTS, NEW_TOKENS)
+    batch_mesh = run_batch(placed, CFG, None, PROMPTS, NEW_TOKENS, devices=mesh)
+    return {"collect_equal": sorted(one) == sorted(many) and all(
+                np.allclose(one[k], many[k], atol=1e-5) for k in one),
+            "nodes": int(one["label"].size),
+            "run_batch_equal": batch_one["tokens"].tolist() == batch_mesh["tokens"].tolist(),
+            "run_batch_devices": batch_mesh["devices"]}
+
+
 def main() -> None:
     from jaxspec.testing import high_acceptance
 
@@ -289,6 +307,7 @@ def main() -> None:
     result["kernel"] = kernel_per_shard(js.make_mesh(2, 4, 1))
     result["pallas_loop"] = pallas_loop(params, js.make_mesh(2, 4, 1))
     result["dspark"] = dspark_run(params, js.make_mesh(2, 4, 1))
+    result["harness"] = harness_run(params, js.make_mesh(2, 4, 1))
     result["controls"] = controls()
     result["extras_seconds"] = time.perf_counter() - t0
     with open(out_path, "w") as f:

@@ -131,3 +131,26 @@ def test_a_dspark_draft_beside_a_checkpoint_round_trips(tmp_path, agreeing_param
     assert out.stats["per_sequence"] == want.stats["per_sequence"]  # the same drafts: the same acceptance
     with pytest.raises(ValueError, match="has no draft 'spark'; drafts: default, dspark"):
         js.load_checkpoint(tmp_path, draft="spark")
+
+
+def test_a_release_folder_brings_its_calibration_and_tuning(release, tmp_path):
+    """`jaxspec calibrate / tune --checkpoint RELEASE` write beside the weights; load_release reads them
+    back onto the draft (a calibration fitted for it; an unreadable tune.json warns and is kept)."""
+    import shutil
+
+    from jaxspec.speculation.drafter import Unreadable
+    from jaxspec.speculation.values import Calibration, ValueMap, draft_fingerprint
+
+    folder = tmp_path / "release"
+    shutil.copytree(release["f32"], folder)
+    ckpt = js.load_release(folder, dtype="float32")
+    assert ckpt.draft.calibration is None and ckpt.draft.tuning is None
+    cells = 7 * 4 * 13
+    greedy = ValueMap("greedy", 0.0, (0.5,) * cells, (1,) * cells)
+    Calibration(fingerprint=draft_fingerprint(ckpt.draft.params, ckpt.cfg), greedy=greedy, sampling=()).save(
+        str(folder))
+    (folder / "tune.json").write_text("{not json")
+    with pytest.warns(UserWarning, match="tune.json is unreadable"):
+        again = js.load_release(folder, dtype="float32")
+    assert again.draft.calibration is not None and again.draft.calibration.greedy.table[0] == 0.5
+    assert isinstance(again.draft.tuning, Unreadable)

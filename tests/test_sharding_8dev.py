@@ -121,3 +121,10 @@ def test_pallas_attention_in_the_sharded_loop(report):
 def test_a_dspark_tree_on_the_mesh_is_the_single_device_run(report):
     r = report["dspark"]
     assert r["sharded"] == r["single"] and r["tau"] > 1.5, r
+
+
+def test_calibration_and_sweep_batches_on_the_mesh_are_the_single_device_run(report):
+    # `jaxspec calibrate / sweep / tune --mesh`: the params sharded, the batch over "data".
+    r = report["harness"]
+    assert r["nodes"] > 0 and r["collect_equal"]
+    assert r["run_batch_equal"] and r["run_batch_devices"] == 8

@@ -8,9 +8,11 @@ formats (weights "fp8" keeps them stored), region reads and placement on a mesh.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
+from jaxspec.checkpoint.drafts import sidecar_values
 from jaxspec.checkpoint.errors import one_line
 from jaxspec.checkpoint.hf_load import (
     WEIGHTS,
@@ -104,7 +106,8 @@ def load_release(
     ready to speculate with: the DSpark drafter of V4-Flash-DSpark / 0731 / Pro-0813 folders, or the April MTP
     block. `draft`: "auto" (whichever the folder holds, None without one), "dspark" or "mtp" (a one-line
     ValueError saying which draft the folder holds otherwise), "none". dtype, mesh, rules and weights as in
-    `load_hf_checkpoint`."""
+    `load_hf_checkpoint`. The draft carries the calibration.json and tune.json the folder holds, as
+    `load_checkpoint`'s does."""
     if draft not in ("auto", "dspark", "mtp", "none"):
         raise ValueError(f"draft must be 'auto', 'dspark', 'mtp' or 'none', got {draft!r}")
     holds = open_hf_checkpoint(path, dtype, draft="none").draft  # "mtp", "dspark" or None, from headers only
@@ -120,6 +123,9 @@ def load_release(
                                          draft="none" if draft == "none" else "auto")
         if params.mtp is not None:
             found = Draft("default", MTPDrafter(), params.mtp)
+    if found is not None:  # what `jaxspec calibrate / tune --checkpoint RELEASE` wrote beside the weights
+        calibration, tuning = sidecar_values(os.fspath(path), found.params, cfg)
+        found = dataclasses.replace(found, calibration=calibration, tuning=tuning)
     return Checkpoint(cfg=cfg, params=params, tokenizer=release_tokenizer(path), draft=found,
                       path=os.path.abspath(os.fspath(path)))
 

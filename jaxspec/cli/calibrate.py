@@ -11,7 +11,17 @@ from typing import Any
 
 from rich.console import Console
 
-from jaxspec.cli.common import add_data_arguments, add_draft_argument, csv, load_model, positive, train_prompts
+from jaxspec.cli.common import (
+    add_data_arguments,
+    add_draft_argument,
+    add_mesh_arguments,
+    add_weights_args,
+    csv,
+    load_model,
+    mesh_from_args,
+    positive,
+    train_prompts,
+)
 
 
 def add_parser(subparsers: Any) -> None:
@@ -37,6 +47,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--batch-size", type=int, default=64, help="prompts run together")
     p.add_argument("--heldout", type=int, default=32,
                    help="held-out (test-split) prompts per dataset to measure calibration error on (0 = none)")
+    add_weights_args(p, checkpoint=True)
+    add_mesh_arguments(p)
     p.add_argument("--figure", default=None, help="reliability diagram PNG (held-out; default none)")
     p.add_argument("--out", default=None, help="calibration file (default CHECKPOINT/calibration.json, with --draft "
                    "CHECKPOINT/drafts/NAME/calibration.json)")
@@ -58,14 +70,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if any(not t > 0 for t in args.temperatures):
         raise ValueError(f"--temperatures must be > 0 (greedy is always fitted), got {list(args.temperatures)}")
     sidecars = draft_dir(os.path.expanduser(args.checkpoint), args.draft)  # a bad name fails before the load
-    model = load_model(args, console, need_tokenizer="calibrate")
+    mesh = mesh_from_args(args)
+    model = load_model(args, console, need_tokenizer="calibrate", mesh=mesh)
     if model.draft is None:
         raise ValueError(f"checkpoint {args.checkpoint!r} has no draft: nothing to calibrate")
     temps = (0.0, *sorted(set(args.temperatures)))
     prompts = train_prompts(args, model.tokenizer)
     t0 = time.perf_counter()
     run_args = (args.cycles, args.batch_size, args.steps, args.topk)
-    train = {t: collect(model.params, model.cfg, prompts, t, *run_args, draft=model.draft) for t in temps}
+    train = {t: collect(model.params, model.cfg, prompts, t, *run_args, draft=model.draft, mesh=mesh) for t in temps}
     console.print(f"collected {sum(s['label'].size for s in train.values())} nodes from {len(prompts)} train "
                   f"prompts in {time.perf_counter() - t0:.0f} s")
     meta = {"datasets": ",".join(args.datasets), "train_prompts_per_dataset": args.num_prompts,

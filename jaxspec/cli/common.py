@@ -232,7 +232,7 @@ def load_model(args: argparse.Namespace, console: Console | None = None, *, need
     """
     import jax
 
-    from jaxspec.checkpoint import load_checkpoint, load_hf_checkpoint
+    from jaxspec.checkpoint import load_checkpoint, load_release
     from jaxspec.core.config import ModelConfig
     from jaxspec.model.network import abstract_params, init_params
     from jaxspec.ops.quant import is_quantized
@@ -268,8 +268,8 @@ def load_model(args: argparse.Namespace, console: Console | None = None, *, need
                 note += ", cast to float32 for the CPU"
         elif is_release:
             dtype = "float32" if jax.default_backend() == "cpu" else None
-            cfg, params = load_hf_checkpoint(path, dtype=dtype, mesh=mesh, weights=weights)
-            tokenizer = hf_tokenizer(path)
+            release = load_release(path, dtype=dtype, mesh=mesh, weights=weights)
+            cfg, params, tokenizer, found = release.cfg, release.params, release.tokenizer, release.draft
             note = f", DeepSeek-V4 safetensors, {cfg.dtype}" + (" on the mesh" if mesh is not None else "")
             if weights == "fp8":
                 kept = [x for x in jax.tree.leaves(params, is_leaf=is_quantized) if is_quantized(x)]
@@ -279,8 +279,6 @@ def load_model(args: argparse.Namespace, console: Console | None = None, *, need
                              "*.safetensors (a DeepSeek-V4 release)")
         if need_tokenizer and tokenizer is None:
             raise ValueError(f"checkpoint {checkpoint!r} has no tokenizer.json; {need_tokenizer} encodes text prompts")
-        if not os.path.isdir(os.path.join(path, "params")):
-            found = None if params.mtp is None else Draft("default", MTPDrafter(), params.mtp)
         return LoadedModel(cfg, params, tokenizer,
                            f"checkpoint {path} (loaded in {time.perf_counter() - t0:.1f} s{note})", found)
     if need_tokenizer:

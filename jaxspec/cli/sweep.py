@@ -9,7 +9,17 @@ from typing import Any
 
 from rich.console import Console
 
-from jaxspec.cli.common import add_data_arguments, add_measure_arguments, csv, load_model, pin_from_args, positive
+from jaxspec.cli.common import (
+    add_data_arguments,
+    add_measure_arguments,
+    add_mesh_arguments,
+    add_weights_args,
+    csv,
+    load_model,
+    mesh_from_args,
+    pin_from_args,
+    positive,
+)
 
 
 def add_parser(subparsers: Any) -> None:
@@ -19,7 +29,8 @@ def add_parser(subparsers: Any) -> None:
         "sweep",
         help="tree vs. linear speculation over datasets, specs and batch sizes",
         description="Run the tree-vs-linear evaluation (accepted length, tokens/s, Sequoia tau*) on a checkpoint; "
-        "writes runs.jsonl, table.md and the gain figures to --out. Data-parallel over all local devices.",
+        "writes runs.jsonl, table.md and the gain figures to --out. Data-parallel over all local devices, or sharded "
+        "over --mesh.",
     )
     p.add_argument("--checkpoint", help="checkpoint folder (with tokenizer); not needed with --merge")
     add_data_arguments(p, 64, "held-out prompts")
@@ -29,6 +40,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--new-tokens", type=int, default=128, help="new tokens per prompt")
     p.add_argument("--out", default="runs/sweep", help="output folder")
     add_measure_arguments(p)
+    add_weights_args(p, checkpoint=True)
+    add_mesh_arguments(p)
     p.add_argument("--resume", action="store_true",
                    help="keep the (dataset, batch) groups --out/runs.jsonl already finished and run the rest "
                         "(the default; kept for old command lines)")
@@ -81,14 +94,16 @@ def run(args: argparse.Namespace, console: Console) -> int:
         num_prompts=args.num_prompts, max_new_tokens=args.new_tokens, max_prompt_tokens=args.max_prompt_tokens,
         repeats=args.repeats,
     )
-    model = load_model(args, console, need_tokenizer="the sweep")
-    console.print(f"sweep on {len(jax.local_devices())} device(s): {sweep}")
+    mesh = mesh_from_args(args)
+    model = load_model(args, console, need_tokenizer="the sweep", mesh=mesh)
+    where = f"mesh {args.mesh} (data,tensor,expert)" if mesh is not None else f"{len(jax.local_devices())} device(s)"
+    console.print(f"sweep on {where}: {sweep}")
     if args.fresh and args.resume:
         raise ValueError("--fresh and --resume contradict each other")
     args.resume_hint = f"finished (dataset, batch) groups are kept in {args.out}/runs.jsonl: rerun the same command " \
                        "to continue"
     records = run_sweep(model.params, model.cfg, model.tokenizer, sweep, args.out, resume=not args.fresh,
-                        data_root=args.data_root, draft=model.draft)
+                        data_root=args.data_root, draft=model.draft, devices=mesh)
     console.print((Path(args.out) / "table.md").read_text())
     loaded = {(r["dataset"], r["batch_size"]): r["measurement"]["reasons"] for r in records
               if r.get("measurement") and not r["measurement"]["clean"]}

@@ -14,8 +14,11 @@ from jaxspec.cli.common import (
     add_data_arguments,
     add_draft_argument,
     add_measure_arguments,
+    add_mesh_arguments,
+    add_weights_args,
     csv,
     load_model,
+    mesh_from_args,
     pin_from_args,
     positive,
 )
@@ -44,6 +47,8 @@ def add_parser(subparsers: Any) -> None:
                    help=f"a candidate below RATIO x AR at one batch bucket is not measured at larger ones (default "
                    f"{PRUNE_BELOW}; 0 measures every candidate at every bucket)")
     add_measure_arguments(p)
+    add_weights_args(p, checkpoint=True)
+    add_mesh_arguments(p)
     p.add_argument("--projected", default=None, metavar="ACCELERATOR",
                    help="choose with the analytic cost model's projected step times on this accelerator (e.g. "
                    "h200) and the tau measured here, instead of this machine's times")
@@ -88,7 +93,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from jaxspec.sharding import parse_mesh
 
     projected_mesh = parse_mesh(args.projected_mesh)
-    model = load_model(args, console, need_tokenizer="tuning")
+    mesh = mesh_from_args(args)
+    model = load_model(args, console, need_tokenizer="tuning", mesh=mesh)
     prompts = tuning_prompts(model.tokenizer, args.num_prompts, args.max_prompt_tokens, args.datasets, args.data_root)
     console.print(f"tuning on {', '.join(f'{len(p)} {name}' for name, p in prompts.items())} held-out tuning prompts, "
                   f"{len(args.candidates)} candidates, batch sizes {list(args.batch_sizes)}, {args.repeats} rounds")
@@ -105,7 +111,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     tuning = tune(model.params, model.cfg, prompts, args.batch_sizes, args.candidates, args.new_tokens,
                   repeats=args.repeats, allow_loaded=args.allow_loaded, projected=args.projected,
                   projected_cfg=projected_cfg, projected_mesh=projected_mesh, resume=progress,
-                  prune_below=args.prune_below or None, draft=model.draft)
+                  prune_below=args.prune_below or None, draft=model.draft, devices=mesh)
     out = tuning.save(out)
     console.print(tuning_table(tuning))
     console.print("chosen: " + ", ".join(f"batch {b}: {name}" for b, name in tuning.choices.items()))

@@ -23,6 +23,7 @@ from jaxspec.core.config import ModelConfig
 from jaxspec.core.programs import bounded_jit
 from jaxspec.core.spec import SpecConfig
 from jaxspec.model.network import ModelParams, Models
+from jaxspec.model.runner import on_mesh
 from jaxspec.model.sampling import Sampling, processed_logprobs
 from jaxspec.speculation.cycle import (
     SpecState,
@@ -91,8 +92,9 @@ def _collect_loop(
     shape: tuple[int, int, int],  # (k, cycles, max_len)
     sampling: Sampling,
 ):
-    """-> per cycle [C, B, S, k]: top_logp, label, mask (parent accepted), and [C, B] the sequence's
-    context bin before the cycle (`context_bins`, as the loop computes it); depth = S index + 1, rank = k index."""
+    """-> per sequence [B, C, S, k] (batch first, so a mesh splits it over "data"): top_logp, label, mask
+    (parent accepted), and [B, C] the sequence's context bin before the cycle (`context_bins`, as the loop
+    computes it); depth = S index + 1, rank = k index."""
     k, cycles, max_len = shape
     num_steps = sp.spec.num_steps
     bb = prompt_tokens.shape[0]
@@ -122,7 +124,7 @@ def _collect_loop(
         return (state, capped), (top_logp, label, mask, context)
 
     _, records = jax.lax.scan(body, (state, jnp.zeros((bb,), jnp.int32)), None, length=cycles)
-    return records
+    return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), records)
 
 
 def chain_cycles_in_slices(
@@ -170,18 +172,22 @@ def collect(
     *,
     draft: Draft | None = None,
     values: str = "draft",
+    mesh: jax.sharding.Mesh | None = None,
 ) -> dict[str, np.ndarray]:
     """Node samples (FIELDS) of `cycles` chain cycles per prompt, greedy or sampled at `temperature`, of
     `draft` (default: the MTP block of `params`); "own_prob" is the node's value feature (`values`: its
-    draft probability, or the drafter's confidence feature)."""
+    draft probability, or the drafter's confidence feature). `mesh`: run sharded over it (the params
+    placed there, `batch_size` rows split over "data"), as `speculative_generate(mesh=)` does."""
     draft = draft_of(params, cfg, draft)
     sampling = Sampling.create(temperature, key=jax.random.key(seed))
     sp = chain_speculator(cfg, draft, num_steps, "target", values)
     models = Models(target=params.replace(mtp=None), draft=draft.params)
     parts: dict[str, list[np.ndarray]] = {f: [] for f in FIELDS}
+    loop = on_mesh(_collect_loop, mesh, batch_size)
     for top_logp, label, mask, context in chain_cycles_in_slices(
         sp, prompts, cycles, batch_size,
-        lambda tokens, lengths, max_len: _collect_loop(models, sp, tokens, lengths, (topk, cycles, max_len), sampling),
+        lambda tokens, lengths, max_len: [np.swapaxes(np.asarray(x), 0, 1) for x in loop(
+            models, sp, tokens, lengths, (topk, cycles, max_len), sampling)],
     ):  # [C, b, S, k]
         keep = mask.astype(bool)
         depth = np.broadcast_to(np.arange(1, num_steps + 1)[:, None], mask.shape)

@@ -58,20 +58,23 @@ def run_batch(
     prompts: list[list[int]],
     max_new_tokens: int,
     eos_id: int | None = None,
-    devices: Sequence[jax.Device] | None = None,
+    devices: Sequence[jax.Device] | jax.sharding.Mesh | None = None,
     longest_prompt: int | None = None,
     pad_batch_to: int | None = None,
     *,
     draft: Draft | None = None,
 ) -> dict[str, Any]:
     """Greedy generation of one prompt batch with `generate` / `speculative_generate` (of `draft`: its
-    calibration ranks the trees), data-parallel over the local devices; -> tokens, lengths, stats, seconds.
+    calibration ranks the trees); -> tokens, lengths, stats, seconds. `devices`: a sequence of devices
+    (default: the local ones) runs one replica of the model per device; a Mesh runs the model sharded
+    over it (params placed there by `shard_params` / `load_checkpoint(mesh=)`, the batch over "data").
 
     Prompts are padded to `longest_prompt` (the longest of a whole dataset) and the batch to
     `pad_batch_to` rows, so every batch of a sweep reuses one compiled program and no timing
     includes a compile; padding rows are cut from the outputs and the statistics.
     """
-    n_dev = len(devices or jax.local_devices())
+    model_mesh = devices if isinstance(devices, jax.sharding.Mesh) else None
+    n_dev = model_mesh.shape["data"] if model_mesh is not None else len(devices or jax.local_devices())
     lengths = np.asarray([len(p) for p in prompts], np.int32)
     longest = int(lengths.max()) if longest_prompt is None else int(longest_prompt)
     if longest < int(lengths.max()):
@@ -83,7 +86,7 @@ def run_batch(
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
     padded_lengths[: len(prompts)] = lengths
-    mesh = data_mesh(bucket, devices)
+    mesh = model_mesh if model_mesh is not None else data_mesh(bucket, devices)
     kwargs = dict(max_new_tokens=max_new_tokens, eos_id=eos_id, mesh=mesh, prompt_lengths=padded_lengths)
     start = time.perf_counter()
     if spec is None:
@@ -112,7 +115,7 @@ def timed_methods(
     repeats: int,
     longest_prompt: int,
     pad_batch_to: int,
-    devices: Sequence[jax.Device] | None = None,
+    devices: Sequence[jax.Device] | jax.sharding.Mesh | None = None,  # as `run_batch` takes them
     describe: Callable[[str], None] | None = None,
     *,
     draft: Draft | None = None,
@@ -156,6 +159,7 @@ def timed_methods(
 def measure_rank_acceptance(
     params: ModelParams, cfg: ModelConfig, prompts: list[list[int]], width: int = 4, max_new_tokens: int = 64,
     batch_size: int = 16, *, draft: Draft | None = None,
+    devices: Sequence[jax.Device] | jax.sharding.Mesh | None = None,  # as `run_batch` takes them
 ) -> np.ndarray:
     """p[k] = P(the k-th ranked draft child is the accepted one), from a one-level tree of `width`."""
     spec = SpecConfig(1, width, width + 1)
@@ -165,8 +169,8 @@ def measure_rank_acceptance(
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
         result = run_batch(
-            params, cfg, spec, chunk, max_new_tokens, longest_prompt=longest, pad_batch_to=batch_size, draft=draft
-        )
+            params, cfg, spec, chunk, max_new_tokens, devices=devices, longest_prompt=longest, pad_batch_to=batch_size,
+            draft=draft)
         hist += np.asarray(result["stats"]["rank_histogram"], float)
         cycles += result["stats"]["cycles"]
     return hist / max(cycles, 1)
@@ -246,7 +250,7 @@ def run_sweep(
     tokenizer: Any,
     sweep: SweepConfig,
     out_dir: str | Path,
-    devices: Sequence[jax.Device] | None = None,
+    devices: Sequence[jax.Device] | jax.sharding.Mesh | None = None,  # as `run_batch` takes them
     prompts_by_dataset: dict[str, list[list[int]]] | None = None,
     progress: bool = True,
     resume: bool = False,
@@ -288,7 +292,7 @@ def run_sweep(
             if not batches_left[name]:
                 continue
             prompts = prompts_by_dataset[name]
-            acceptance = measure_rank_acceptance(params, cfg, prompts, sweep.rank_width, draft=draft)
+            acceptance = measure_rank_acceptance(params, cfg, prompts, sweep.rank_width, draft=draft, devices=devices)
             for batch_size in batches_left[name]:
                 batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
                 methods = {"ar": None, **{spec.name: spec for spec in specs}}

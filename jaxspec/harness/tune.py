@@ -91,6 +91,7 @@ def tune(
     prune_below: float | None = PRUNE_BELOW,
     *,
     draft: Draft | None = None,
+    devices: Sequence[jax.Device] | jax.sharding.Mesh | None = None,  # as `harness.eval.run_batch` takes them
 ) -> Tuning:
     """Time AR and every candidate end to end per batch bucket and dataset; choose per bucket.
 
@@ -129,7 +130,8 @@ def tune(
                 key = f"{b}:{name}"
                 if key not in finished:
                     group = _measure_group(params, cfg, methods, ps, b, max_new_tokens, repeats, retries, longest,
-                                           lambda text, k=key: bar.update(task, description=f"{k} {text}"), draft)
+                                           lambda text, k=key: bar.update(task, description=f"{k} {text}"), draft,
+                                           devices)
                     if not group["verdict"]["clean"] and not allow_loaded:
                         raise ValueError(f"batch {b}, {name}: the machine stayed loaded over {retries + 1} tries ("
                                          f"{'; '.join(group['verdict']['reasons'])}); tune on a quiet machine "
@@ -164,7 +166,8 @@ def _checked_prompts(cfg: ModelConfig, prompts: Sequence[Sequence[int]], room: i
     return [batch.tokens[i, : int(batch.lengths[i])].tolist() for i in range(batch.batch)]
 
 
-def _measure_group(params, cfg, methods, prompts, b, max_new_tokens, repeats, retries, longest, describe, draft):
+def _measure_group(params, cfg, methods, prompts, b, max_new_tokens, repeats, retries, longest, describe, draft,
+                   devices):
     """AR and every candidate over max(b, MIN_PROMPTS) prompts (cycled if too few) in batches of b, timed
     round-robin; retried while the machine is loaded -> {"records": [...], "verdict": ...}."""
     count = max(b, MIN_PROMPTS)
@@ -172,7 +175,7 @@ def _measure_group(params, cfg, methods, prompts, b, max_new_tokens, repeats, re
     batches = [chosen[i : i + b] for i in range(0, count, b)]
     for attempt in range(retries + 1):
         timed, verdict = timed_methods(params, cfg, methods, batches, max_new_tokens, repeats, longest, b,
-                                       describe=describe, draft=draft)
+                                       devices, describe, draft=draft)
         if verdict["clean"]:
             break
         describe(f"loaded ({'; '.join(verdict['reasons'])}): measuring again ({attempt + 1}/{retries})")
