@@ -19,7 +19,8 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Two meshes cover every axis in CI (about two minutes of the worker's time each); the long tier adds the rest.
-MESHES = ["2,4,1", "1,2,4"] + (["8,1,1", "1,8,1"] if os.environ.get("JAXSPEC_LONG_TESTS") == "1" else [])
+LONG = os.environ.get("JAXSPEC_LONG_TESTS") == "1"
+MESHES = ["2,4,1", "1,2,4"] + (["8,1,1", "1,8,1"] if LONG else [])
 
 
 @pytest.fixture(scope="session")
@@ -37,7 +38,8 @@ def _run_worker(out):
                         " --xla_llvm_disable_expensive_passes=true").strip()
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "sharding_worker.py"), str(out), "--meshes", *MESHES],
+        [sys.executable, os.path.join(HERE, "sharding_worker.py"), str(out), "--meshes", *MESHES,
+         *(["--long"] if LONG else [])],
         env=env, capture_output=True, text=True, timeout=1200,
     )
     if proc.returncode:
@@ -115,6 +117,7 @@ def test_sampled_output_does_not_depend_on_the_mesh(report, mesh):
     assert ref["generate_sampled"] != ref["generate"]  # temperature 1 really sampled
 
 
+@pytest.mark.long
 def test_pallas_attention_in_the_sharded_loop(report):
     got = report["pallas_loop"]
     assert got["mesh"] == got["one_device"]

@@ -131,6 +131,14 @@ def test_auto_spec_runs_the_choice_and_stays_exact(agreeing_params, test_cfg, ch
         js.speculative_generate(agreeing_params, test_cfg, PROMPTS, "s3_k2_d6", max_new_tokens=8, tuning=tuning)
 
 
+def test_cli_tune_names_a_missing_checkpoint(tmp_path):
+    from jaxspec.cli import main
+
+    with pytest.raises(SystemExit, match="does not exist"):
+        main(["tune", "--checkpoint", str(tmp_path / "none")])
+
+
+@pytest.mark.long  # a minute and a half; CI times tune() itself (the tests above) on the test model
 def test_cli_tune_on_the_shipped_checkpoint(tmp_path, capsys):
     from jaxspec.cli import main
     from jaxspec.training.data import data_available
@@ -144,8 +152,6 @@ def test_cli_tune_on_the_shipped_checkpoint(tmp_path, capsys):
     assert main(argv) == 0
     assert load_tuning(out).spec_for(2) in (None, js.SpecConfig(2, 1, 3))
     assert "chosen: batch 2:" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="does not exist"):
-        main(["tune", "--checkpoint", str(tmp_path / "none")])
 
 
 def test_tune_resumes_from_the_groups_it_finished(agreeing_params, test_cfg, tmp_path, monkeypatch):
