@@ -12,10 +12,13 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from dspark_layout import write_folder
-from test_sampling import assert_samples_the_target, check_end_to_end
+from sampling_laws import ALPHA
+from test_sampling import PROMPT, assert_samples_the_target, check_end_to_end
+from test_sampling_reference import law_statistics
 
 import jaxspec as js
 from jaxspec.core.dspark import DSparkConfig
@@ -78,6 +81,32 @@ def test_sampled_dspark_chain_and_tree_follow_the_target(confident_params, test_
     result = check_end_to_end(confident_params, test_cfg, spec, setting, n=4096, draft=draft)
     assert_samples_the_target(result)
     assert result["tau"] > 1.5, result  # the sampled drafts are accepted, not just the bonus
+
+
+# With the 3-token cases above, DSpark chains and K = 2 trees each sample at T = 0.6 and T = 1 with top-k / top-p.
+@pytest.mark.parametrize("spec,setting", [("s3_k1_d4", (0.6, 8, 0.9)), ("s3_k2_d6", (1.0, 24, 0.8))])
+def test_sampled_dspark_rows_follow_the_target_over_cycles(confident_params, test_cfg, dcfg, spec, setting):
+    """512 rows x 16 tokens after a 7-token prompt: several cycles per row, across the sliding window (8),
+    CSA (4) and HCA (16) boundaries. Every token's randomized probability integral transform under the
+    target's law at its position (a one-shot prefill of the row, numpy's temperature / top-k / top-p)
+    is uniform, and consecutive tokens' are independent, iff the rows follow the target: the statistics
+    `generate` passes in test_sampling_reference.py, here over cycle and compression boundaries."""
+    draft = dspark_draft(agreeing_dspark(confident_params, test_cfg, dcfg, jax.random.key(2)), dcfg)
+    rows, new = 512, 16
+    temperature, top_k, top_p = setting
+    out = js.speculative_generate(confident_params, test_cfg, [PROMPT] * rows, spec, max_new_tokens=new,
+                                  temperature=temperature, top_k=top_k, top_p=top_p, rng=jax.random.key(5),
+                                  draft=draft)
+    assert (out.lengths == new).all()
+    cycles = np.asarray(out.stats["per_sequence"]["cycles"])
+    assert cycles.min() >= 3 and out.stats["mean_accepted_length"] > 1.5, (cycles.mean(), out.stats)
+    sequences = np.concatenate([np.tile(PROMPT, (rows, 1)), out.tokens], axis=1)
+    logits = np.asarray(js.prefill_logits(confident_params, test_cfg, jnp.asarray(sequences[:, :-1], jnp.int32)))
+    stats = law_statistics(out.tokens, logits[:, len(PROMPT) - 1:], setting)
+    assert stats["impossible"] == 0, stats
+    assert min(stats["uniform"], stats["pairs"], stats["token1"]) > ALPHA / 3, stats  # Bonferroni over 3
+    wrong = law_statistics(out.tokens, logits[:, len(PROMPT) - 1:], (temperature * 1.25, top_k, top_p))
+    assert wrong["impossible"] > 0 or min(wrong["uniform"], wrong["pairs"]) < ALPHA, wrong  # the check has power
 
 
 @pytest.fixture(scope="module")
