@@ -4,7 +4,7 @@ seed's bad luck, or does the sampler drift from the target?
     python bench/chi_square_seeds.py [--spec s2_k4_d9] [--setting t1] [--accept residual]
                                      [--seeds 0 1 2 3 4 5] [--json PATH]
 
-Runs `tests/test_sampling.check_end_to_end` (20,032 sequences of 3 tokens on the `test` preset's
+Runs `tests/test_sampling.check_end_to_end` (20,480 sequences (chunks of 4,096) of 3 tokens on the `test` preset's
 confident params, the p-values of token 1, token 2, token 2 | t1, token 3 | t1 and token 3 | t1, t2
 against the exact processed target) once per seed, and prints each seed's p-values and Fisher's
 combination per statistic (-2 sum log p ~ chi-square with 2 x seeds degrees of freedom under an

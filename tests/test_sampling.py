@@ -24,6 +24,7 @@ from sampling_laws import ALPHA, chi_square_p, reference_probs
 
 import jaxspec as js
 from jaxspec.model.sampling import Sampling, gumbel_choice, node_keys, processed_logprobs
+from jaxspec.speculation.generate import summarize_stats
 from jaxspec.speculation.verify import chain_residual_accept, greedy_accept, target_accept
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
@@ -215,7 +216,8 @@ def test_sampled_chain_residual_rule_is_exact():
 # level 2: speculative_generate end to end
 # ---------------------------------------------------------------------------------------------
 
-E2E_BATCH = 20_032  # a multiple of 64: no padded rows
+E2E_BATCH = 20_480  # sequences per end-to-end case, sampled in chunks of E2E_CHUNK
+E2E_CHUNK = 4096  # a multiple of 64: no padded rows
 # The MTP tree end to end takes three minutes of CI's two cores: it runs in the long tier. CI samples chains and
 # K > 1 trees end to end through the DSpark drafter (tests/test_dspark_speculation.py, two settings with top-k /
 # top-p): the acceptance rule, the cycle and the commit are the ones every drafter runs.
@@ -229,12 +231,21 @@ def check_end_to_end(params, cfg, spec, setting_name, seed=0, n=E2E_BATCH, accep
     with t1 the most frequent token 1, and token 3 | (t1, t2) when that pair is frequent; and tau."""
     setting = SETTINGS[setting_name] if isinstance(setting_name, str) else setting_name  # or (T, top-k, top-p)
     temperature, top_k, top_p = setting
-    out = js.speculative_generate(
-        params, cfg, [PROMPT] * n, spec, max_new_tokens=3, temperature=temperature, top_k=top_k, top_p=top_p,
-        rng=jax.random.key(seed), accept=accept, calibration=calibration, draft=draft,
-    )
-    t = out.tokens
-    assert (out.lengths == 3).all()
+    if n > E2E_CHUNK and n % E2E_CHUNK:
+        raise ValueError(f"n={n}: a multiple of {E2E_CHUNK} (equal chunks share one compiled loop)")
+    tokens, per_sequence = [], []
+    for i in range(max(n // E2E_CHUNK, 1)):  # chunks keep a worker's memory a few GB (the long tier runs two)
+        out = js.speculative_generate(
+            params, cfg, [PROMPT] * min(n, E2E_CHUNK), spec, max_new_tokens=3, temperature=temperature, top_k=top_k,
+            top_p=top_p, rng=jax.random.fold_in(jax.random.key(seed), i), accept=accept, calibration=calibration,
+            draft=draft,
+        )
+        assert (out.lengths == 3).all()
+        tokens.append(np.asarray(out.tokens))
+        per_sequence.append(out.stats["per_sequence"])
+    t = np.concatenate(tokens)
+    stats = summarize_stats({k: np.concatenate([np.asarray(p[k]) for p in per_sequence]) for k in per_sequence[0]},
+                            out.stats["spec"], 0, None)
     every = np.arange(cfg.vocab_size)
     p1 = exact_next(params, cfg, [PROMPT], setting)[0]
     p2_given = exact_next(params, cfg, [PROMPT + [v] for v in every], setting)  # [V(t1), V(t2)]
@@ -250,7 +261,7 @@ def check_end_to_end(params, cfg, spec, setting_name, seed=0, n=E2E_BATCH, accep
     t2 = int(np.bincount(rows[:, 1]).argmax())
     if np.count_nonzero(rows[:, 1] == t2) >= 500:
         result["token3|t1,t2"] = chi_square_p(rows[rows[:, 1] == t2, 2], p3_given[t2])
-    return result | {"tau": out.stats["mean_accepted_length"], "mean_verified": out.stats["mean_verified"]}
+    return result | {"tau": stats["mean_accepted_length"], "mean_verified": stats["mean_verified"]}
 
 
 def assert_samples_the_target(result):
