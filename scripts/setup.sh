@@ -2,7 +2,7 @@
 # Create .venv (once) and install what a command needs. Sourced by run.sh and test.sh:
 #   . scripts/setup.sh runtime   the package and its runtime dependencies (the main job)
 #   . scripts/setup.sh test      + the test extras (pinned), and the oracles: CPU torch, mlx, mlx-vlm (target and DSpark)
-#   . scripts/setup.sh jax012    .venv312: Python 3.12, jax 0.12 and pytest only (the GPU lowering tests)
+#   . scripts/setup.sh jax012    .venv312: Python 3.12, jax 0.12 and pytest (+ xdist) only (the GPU lowering tests)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python3}"
@@ -23,11 +23,11 @@ fi
 . "$VENV/bin/activate"
 LOG="$VENV/setup.log"
 STAMP="$VENV/.jaxspec-$WHAT"
-if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
+if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$ROOT/scripts/setup.sh" -nt "$STAMP" ]; then
   if [ "$WHAT" = jax012 ]; then
     echo "setup: installing jaxspec with jax 0.12 into .venv312 (log: $LOG)"
     TARGET="$ROOT"
-    python -m pip install -q "jax==0.12.*" "jaxlib==0.12.*" "pytest>=8" >>"$LOG" 2>&1 || { tail -30 "$LOG"; exit 1; }
+    python -m pip install -q "jax==0.12.*" "jaxlib==0.12.*" "pytest==9.2.0" "pytest-xdist==3.8.0" >>"$LOG" 2>&1 || { tail -30 "$LOG"; exit 1; }
   elif [ "$WHAT" = runtime ]; then
     echo "setup: installing jaxspec and its runtime dependencies into .venv (log: $LOG)"
     TARGET="$ROOT"

@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/setup.sh jax012
-exec python -m pytest -m gpu_lowering -p no:cacheprovider tests/test_gpu_lowering.py "$@"
+# Two workers, tests spread one by one: the lowerings are independent, and this leg runs before the main one.
+exec python -m pytest -n 2 --dist load -m gpu_lowering -p no:cacheprovider tests/test_gpu_lowering.py "$@"

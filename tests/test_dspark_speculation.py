@@ -75,6 +75,9 @@ def test_dspark_loop_compiles_once_and_checks_its_depth(agreeing_params, test_cf
         js.speculative_generate(agreeing_params, test_cfg, PROMPTS, "s6_k1_d7", draft=draft)
 
 
+# Long: the first three tokens of 4,096 rows by chi-square (marginals and conditionals); CI samples the same
+# chain and tree over 16 tokens below (the transformed tokens' law, at both temperatures).
+@pytest.mark.long
 @pytest.mark.parametrize("spec,setting", [("s3_k1_d4", "t1_p0.9"), ("s3_k2_d6", (0.6, 8, 0.9))])
 def test_sampled_dspark_chain_and_tree_follow_the_target(confident_params, test_cfg, dcfg, spec, setting):
     draft = dspark_draft(agreeing_dspark(confident_params, test_cfg, dcfg, jax.random.key(2)), dcfg)
@@ -83,8 +86,10 @@ def test_sampled_dspark_chain_and_tree_follow_the_target(confident_params, test_
     assert result["tau"] > 1.5, result  # the sampled drafts are accepted, not just the bonus
 
 
-# With the 3-token cases above, DSpark chains and K = 2 trees each sample at T = 0.6 and T = 1 with top-k / top-p.
-@pytest.mark.parametrize("spec,setting", [("s3_k1_d4", (0.6, 8, 0.9)), ("s3_k2_d6", (1.0, 24, 0.8))])
+# A DSpark chain and a K = 2 tree, each at T = 0.6 and T = 1 with top-k and top-p; the settings are traced, so
+# one compiled loop per spec serves both temperatures.
+@pytest.mark.parametrize("spec,setting", [("s3_k1_d4", (0.6, 8, 0.9)), ("s3_k1_d4", (1.0, None, 0.9)),
+                                          ("s3_k2_d6", (1.0, 24, 0.8)), ("s3_k2_d6", (0.6, 8, 0.9))])
 def test_sampled_dspark_rows_follow_the_target_over_cycles(confident_params, test_cfg, dcfg, spec, setting):
     """512 rows x 16 tokens after a 7-token prompt: several cycles per row, across the sliding window (8),
     CSA (4) and HCA (16) boundaries. Every token's randomized probability integral transform under the

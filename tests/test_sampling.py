@@ -219,8 +219,9 @@ def test_sampled_chain_residual_rule_is_exact():
 E2E_BATCH = 20_480  # sequences per end-to-end case, sampled in chunks of E2E_CHUNK
 E2E_CHUNK = 4096  # a multiple of 64: no padded rows
 # The MTP tree end to end takes three minutes of CI's two cores: it runs in the long tier. CI samples chains and
-# K > 1 trees end to end through the DSpark drafter (tests/test_dspark_speculation.py, two settings with top-k /
-# top-p): the acceptance rule, the cycle and the commit are the ones every drafter runs.
+# K > 1 trees end to end through the DSpark drafter (tests/test_dspark_speculation.py: 16 tokens a row at T = 0.6
+# and 1 with top-k / top-p, every token's law by its probability integral transform): the acceptance rule, the
+# cycle and the commit are the ones every drafter runs.
 CI_E2E = [pytest.param("confident", "s3_k2_d6", "t1_p0.9", marks=pytest.mark.long)]
 FULL_E2E = [(w, s, t) for w in ("random", "confident") for s in SPECS for t in SETTINGS]
 E2E = FULL_E2E if os.environ.get("JAXSPEC_FULL_SAMPLING") else CI_E2E
