@@ -110,7 +110,7 @@ def test_data_root_and_errors(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="source must be one of"):
         data_lib.load_gsm8k("test", source="web")
     with pytest.raises(ValueError, match="name must be one of"):
-        data_lib.load_dataset("humaneval", "test")
+        data_lib.load_dataset("triviaqa", "test")
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
     with pytest.raises(ValueError, match="needs the `datasets` package"):
         data_lib.load_gsm8k("test", source="hf")
