@@ -40,6 +40,12 @@ def draft(agreeing_params, test_cfg, dcfg):
     return dspark_draft(agreeing_dspark(agreeing_params, test_cfg, dcfg, jax.random.key(2)), dcfg)
 
 
+@pytest.fixture(scope="module")
+def confident_draft(confident_params, test_cfg, dcfg):
+    """The agreeing DSpark drafter of the sharpened target: the sampling tests' draft, built once."""
+    return dspark_draft(agreeing_dspark(confident_params, test_cfg, dcfg, jax.random.key(2)), dcfg)
+
+
 @pytest.mark.parametrize("spec", ["s4_k1_d5", "s4_k2_d8", "s5_k4_d12", "s5_k2_d8_vc"])
 def test_greedy_dspark_chains_and_trees_are_generate(agreeing_params, test_cfg, draft, spec):
     ref = js.generate(agreeing_params, test_cfg, PROMPTS, max_new_tokens=40)
@@ -79,8 +85,8 @@ def test_dspark_loop_compiles_once_and_checks_its_depth(agreeing_params, test_cf
 # chain and tree over 16 tokens below (the transformed tokens' law, at both temperatures).
 @pytest.mark.long
 @pytest.mark.parametrize("spec,setting", [("s3_k1_d4", "t1_p0.9"), ("s3_k2_d6", (0.6, 8, 0.9))])
-def test_sampled_dspark_chain_and_tree_follow_the_target(confident_params, test_cfg, dcfg, spec, setting):
-    draft = dspark_draft(agreeing_dspark(confident_params, test_cfg, dcfg, jax.random.key(2)), dcfg)
+def test_sampled_dspark_chain_and_tree_follow_the_target(confident_params, test_cfg, confident_draft, spec, setting):
+    draft = confident_draft
     result = check_end_to_end(confident_params, test_cfg, spec, setting, n=4096, draft=draft)
     assert_samples_the_target(result)
     assert result["tau"] > 1.5, result  # the sampled drafts are accepted, not just the bonus
@@ -90,13 +96,14 @@ def test_sampled_dspark_chain_and_tree_follow_the_target(confident_params, test_
 # one compiled loop per spec serves both temperatures.
 @pytest.mark.parametrize("spec,setting", [("s3_k1_d4", (0.6, 8, 0.9)), ("s3_k1_d4", (1.0, None, 0.9)),
                                           ("s3_k2_d6", (1.0, 24, 0.8)), ("s3_k2_d6", (0.6, 8, 0.9))])
-def test_sampled_dspark_rows_follow_the_target_over_cycles(confident_params, test_cfg, dcfg, spec, setting):
+def test_sampled_dspark_rows_follow_the_target_over_cycles(confident_params, test_cfg, confident_draft, spec,
+                                                           setting):
     """512 rows x 16 tokens after a 7-token prompt: several cycles per row, across the sliding window (8),
     CSA (4) and HCA (16) boundaries. Every token's randomized probability integral transform under the
     target's law at its position (a one-shot prefill of the row, numpy's temperature / top-k / top-p)
     is uniform, and consecutive tokens' are independent, iff the rows follow the target: the statistics
     `generate` passes in test_sampling_reference.py, here over cycle and compression boundaries."""
-    draft = dspark_draft(agreeing_dspark(confident_params, test_cfg, dcfg, jax.random.key(2)), dcfg)
+    draft = confident_draft
     rows, new = 512, 16
     temperature, top_k, top_p = setting
     out = js.speculative_generate(confident_params, test_cfg, [PROMPT] * rows, spec, max_new_tokens=new,
