@@ -219,7 +219,7 @@ def test_calibrate_needs_a_draft(tmp_path):
 
 
 CI_SAMPLING = [("s3_k2_d6", "t1", 4096)]
-LONG_SAMPLING = [(spec, t, 20_480) for spec in ("s3_k2_d6", "s5_k2_d6") for t in ("t0.5", "t1")]
+LONG_SAMPLING = [(spec, t, 12_288) for spec in ("s3_k2_d6", "s5_k2_d6") for t in ("t0.5", "t1")]
 
 
 def _sampling_case(calibration, params, cfg, spec, setting, n):

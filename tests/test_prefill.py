@@ -154,21 +154,64 @@ def v4_ratio_config() -> js.ModelConfig:
     )
 
 
+def topk_gaps(params, cfg, seq) -> tuple[np.ndarray, np.ndarray]:
+    """The one-shot logits of `seq` [S] and, per position, the smallest relative gap between the k-th
+    and (k+1)-th CSA index score over its CSA layers -> ([S, V], [S]).
+
+    Found by wrapping `jax.lax.top_k` while a fresh jit of the one-shot program traces: the indexer's
+    call (k = index_topk) also takes the (k+1)-th value and reports the gap to the host."""
+    gaps, k_index, top_k = [], cfg.index_topk, jax.lax.top_k
+
+    def record(values):  # [1, S, k+1]
+        v = np.asarray(values, np.float64)[0]
+        with np.errstate(invalid="ignore"):  # fewer than k + 1 entries: the pick takes all, no tie
+            gap = np.abs(v[:, -2] - v[:, -1]) / np.maximum(np.abs(v[:, -2]), 1e-30)
+        gaps.append(np.where(np.isneginf(v[:, -1]), np.inf, gap))
+
+    def wrapped(x, k, **kw):
+        if k != k_index or x.ndim != 3 or x.shape[-1] <= k:
+            return top_k(x, k, **kw)
+        values, index = top_k(x, k + 1, **kw)
+        jax.debug.callback(record, values)
+        return values[..., :k], index[..., :k]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(jax.lax, "top_k", wrapped)
+        one_shot = jax.jit(model.jitted_one_shot_logits.__wrapped__, static_argnums=1)  # traced afresh
+        logits = np.asarray(one_shot(params, cfg, jnp.asarray(seq[None])))[0]
+    assert gaps, "the one-shot program made no CSA top-k pick"
+    return logits, np.min(gaps, axis=0)
+
+
+def assert_equal_or_tie(got, ref, gaps, what):
+    """Chunked logits `got` [n, V] equal the one-shot `ref` [n, V] to 1e-5 relative, or first differ at
+    a position where the one-shot CSA top-k meets a near-tie (k-th and (k+1)-th index scores within
+    1e-5 relative): float32 rounding of the same sums may then pick the other entry, and every later
+    position reads what that token wrote (docs/prefill.md). A chunking error starts anywhere else."""
+    scale = max(float(np.max(np.abs(ref))), 1e-30)
+    err = np.max(np.abs(got.astype(np.float64) - ref), axis=-1) / scale  # [n]
+    bad = np.flatnonzero(err > 1e-5)
+    if bad.size:
+        first = int(bad[0])
+        assert gaps[first] < 1e-5, (what, first, float(err[first]), float(gaps[first]))
+
+
 @pytest.mark.long  # ~5-9 minutes on one core (bench/prefill.py equal; docs/prefill.md)
 @pytest.mark.parametrize("name", ["tiny", "v4-ratios"])
 def test_issue_lengths_chunked_equal_one_shot(name):
     """Rows of 1 .. 3000 tokens of one sequence in one ragged batch: every prompt position's logits
-    equal the one-shot prefill of the 3000-token row (causal: a prefix's logits are its first rows);
-    the greedy continuations of the 1000- and 3000-token prompts equal the one-shot program's.
+    equal the one-shot prefill of the 3000-token row (causal: a prefix's logits are its first rows),
+    or first differ where the one-shot CSA top-k sits on a near-tie; the greedy continuations of the
+    1000- and 3000-token prompts equal the one-shot program's.
 
-    The chunks are the measured ones: elsewhere (tiny 1024, v4-ratios dense 256) a CSA top-k pick
-    sits on a near-tie of the index scores (2e-7 .. 1e-6 relative) at one position of the 3000 row,
-    and the logits differ from there on while the greedy tokens do not (docs/prefill.md)."""
+    Near-ties are common (ReLU index scores; ~5-7% of positions have a top-k gap below 1e-5), and which
+    one a rounding difference tips depends on the batch's shapes and the XLA flags, so the bar is
+    tie-aware rather than a choice of chunks that happened to miss them (docs/prefill.md)."""
     cfg = js.ModelConfig.preset("tiny") if name == "tiny" else v4_ratio_config()
     params = randomize(js.init_params(cfg, jax.random.key(0)), jax.random.key(1))
     lengths = [1, 31, 32, 33, 127, 128, 129, 1000, 3000]
     seq = np.random.default_rng(0).integers(0, cfg.vocab_size, 3000).astype(np.int32)
-    ref = np.asarray(model.one_shot_logits(params, cfg, jnp.asarray(seq[None])))[0]
+    ref, gaps = topk_gaps(params, cfg, seq)
     tokens, lens = jnp.asarray(np.tile(seq, (len(lengths), 1))), jnp.asarray(lengths, jnp.int32)
     chunks = (128, 256) if name == "tiny" else (512, 1024)  # tiny 256 and v4 512 / 1024 are banded
     for chunk in chunks:  # none divides 31, 33, 129, 1000 or 3000
@@ -177,7 +220,7 @@ def test_issue_lengths_chunked_equal_one_shot(name):
             p, c, init_state(c, len(lengths), 3000), t, n, all_logits=True)[0].logits)
         got = np.asarray(run(params, tokens, lens))
         for i, n in enumerate(lengths):
-            assert _max_rel(got[i, :n], ref[:n]) <= 1e-5, (n, chunk)
+            assert_equal_or_tie(got[i, :n], ref[:n], gaps, (n, chunk))
     del ref
     for n in (1000, 3000):
         want = one_shot_greedy(params, cfg, seq[:n], 16)

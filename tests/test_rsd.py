@@ -11,7 +11,7 @@ models (seeds) x chain / K = 2 / K = 4 x T = 0.6, 1.0 x top-p 1.0, 0.9 (with `JA
 CI runs one model). Wrong variants (no residual update; kept children not a prefix of the sampling
 order) must fail the same check.
 
-Level 2, `speculative_generate(accept="residual")` end to end over 20k prompts (the harness of
+Level 2, `speculative_generate(accept="residual")` end to end over 12,288 prompts (the harness of
 test_sampling.py), zero recompiles across settings, greedy under the residual program == generate.
 """
 

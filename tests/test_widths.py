@@ -78,7 +78,7 @@ def test_per_cycle_widths_are_greedy_exact_and_compile_once(agreeing_params, tes
     assert speculative_compile_count() == before
 
 
-@pytest.mark.long  # ~20k sequences per case; the CI test above checks the mechanism greedily
+@pytest.mark.long  # 12,288 sequences per case; the CI test above checks the mechanism greedily
 @pytest.mark.parametrize("accept", ["residual", "target"])
 @pytest.mark.parametrize("temperature", [0.6, 1.0])
 def test_per_cycle_widths_sample_the_target(confident_params, test_cfg, accept, temperature):
