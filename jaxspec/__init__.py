@@ -16,13 +16,14 @@ from jaxspec.model.placement import memory_plan, shard_params
 from jaxspec.model.runner import prefill_logits
 from jaxspec.model.state import DecodeState, init_state
 from jaxspec.sharding.rules import make_mesh
-from jaxspec.speculation.drafter import Draft
+from jaxspec.speculation.drafter import Draft, DraftSet
 from jaxspec.speculation.generate import GenerateOutput, generate, speculative_generate
 from jaxspec.speculation.inputs import DecodeOptions
 
 __all__ = [
     "Checkpoint",
     "Draft",
+    "DraftSet",
     "DecodeOptions",
     "DecodeState",
     "DSparkConfig",

@@ -2,13 +2,15 @@
 the draft's own only: the target, its embedding and head stay the checkpoint's) with its own
 calibration.json and tune.json: an MTP block (`mtp/`) or a DSpark drafter (`dspark/` + `dspark.json`,
 its `DSparkConfig`). `load_checkpoint(path, draft=name)` takes it; the checkpoint's own draft
-(params/mtp) is `DEFAULT_DRAFT`, what `draft=None` loads.
+(params/mtp) is `DEFAULT_DRAFT`, what `draft=None` loads; `draft="all"` takes every draft, with the
+choice among them that `jaxspec tune --draft all` wrote to drafts/tune.json.
 
     checkpoints/tiny-v4/drafts/one-step/
         mtp/              orbax PyTree of MTPParams, in the checkpoint's config.json dtypes
         draft.json        how it was trained (recipe, schedule, held-out history)
         calibration.json  `jaxspec calibrate --draft one-step`
         tune.json         the budget chooser's result for this draft
+    checkpoints/tiny-v4/drafts/tune.json  the chooser's result across every draft ("dspark/s5_k1_d6")
     checkpoints/tiny-v4/drafts/dspark/
         dspark/           orbax PyTree of DSparkParams
         dspark.json       its DSparkConfig
@@ -39,6 +41,7 @@ from jaxspec.speculation.values import CALIBRATION_FILE, Calibration, check_fitt
 
 DRAFTS = "drafts"
 DEFAULT_DRAFT = "default"  # the checkpoint's own params/mtp
+ALL_DRAFTS = "all"  # every draft, as one DraftSet
 MTP = "mtp"
 DSPARK = "dspark"
 DSPARK_CONFIG = "dspark.json"
@@ -89,7 +92,7 @@ def sidecar_values(folder: str, draft: Any, cfg: ModelConfig
     """The calibration.json and tune.json a draft's folder holds (None where absent). A calibration fitted
     for another draft is an error here; a file that cannot be read is kept as `Unreadable` (its one-line
     error raised when speculation uses it, with a warning now)."""
-    calibration = tuning = None
+    calibration = None
     path = os.path.join(folder, CALIBRATION_FILE)
     if os.path.isfile(path):
         try:
@@ -98,13 +101,18 @@ def sidecar_values(folder: str, draft: Any, cfg: ModelConfig
             calibration = _unreadable(path, e)
         else:
             check_fitted(calibration, draft, cfg, path)  # fitted for this draft, or a one-line error now
+    return calibration, read_tuning(folder)
+
+
+def read_tuning(folder: str) -> Tuning | Unreadable | None:
+    """The tune.json `folder` holds (None where absent; `Unreadable` with a warning where damaged)."""
     path = os.path.join(folder, TUNING_FILE)
-    if os.path.isfile(path):
-        try:
-            tuning = load_tuning(path)
-        except (ValueError, OSError) as e:
-            tuning = _unreadable(path, e)
-    return calibration, tuning
+    if not os.path.isfile(path):
+        return None
+    try:
+        return load_tuning(path)
+    except (ValueError, OSError) as e:
+        return _unreadable(path, e)
 
 
 def _unreadable(path: str, error: Exception) -> Unreadable:
@@ -137,8 +145,9 @@ def save_draft(path: str | os.PathLike, name: str, cfg: ModelConfig, params: MTP
     stale one is refused at load); -> its folder."""
     import orbax.checkpoint as ocp
 
-    if not name or name == DEFAULT_DRAFT or os.sep in name or name.startswith("."):
-        raise ValueError(f"a draft name must be a plain folder name other than {DEFAULT_DRAFT!r}, got {name!r}")
+    if not name or name in (DEFAULT_DRAFT, ALL_DRAFTS) or os.sep in name or name.startswith("."):
+        raise ValueError(f"a draft name must be a plain folder name other than {DEFAULT_DRAFT!r} and {ALL_DRAFTS!r}, "
+                         f"got {name!r}")
     if isinstance(params, DSparkParams):
         if config is None:
             raise ValueError("a DSpark draft needs its DSparkConfig (config=)")

@@ -15,11 +15,12 @@ import jax.numpy as jnp
 
 from jaxspec.checkpoint import drafts, errors
 from jaxspec.core.config import ModelConfig
+from jaxspec.core.dspark import DSparkConfig
 from jaxspec.model.dspark import abstract_dspark_params
 from jaxspec.model.network import ModelParams, abstract_params, cpu_layout
 from jaxspec.model.placement import param_shardings, sharded_abstract
 from jaxspec.ops.quant import BlockScaled
-from jaxspec.speculation.drafter import Draft
+from jaxspec.speculation.drafter import Draft, DraftSet
 
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
@@ -98,7 +99,7 @@ class Checkpoint:
     cfg: ModelConfig
     params: ModelParams  # the target (its `mtp` is the chosen draft's when that is an MTP block)
     tokenizer: Any  # a `tokenizers.Tokenizer`, or None
-    draft: Draft | None  # the draft to speculate with (`speculative_generate(..., draft=ckpt.draft)`)
+    draft: Draft | DraftSet | None  # what to speculate with (`speculative_generate(..., draft=ckpt.draft)`)
     path: str
 
     def __iter__(self):
@@ -117,9 +118,11 @@ def load_checkpoint(
 
     `draft`: None (or "default") takes the checkpoint's own draft (its MTP block, with the folder's
     calibration.json and tune.json); a name from `checkpoint.drafts.draft_names(path)` takes
-    drafts/<name>/ with its own. A damaged calibration.json or tune.json does not stop the load: it is
-    reported (one line naming the file) when speculation asks for it. `dtype` ("float32" / "bfloat16")
-    casts the weights: float32 for exact comparisons (the README's dtype condition).
+    drafts/<name>/ with its own; "all" takes every one as a `DraftSet` with the tuning across them
+    (drafts/tune.json, `jaxspec tune --draft all`), for spec="auto" to choose the draft as well. A
+    damaged calibration.json or tune.json does not stop the load: it is reported (one line naming the
+    file) when speculation asks for it. `dtype` ("float32" / "bfloat16") casts the weights: float32
+    for exact comparisons (the README's dtype condition).
 
     With `mesh` (see `jaxspec.make_mesh`) every leaf is restored straight into its parameter
     sharding (`placement.param_shardings(cfg, mesh, rules)`): each device reads only its slice.
@@ -134,7 +137,8 @@ def load_checkpoint(
     cfg_path, params_dir = os.path.join(path, CONFIG), os.path.join(path, PARAMS)
     if not os.path.isfile(cfg_path) or not os.path.isdir(params_dir):
         raise ValueError(f"{path!r} is not a jaxspec checkpoint (needs {CONFIG} and {PARAMS}/)")
-    sidecars = drafts.draft_dir(path, draft)  # an unknown draft fails before any array is read
+    names = drafts.draft_names(path) if draft == drafts.ALL_DRAFTS else [draft or drafts.DEFAULT_DRAFT]
+    folders = [drafts.draft_dir(path, name) for name in names]  # an unknown draft fails before any array is read
     data = errors.read_json(cfg_path)
     try:
         cfg = _cfg_from_json(data)
@@ -146,21 +150,14 @@ def load_checkpoint(
     placed = abstract if mesh is None else sharded_abstract(abstract, param_shardings(cfg, mesh, rules))
     params = _restore(params_dir, abstract, placed, path)
     check_structure(cfg, params)
-    kind = drafts.MTP if sidecars == path else drafts.draft_kind(sidecars)
-    config = own_params = None
-    if kind == drafts.MTP and sidecars != path:  # an MTP draft takes the place of the checkpoint's own block
-        params = params.replace(mtp=_restore(os.path.join(sidecars, drafts.MTP), abstract.mtp, placed.mtp, sidecars))
+    # Each draft's own parameters (None: the checkpoint's params/mtp) and its DSparkConfig (None: an MTP block).
+    stored = [_stored_draft(folder, path, cfg, abstract, placed, mesh, rules) for folder in folders]
+    if draft != drafts.ALL_DRAFTS and stored[0][0] is not None and stored[0][1] is None:
+        params = params.replace(mtp=stored[0][0])  # an MTP draft takes the place of the checkpoint's own block
         check_structure(cfg, params)
-    elif kind == drafts.DSPARK:
-        config = drafts.read_dspark_config(sidecars)
-        config.validate_for(cfg)
-        dabs = abstract_dspark_params(cfg, config)
-        dplaced = dabs if mesh is None else sharded_abstract(dabs, param_shardings(cfg, mesh, rules, dabs))
-        own_params = _restore(os.path.join(sidecars, drafts.DSPARK), dabs, dplaced, sidecars)
+        stored = [(None, None)]
     if dtype is not None and dtype != cfg.dtype:
         cfg, params = cast(cfg, params, dtype)
-        if own_params is not None:
-            own_params = jax.tree.map(lambda x, a: x.astype(a.dtype), own_params, abstract_dspark_params(cfg, config))
     tokenizer = None
     tok_path = os.path.join(path, TOKENIZER)
     if os.path.isfile(tok_path):
@@ -170,14 +167,40 @@ def load_checkpoint(
             tokenizer = Tokenizer.from_file(tok_path)
         except Exception as e:  # tokenizers raises a bare Exception on a malformed file
             raise ValueError(f"{tok_path} is damaged or not a tokenizer: {errors.one_line(e)}") from None
-    own_params = params.mtp if own_params is None else own_params  # the draft: an MTP block or a DSpark drafter
-    own = drafts.sidecar_values(sidecars, own_params, cfg) if own_params is not None else (None, None)
-    if cpu_experts and mesh is None:
+    found = []  # (name, params, config, sidecar values): the values are checked against the stored layout
+    for name, folder, (own, config) in zip(names, folders, stored, strict=True):
+        if own is None and params.mtp is None:
+            continue  # no MTP block: no default draft
+        if own is not None:
+            expected = abstract_params(cfg).mtp if config is None else abstract_dspark_params(cfg, config)
+            own = jax.tree.map(lambda x, a: x.astype(a.dtype), own, expected)
+        values = drafts.sidecar_values(folder, params.mtp if own is None else own, cfg)
+        found.append((name, own, config, values))
+    layout = cpu_experts and mesh is None
+    if layout:
         params = cpu_layout(params, cfg)
-        own_params = params.mtp if kind == drafts.MTP else cpu_layout(own_params, cfg)
-    name = draft or drafts.DEFAULT_DRAFT
-    found = None if own_params is None else drafts.draft_of(name, own_params, config, *own)
-    return Checkpoint(cfg=cfg, params=params, tokenizer=tokenizer, draft=found, path=path)
+    found = [drafts.draft_of(name, params.mtp if own is None else cpu_layout(own, cfg) if layout else own, config,
+                             *values) for name, own, config, values in found]
+    if draft == drafts.ALL_DRAFTS:
+        chosen = DraftSet(tuple(found), drafts.read_tuning(os.path.join(path, drafts.DRAFTS))) if found else None
+    else:
+        chosen = found[0] if found else None
+    return Checkpoint(cfg=cfg, params=params, tokenizer=tokenizer, draft=chosen, path=path)
+
+
+def _stored_draft(folder: str, path: str, cfg: ModelConfig, abstract: ModelParams, placed: ModelParams, mesh: Any,
+                  rules: Any) -> tuple[Any, DSparkConfig | None]:
+    """The parameters drafts/<name>/ stores (None for the checkpoint's own, `folder == path`) and its
+    DSparkConfig (None for an MTP block), restored as stored (placed on `mesh` when given)."""
+    if folder == path:
+        return None, None
+    if drafts.draft_kind(folder) == drafts.MTP:
+        return _restore(os.path.join(folder, drafts.MTP), abstract.mtp, placed.mtp, folder), None
+    config = drafts.read_dspark_config(folder)
+    config.validate_for(cfg)
+    dabs = abstract_dspark_params(cfg, config)
+    dplaced = dabs if mesh is None else sharded_abstract(dabs, param_shardings(cfg, mesh, rules, dabs))
+    return _restore(os.path.join(folder, drafts.DSPARK), dabs, dplaced, folder), config
 
 
 def cast(cfg: ModelConfig, params: ModelParams, dtype: str) -> tuple[ModelConfig, ModelParams]:

@@ -37,7 +37,7 @@ def add_parser(subparsers: Any) -> None:
         "by default.",
     )
     p.add_argument("--checkpoint", required=True, help="checkpoint folder (with tokenizer)")
-    add_draft_argument(p)
+    add_draft_argument(p, every=False)
     add_data_arguments(p, 64, "train-split prompts")
     p.add_argument("--temperatures", type=csv(float), default=(0.6, 1.0),
                    help="sampling temperatures to fit a map for (greedy is always fitted)")

@@ -137,10 +137,13 @@ def add_model_arguments(p: argparse.ArgumentParser, *, text: bool = False) -> No
     p.add_argument("--preset", default=None, help=f"model preset when no --checkpoint (default {DEFAULT_PRESET})")
 
 
-def add_draft_argument(p: argparse.ArgumentParser) -> None:
-    """--draft NAME: a draft of the checkpoint's drafts/ folder instead of its own (`checkpoint/drafts.py`)."""
+def add_draft_argument(p: argparse.ArgumentParser, every: bool = True) -> None:
+    """--draft NAME: a draft of the checkpoint's drafts/ folder instead of its own (`checkpoint/drafts.py`);
+    `every`: 'all' takes every draft (a DraftSet)."""
+    more = (("; 'all': every draft, --spec naming one (dspark/s5_k1_d6) or auto choosing the draft too by "
+             "drafts/tune.json") if every else "")
     p.add_argument("--draft", default=None, metavar="NAME",
-                   help="use drafts/NAME/ of the checkpoint (e.g. one-step) instead of its own MTP draft")
+                   help=f"use drafts/NAME/ of the checkpoint (e.g. one-step) instead of its own MTP draft{more}")
 
 
 def add_data_arguments(p: argparse.ArgumentParser, num_prompts: int, what: str) -> None:

@@ -180,7 +180,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     console.print(choice.how)
     kwargs = dict(max_new_tokens=args.new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                   eos_id=cfg.eos_id, rng=jax.random.key(args.seed), mesh=mesh)
-    runs = _timed_runs(args, console, cfg, params, prompts, kwargs, choice, model.draft)
+    draft = choice.draft if choice.draft is not None else model.draft
+    runs = _timed_runs(args, console, cfg, params, prompts, kwargs, choice, draft)
     _show_outputs(console, args, prompts, texts, tokenizer, runs[choice.spec.name if choice.spec else "AR"]["out"])
     _report(args, console, choice, runs)
     return 0

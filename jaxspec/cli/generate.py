@@ -298,7 +298,8 @@ def _generate_batch(args, model, mesh, batch, start, choice, rng, show, np) -> l
         if choice.spec is None:
             out = generate(model.params, model.cfg, prompts, **kwargs)
         else:
-            out = speculative_generate(model.params, model.cfg, prompts, choice.spec, **kwargs, draft=model.draft)
+            draft = choice.draft if choice.draft is not None else model.draft
+            out = speculative_generate(model.params, model.cfg, prompts, choice.spec, **kwargs, draft=draft)
         wall = time.perf_counter() - t0
     streamer.finish()
     per_seq = out.stats["per_sequence"]

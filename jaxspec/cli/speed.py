@@ -16,13 +16,14 @@ NO_SPEC = ("none", "ar")
 def check_spec_arg(text: str) -> str:
     """--spec as given, checked at once: "auto", "none" / "ar", or a spec name (ValueError naming the
     allowed forms otherwise), so a typo fails before the model loads."""
-    from jaxspec.core.spec import SpecConfig
+
+    from jaxspec.speculation.auto import split_choice
 
     name = str(text).strip()
     if name.lower() in ("auto", *NO_SPEC):
         return name.lower()
     try:
-        SpecConfig.parse(name)
+        split_choice(name)
     except ValueError as e:
         raise ValueError(f"--spec {text!r}: {e}; or 'auto' (the checkpoint's tune.json) or 'none' (no "
                          "speculation)") from None
@@ -38,6 +39,7 @@ class Choice:
     how: str
     tuned: dict[str, Any] | None = None
     best_tuned: dict[str, Any] | None = None  # the tuner's fastest speculative row at that bucket
+    draft: Any = None  # the Draft to run the spec with (one of a DraftSet's; None: the model's draft)
 
 
 def _bucket(tuning: Any, batch: int) -> int:
@@ -60,10 +62,12 @@ def tuned_rows(tuning: Any, name: str | None, batch: int) -> tuple[dict | None, 
 def choose_spec(arg: str, draft: Any, batch: int) -> Choice:
     """The spec of `--spec arg` (checked by `check_spec_arg`) for `batch` prompts with `draft`."""
     from jaxspec.core.spec import SpecConfig
-    from jaxspec.speculation.drafter import Unreadable
+    from jaxspec.speculation.drafter import DraftSet, Unreadable
 
     if arg in NO_SPEC:
         return Choice(None, "--spec none: autoregressive only")
+    if isinstance(draft, DraftSet):
+        return _choose_among(arg, draft, batch)
     if draft is None:
         if arg == "auto":
             return Choice(None, "no draft (no MTP block): autoregressive only")
@@ -71,6 +75,9 @@ def choose_spec(arg: str, draft: Any, batch: int) -> Choice:
     tuning = draft.tuning
     if isinstance(tuning, Unreadable):
         tuning = None
+    if "/" in arg:
+        raise ValueError(f"--spec {arg} names a draft: pass --draft all to choose among drafts, or --draft NAME and "
+                         f"--spec {arg.rpartition('/')[2]}")
     if arg != "auto":
         spec = SpecConfig.parse(arg)
         return Choice(spec, f"--spec {spec.name}", *tuned_rows(tuning, spec.name, batch))
@@ -87,6 +94,34 @@ def choose_spec(arg: str, draft: Any, batch: int) -> Choice:
                       "autoregressive measured fastest there", *tuned_rows(tuning, None, batch))
     return Choice(spec, f"--spec auto: tune.json chose {spec.name} for batch {batch} (its bucket {bucket})",
                   *tuned_rows(tuning, spec.name, batch))
+
+
+def _choose_among(arg: str, drafts: Any, batch: int) -> Choice:
+    """The draft and spec of --draft all: --spec names both, or auto takes drafts/tune.json's choice."""
+    from jaxspec.speculation.auto import split_choice
+    from jaxspec.speculation.drafter import Unreadable
+
+    tuning = None if isinstance(drafts.tuning, Unreadable) else drafts.tuning
+    if arg != "auto":
+        name, spec = split_choice(arg)
+        if name is None:
+            raise ValueError(f"--draft all holds drafts {', '.join(drafts.names)}: --spec names the one to run "
+                             f"({drafts.names[-1]}/{spec.name}), or auto")
+        return Choice(spec, f"--spec {arg}", *tuned_rows(tuning, arg, batch), draft=drafts[name])
+    if tuning is None:
+        why = ("has no drafts/tune.json" if drafts.tuning is None
+               else f"has an unreadable drafts/tune.json ({drafts.tuning.path}: {drafts.tuning.error})")
+        raise ValueError(f"--spec auto with --draft all: the checkpoint {why}; run `jaxspec tune --draft all` or "
+                         "name a draft and spec (--spec dspark/s5_k1_d6)")
+    bucket, chosen = _bucket(tuning, batch), tuning.name_for(batch)
+    name, spec = split_choice(chosen)
+    if spec is None:
+        return Choice(None, f"--spec auto: drafts/tune.json chose no speculation for batch {batch} (bucket "
+                      f"{bucket}): autoregressive measured fastest there", *tuned_rows(tuning, None, batch))
+    if name is None:
+        raise ValueError("drafts/tune.json chose among one draft's specs; rerun `jaxspec tune --draft all`")
+    return Choice(spec, f"--spec auto: drafts/tune.json chose {chosen} for batch {batch} (its bucket {bucket})",
+                  *tuned_rows(tuning, chosen, batch), draft=drafts[name])
 
 
 def cpu_note(choice: Choice, measured: float | None = None) -> str:

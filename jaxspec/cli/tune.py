@@ -57,7 +57,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--projected-mesh", default="1,1,1", metavar="D,T,E",
                    help="with --projected: the mesh (data,tensor,expert) the projection is for (default 1,1,1)")
     p.add_argument("--out", default=None, help="tuning file (default CHECKPOINT/tune.json, with --draft "
-                   "CHECKPOINT/drafts/NAME/tune.json)")
+                   "CHECKPOINT/drafts/NAME/tune.json, with --draft all CHECKPOINT/drafts/tune.json)")
     p.add_argument("--fresh", action="store_true",
                    help="measure every group again (by default a rerun reuses the groups OUT.progress.jsonl holds "
                         "for the same model, prompts and candidates)")
@@ -99,9 +99,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
     console.print(f"tuning on {', '.join(f'{len(p)} {name}' for name, p in prompts.items())} held-out tuning prompts, "
                   f"{len(args.candidates)} candidates, batch sizes {list(args.batch_sizes)}, {args.repeats} rounds")
     if args.out is None and args.draft is not None:
-        from jaxspec.checkpoint.drafts import draft_dir
+        from jaxspec.checkpoint.drafts import ALL_DRAFTS, DRAFTS, draft_dir
 
-        args.out = os.path.join(draft_dir(os.path.expanduser(args.checkpoint), args.draft), "tune.json")
+        folder = os.path.expanduser(args.checkpoint)
+        folder = os.path.join(folder, DRAFTS) if args.draft == ALL_DRAFTS else draft_dir(folder, args.draft)
+        args.out = os.path.join(folder, "tune.json")
     out = Path(args.out or os.path.expanduser(args.checkpoint))
     progress = (out.with_suffix("") if out.suffix == ".json" else out / "tune").with_suffix(".progress.jsonl")
     if args.fresh and progress.exists():

@@ -109,7 +109,7 @@ def run_batch(
 def timed_methods(
     params: ModelParams,
     cfg: ModelConfig,
-    methods: Mapping[str, SpecConfig | None],  # name -> spec (None: `generate`, the AR reference)
+    methods: Mapping[str, Any],  # name -> spec (with `draft`), (Draft, spec), or None: `generate`, the AR reference
     batches: Sequence[list[list[int]]],
     max_new_tokens: int,
     repeats: int,
@@ -128,9 +128,10 @@ def timed_methods(
     over rounds, its spread that of its per-round totals. -> (name -> {"seconds", "spread",
     "round_seconds", "generated", "tokens_per_s", "outputs": the first pass's `run_batch` results},
     the Watch's verdict, with the first method as the reference)."""
-    run = {name: functools.partial(run_batch, params, cfg, spec, max_new_tokens=max_new_tokens, devices=devices,
-                                   longest_prompt=longest_prompt, pad_batch_to=pad_batch_to, draft=draft)
-           for name, spec in methods.items()}
+    run = {name: functools.partial(run_batch, params, cfg, m[1] if isinstance(m, tuple) else m,
+                                   max_new_tokens=max_new_tokens, devices=devices, longest_prompt=longest_prompt,
+                                   pad_batch_to=pad_batch_to, draft=m[0] if isinstance(m, tuple) else draft)
+           for name, m in methods.items()}
     first = {}
     for name, call in run.items():
         if describe is not None:

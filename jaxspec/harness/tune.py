@@ -38,8 +38,8 @@ from jaxspec.core.config import ModelConfig
 from jaxspec.core.spec import SpecConfig
 from jaxspec.harness.eval import timed_methods
 from jaxspec.model.network import ModelParams, check_params
-from jaxspec.speculation.auto import NO_SPECULATION, Tuning
-from jaxspec.speculation.drafter import Draft
+from jaxspec.speculation.auto import NO_SPECULATION, Tuning, qualified, split_choice
+from jaxspec.speculation.drafter import Draft, DraftSet
 from jaxspec.speculation.generate import draft_of
 from jaxspec.speculation.inputs import batch_bucket, length_bucket, prepare_prompts
 
@@ -54,12 +54,12 @@ PRUNE_BELOW = 0.9  # x AR at one bucket below which a candidate is not measured 
 MIN_PROMPTS = 8  # prompts per dataset and bucket: a batch-1 figure averages 8 prompts, a batch-64 one holds 64
 
 
-def _check(cfg: ModelConfig, params: ModelParams, draft: Draft | None, batch_sizes: Sequence[int],
-           candidates: Sequence[Any], repeats: int) -> tuple[Draft, list[SpecConfig]]:
+def _check(cfg: ModelConfig, params: ModelParams, draft: Draft | DraftSet | None, batch_sizes: Sequence[int],
+           candidates: Sequence[Any], repeats: int) -> dict[str, Any]:
+    """-> the methods to time: name -> None (AR), a spec (the one draft's) or (draft, spec) across a DraftSet."""
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
     check_params(params, cfg)
-    draft = draft_of(params, cfg, draft)
     if not batch_sizes or any(not is_int(b) or b < 1 for b in batch_sizes):
         raise ValueError(f"batch sizes must be ints >= 1, got {list(batch_sizes)}")
     if not is_int(repeats) or repeats < 1:
@@ -69,8 +69,22 @@ def _check(cfg: ModelConfig, params: ModelParams, draft: Draft | None, batch_siz
         raise ValueError("need at least one candidate spec")
     for spec in specs:
         spec.validate_for(cfg)
-        draft.drafter.check(cfg, spec)
-    return draft, specs
+    methods: dict[str, Any] = {NO_SPECULATION: None}
+    if not isinstance(draft, DraftSet):
+        draft = draft_of(params, cfg, draft)
+        for spec in specs:
+            draft.drafter.check(cfg, spec)
+        return methods | {s.name: s for s in specs}
+    for d in draft.drafts:  # every candidate each draft can grow (a DSpark block bounds a chain's depth)
+        for spec in specs:
+            try:
+                d.drafter.check(cfg, spec)
+            except ValueError:
+                continue
+            methods[qualified(d.name, spec.name)] = (d, spec)
+    if len(methods) == 1:
+        raise ValueError(f"no draft of {draft!r} can grow any of the candidates {[s.name for s in specs]}")
+    return methods
 
 
 def tune(
@@ -90,7 +104,7 @@ def tune(
     projected_mesh: tuple[int, int, int] = (1, 1, 1),
     prune_below: float | None = PRUNE_BELOW,
     *,
-    draft: Draft | None = None,
+    draft: Draft | DraftSet | None = None,
     devices: Sequence[jax.Device] | jax.sharding.Mesh | None = None,  # as `harness.eval.run_batch` takes them
 ) -> Tuning:
     """Time AR and every candidate end to end per batch bucket and dataset; choose per bucket.
@@ -104,21 +118,27 @@ def tune(
     `prune_below` x AR at one bucket is not measured at the larger ones (None: every candidate at
     every bucket). That assumes a candidate 10% behind AR does not win at a larger batch: a verify's
     work grows with batch x nodes while AR's grows with the batch alone (docs/speed.md, section 5).
+
+    `draft` a `DraftSet`: every draft runs every candidate it can grow, side by side with the others and
+    AR in one process; methods and choices are named "draft/spec" (`speculation.auto.qualified`).
     """
     from rich.progress import Progress, TimeElapsedColumn
 
-    draft, specs = _check(cfg, params, draft, batch_sizes, candidates, repeats)
+    methods = _check(cfg, params, draft, batch_sizes, candidates, repeats)
     if not prompts or any(not p for p in prompts.values()):
         raise ValueError("need at least one prompt per dataset")
     if projected is not None:
+        if isinstance(draft, DraftSet):
+            raise ValueError("projected times model the MTP draft's cycle: tune one draft at a time with projected")
         costmodel.hardware(projected)  # a ValueError naming the known ones
+    specs = [m[1] if isinstance(m, tuple) else m for m in methods.values() if m is not None]
     max_steps = max(s.num_steps for s in specs)
     rows = {name: _checked_prompts(cfg, p, max_new_tokens + max_steps + 1) for name, p in prompts.items()}
     longest = max(len(p) for ps in rows.values() for p in ps)
     buckets = sorted({batch_bucket(int(b)) for b in batch_sizes})
-    signature = _signature(cfg, rows, specs, max_new_tokens, repeats)
+    signature = _signature(cfg, rows, list(methods), max_new_tokens, repeats)
     finished = _finished_groups(resume, signature)
-    methods = {NO_SPECULATION: None, **{s.name: s for s in specs}}
+    draft = None if isinstance(draft, DraftSet) else draft_of(params, cfg, draft)  # the one draft of bare specs
     if prune_below is not None and not 0 <= prune_below <= 1:
         raise ValueError(f"prune_below must be in [0, 1] or None, got {prune_below!r}")
     records: list[dict[str, Any]] = []
@@ -226,15 +246,15 @@ def project_measurements(measurements: list[dict[str, Any]], cfg: ModelConfig, c
                          mesh: tuple[int, int, int] = (1, 1, 1)) -> None:
     """Add the cost model's projected tokens/s on `mesh` of `accelerator` (with the measured tau) in place."""
     for m in measurements:
-        spec = None if m["spec"] == NO_SPECULATION else SpecConfig.parse(m["spec"])
+        spec = split_choice(m["spec"])[1]
         seconds = costmodel.projected_seconds(cfg, spec, m["batch"], context, accelerator, mesh)
         m["projected_seconds"] = seconds
         m["projected_tokens_per_s"] = m["batch"] * (1.0 if spec is None else m["tau"]) / seconds
 
 
-def _signature(cfg: ModelConfig, prompts, specs, max_new_tokens: int, repeats: int) -> str:
+def _signature(cfg: ModelConfig, prompts, names: list[str], max_new_tokens: int, repeats: int) -> str:
     """What a finished group's measurements depend on: a resumed run reuses only matching ones."""
-    what = json.dumps([repr(cfg), prompts, [s.name for s in specs], max_new_tokens, repeats,
+    what = json.dumps([repr(cfg), prompts, [n for n in names if n != NO_SPECULATION], max_new_tokens, repeats,
                        [d.device_kind for d in jax.local_devices()]])
     return hashlib.sha256(what.encode()).hexdigest()[:16]
 
@@ -278,8 +298,7 @@ def compare_with_sweep(tuning: Tuning, records: Sequence[dict[str, Any]]) -> lis
     pooled: dict[int, dict[str, list[float]]] = {}
     rows = []
     for (dataset, batch), runs in sorted(by_key.items()):
-        spec = tuning.spec_for(batch)
-        chosen = NO_SPECULATION if spec is None else spec.name
+        chosen = tuning.name_for(batch)
         if chosen not in runs or NO_SPECULATION not in runs:
             raise ValueError(f"the sweep has no run of {chosen!r} (or of 'ar') at {dataset}, batch {batch}")
         for name, r in runs.items():
@@ -288,8 +307,7 @@ def compare_with_sweep(tuning: Tuning, records: Sequence[dict[str, Any]]) -> lis
             acc[1] += r["seconds"]
         rows.append(_compare_row(dataset, batch, chosen, {n: r["tokens_per_s"] for n, r in runs.items()}))
     for batch, runs in sorted(pooled.items()):
-        spec = tuning.spec_for(batch)
-        chosen = NO_SPECULATION if spec is None else spec.name
+        chosen = tuning.name_for(batch)
         rates = {n: g / s for n, (g, s) in runs.items() if s > 0}
         rows.append(_compare_row("all", batch, chosen, rates))
     return rows

@@ -1,6 +1,9 @@
 """The chooser's result, `tune.json`: the spec (or no speculation) per batch bucket and every
 measurement behind it. Written by `jaxspec tune` (`jaxspec.harness.tune.tune`), read here by
 `speculative_generate(spec="auto", ...)` from the draft's tuning; this module needs nothing but the configs.
+
+A tuning of one draft names specs ("s5_k1_d6"); a tuning across every draft of a checkpoint
+(`jaxspec tune --draft all`, `drafts/tune.json`) names draft and spec ("dspark/s5_k1_d6").
 """
 
 from __future__ import annotations
@@ -16,6 +19,23 @@ from jaxspec.core.spec import SpecConfig
 
 NO_SPECULATION = "ar"
 TUNING_FILE = "tune.json"
+DRAFT_SEP = "/"  # "draft/spec": a choice among several drafts
+
+
+def qualified(draft: str, spec: str) -> str:
+    """The method name of `spec` run with draft `draft` ("dspark/s5_k1_d6")."""
+    return f"{draft}{DRAFT_SEP}{spec}"
+
+
+def split_choice(name: str) -> tuple[str | None, SpecConfig | None]:
+    """A tuning's method name -> (draft name or None for the tuned draft itself, spec or None for "ar");
+    a ValueError for a name that is neither."""
+    if name == NO_SPECULATION:
+        return None, None
+    draft, sep, spec = name.rpartition(DRAFT_SEP)
+    if sep and not draft:
+        raise ValueError(f"{name!r} names no draft before {DRAFT_SEP!r}")
+    return (draft if sep else None), SpecConfig.parse(spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,12 +50,25 @@ class Tuning:
     groups: tuple[dict[str, Any], ...] = ()  # per (bucket, dataset, spec): the timing each pooled row sums
     verdicts: tuple[dict[str, Any], ...] = ()  # per (bucket, dataset): the measurement verdict (jaxspec.core.measure)
 
-    def spec_for(self, batch_size: int) -> SpecConfig | None:
-        """The choice for `batch_size` (the nearest calibrated bucket in log scale); None = no speculation."""
+    def name_for(self, batch_size: int) -> str:
+        """The method chosen for `batch_size` (the nearest calibrated bucket in log scale), as named."""
         positive_int("batch_size", batch_size)
         bucket = min(self.choices, key=lambda b: (abs(math.log2(b) - math.log2(batch_size)), b))
-        name = self.choices[bucket]
-        return None if name == NO_SPECULATION else SpecConfig.parse(name)
+        return self.choices[bucket]
+
+    def choice_for(self, batch_size: int) -> tuple[str | None, SpecConfig | None]:
+        """-> (the draft the choice names, None in a one-draft tuning; the spec, None = no speculation)."""
+        return split_choice(self.name_for(batch_size))
+
+    def spec_for(self, batch_size: int) -> SpecConfig | None:
+        """The spec chosen for `batch_size`; None = no speculation."""
+        return self.choice_for(batch_size)[1]
+
+    @property
+    def drafts(self) -> tuple[str, ...]:
+        """The drafts a tuning across drafts chose among (from its measurements); () for a one-draft tuning."""
+        names = (split_choice(m["spec"])[0] for m in self.measurements if "spec" in m)
+        return tuple(dict.fromkeys(n for n in names if n is not None))
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -61,8 +94,7 @@ class Tuning:
         if not choices:
             raise ValueError("tuning has no choices")
         for name in choices.values():
-            if name != NO_SPECULATION:
-                SpecConfig.parse(name)
+            split_choice(name)
         return tuning
 
     def save(self, path: str | Path) -> Path:

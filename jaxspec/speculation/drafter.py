@@ -81,3 +81,33 @@ class Draft:
     def __repr__(self) -> str:
         return (f"Draft({self.name!r}, {type(self.drafter).__name__}, calibrated={self.calibration is not None}, "
                 f"tuned={self.tuning is not None})")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DraftSet:
+    """Every draft of a checkpoint and the tuning that chose among them: `load_checkpoint(path, draft="all")`
+    builds one (the tuning is `drafts/tune.json`, written by `jaxspec tune --draft all`). Passed as
+    `speculative_generate(..., draft=...)`, spec="auto" runs the draft and spec chosen for the batch size;
+    a spec names its draft ("dspark/s5_k1_d6"), or take one draft out by name (`drafts["dspark"]`)."""
+
+    drafts: tuple[Draft, ...]
+    tuning: Tuning | Unreadable | None = None
+
+    def __post_init__(self):
+        if not self.drafts or not all(isinstance(d, Draft) for d in self.drafts):
+            raise ValueError("a DraftSet holds one or more Drafts")
+        if len({d.name for d in self.drafts}) != len(self.drafts):
+            raise ValueError(f"draft names repeat: {[d.name for d in self.drafts]}")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(d.name for d in self.drafts)
+
+    def __getitem__(self, name: str) -> Draft:
+        for d in self.drafts:
+            if d.name == name:
+                return d
+        raise ValueError(f"no draft {name!r} here; drafts: {', '.join(self.names)}")
+
+    def __repr__(self) -> str:
+        return f"DraftSet({', '.join(self.names)}, tuned={self.tuning is not None})"

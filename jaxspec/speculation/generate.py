@@ -28,9 +28,9 @@ from jaxspec.model.prefill import chunked_prefill
 from jaxspec.model.runner import on_mesh, pad_batch
 from jaxspec.model.sampling import Sampling, sample_tokens
 from jaxspec.sharding.active import constrain_state
-from jaxspec.speculation.auto import NO_SPECULATION, as_tuning, auto_spec
+from jaxspec.speculation.auto import DRAFT_SEP, NO_SPECULATION, as_tuning, auto_spec, split_choice
 from jaxspec.speculation.cycle import SpecState, Speculator, prefill, speculative_cycle
-from jaxspec.speculation.drafter import Draft, Unreadable
+from jaxspec.speculation.drafter import Draft, DraftSet, Unreadable
 from jaxspec.speculation.inputs import DecodeOptions, length_bucket, prepare_prompts
 from jaxspec.speculation.mtp import MTPDrafter
 from jaxspec.speculation.policy import Policy
@@ -188,7 +188,7 @@ def speculative_generate(
     mesh: Any = None,
     prompt_lengths: Any = None,
     *,
-    draft: Draft | None = None,
+    draft: Draft | DraftSet | None = None,
     calibration: Any = None,
     tuning: Any = None,
     accept: str | None = None,
@@ -199,23 +199,28 @@ def speculative_generate(
     samples from (same temperature / top-k / top-p processing; lossless tree acceptance).
 
     draft: the draft model (`load_checkpoint(...).draft`: drafter, parameters, calibration, tuning); None =
-    the MTP block in `params`, uncalibrated. calibration: node values to rank by (a `Calibration`, or its
-    file / checkpoint folder), overriding the draft's own. spec="auto": the spec `jaxspec tune` chose for
-    this batch size (`tuning`: a `Tuning`, its file or folder; default the draft's own); where it chose no
-    speculation this is `generate`. accept: "residual" (sampled drafts, the default at temperature > 0) or
+    the MTP block in `params`, uncalibrated; a `DraftSet` (`load_checkpoint(path, draft="all").draft`):
+    every draft of the checkpoint, the spec naming the one to run ("dspark/s5_k1_d6"). calibration: node
+    values to rank by (a `Calibration`, or its file / checkpoint folder), overriding the draft's own.
+    spec="auto": the spec `jaxspec tune` chose for this batch size (`tuning`: a `Tuning`, its file or
+    folder; default the draft's own), with a DraftSet the draft and spec chosen among all of them; where
+    it chose no speculation this is `generate`. accept: "residual" (sampled drafts, the default at temperature > 0) or
     "target" (top-K drafts), `speculation/policy.py`. stream: as `generate`'s, once per cycle.
     """
     opts = DecodeOptions.create(cfg, max_new_tokens, temperature, top_k, top_p, eos_id, rng, mesh)
     check_params(params, cfg)
-    draft = draft_of(params, cfg, draft)
-    if isinstance(spec, str) and spec == "auto":
-        num_prompts = len(prompts) if isinstance(prompts, (list, tuple)) else int(np.shape(prompts)[0])
-        spec = auto_spec(_tuning_of(draft, tuning), max(num_prompts, 1))
-        if spec is None:
-            return generate(params, cfg, prompts, max_new_tokens, temperature, top_k, top_p, eos_id, rng, mesh,
-                            prompt_lengths, stream=stream)
-    elif tuning is not None:
-        raise ValueError('tuning= is only used with spec="auto"')
+    num_prompts = len(prompts) if isinstance(prompts, (list, tuple)) else int(np.shape(prompts)[0])
+    if isinstance(draft, DraftSet):
+        draft, spec = _from_set(draft, spec, tuning, max(num_prompts, 1))
+    else:
+        draft = draft_of(params, cfg, draft)
+        if isinstance(spec, str) and spec == "auto":
+            spec = auto_spec(_tuning_of(draft, tuning), max(num_prompts, 1)) or _PLAIN
+        elif tuning is not None:
+            raise ValueError('tuning= is only used with spec="auto"')
+    if spec is _PLAIN:  # spec="auto" where the tuning chose no speculation
+        return generate(params, cfg, prompts, max_new_tokens, temperature, top_k, top_p, eos_id, rng, mesh,
+                        prompt_lengths, stream=stream)
     spec = _check_spec(cfg, spec, draft)
     spec, values = resolve_scores(spec, _calibration_of(draft, calibration, spec.scores, cfg))
     sp = Speculator(cfg, spec, draft.drafter, Policy.choose(accept, float(opts.sampling.temperature), values))
@@ -247,6 +252,36 @@ def draft_of(params: ModelParams, cfg: ModelConfig, draft: Draft | None) -> Draf
     if not isinstance(draft, Draft):
         raise ValueError(f"draft must be a jaxspec Draft (load_checkpoint(path).draft), got {type(draft).__name__}")
     return draft
+
+
+_PLAIN = object()  # what spec="auto" becomes where the tuning chose no speculation
+
+
+def _from_set(drafts: DraftSet, spec: Any, tuning: Any, batch_size: int) -> tuple[Draft, Any]:
+    """The draft of `drafts` to run and its spec (_PLAIN: no speculation): spec="auto" takes the choice of the
+    tuning across the drafts for this batch size; a spec names its draft ("dspark/s5_k1_d6")."""
+    if isinstance(spec, str) and spec == "auto":
+        chosen = drafts.tuning if tuning is None else as_tuning(tuning)
+        if chosen is None:
+            raise ValueError('spec="auto" over several drafts needs their tuning: `jaxspec tune --draft all` writes '
+                             "drafts/tune.json beside the checkpoint; or pass tuning=")
+        if isinstance(chosen, Unreadable):
+            chosen.fail()
+        name, spec = chosen.choice_for(batch_size)
+        if spec is None:
+            return drafts.drafts[0], _PLAIN
+        if name is None:
+            raise ValueError(f"this tuning chose {spec.name} for one draft, not among drafts "
+                             f"({', '.join(drafts.names)}): pass that draft, or tune with --draft all")
+        return drafts[name], spec
+    if tuning is not None:
+        raise ValueError('tuning= is only used with spec="auto"')
+    if isinstance(spec, str) and DRAFT_SEP in spec:
+        name, spec = split_choice(spec)
+        return drafts[name], spec
+    shown = spec.name if isinstance(spec, SpecConfig) else str(spec)
+    raise ValueError(f"draft= holds drafts {', '.join(drafts.names)}: name the one to run in the spec "
+                     f"('{drafts.names[-1]}{DRAFT_SEP}{shown}'), pass spec=\"auto\", or pass one draft (drafts[NAME])")
 
 
 def _tuning_of(draft: Draft, tuning: Any) -> Any:
