@@ -1,6 +1,6 @@
 """Runs in its own process with 8 simulated CPU devices (see tests/test_sharding_8dev.py).
 
-    python tests/sharding_worker.py OUT.json [--meshes 8,1,1 1,8,1 2,4,1 1,2,4] [--long]
+    python tests/sharding_worker.py OUT.json [--meshes 2,2,2 1,2,4 8,1,1 1,8,1] [--long]
 
 Generates with the `test`-style model (8 heads, 8 o_groups, 8 experts) on one device, then on
 each mesh, and writes per-mesh tokens and HLO findings as JSON for the test to assert on.
@@ -245,7 +245,7 @@ def main() -> None:
 
     out_path = sys.argv[1]
     named = [m for m in sys.argv[3:] if m != "--long"] if "--meshes" in sys.argv else [
-        "8,1,1", "1,8,1", "2,4,1", "1,2,4"]
+        "2,2,2", "1,2,4", "8,1,1", "1,8,1"]
     meshes = [tuple(int(x) for x in m.split(",")) for m in named]
     params = high_acceptance(_params())  # drafts are accepted at every depth: the tree commit runs
     prefill_tokens = np.asarray([PROMPTS[2][:16], PROMPTS[2][3:19]])

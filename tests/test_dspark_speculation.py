@@ -46,7 +46,9 @@ def confident_draft(confident_params, test_cfg, dcfg):
     return dspark_draft(agreeing_dspark(confident_params, test_cfg, dcfg, jax.random.key(2)), dcfg)
 
 
-@pytest.mark.parametrize("spec", ["s4_k1_d5", "s4_k2_d8", "s5_k4_d12", "s5_k2_d8_vc"])
+# CI: a chain, a K = 2 tree and a confidence-width tree; the wide deep tree (K = 4, D = 12) is long.
+@pytest.mark.parametrize("spec", ["s4_k1_d5", "s4_k2_d8", pytest.param("s5_k4_d12", marks=pytest.mark.long),
+                                  "s5_k2_d8_vc"])
 def test_greedy_dspark_chains_and_trees_are_generate(agreeing_params, test_cfg, draft, spec):
     ref = js.generate(agreeing_params, test_cfg, PROMPTS, max_new_tokens=40)
     out = js.speculative_generate(agreeing_params, test_cfg, PROMPTS, spec, max_new_tokens=40, draft=draft)
@@ -138,9 +140,9 @@ def test_release_folder_speculates_greedy_exactly(release, fmt):
     cfg, params, _ = ckpt
     prompts = [[3, 14, 15, 92, 65, 35, 89, 79], [2, 71, 82]]
     ref = js.generate(params, cfg, prompts, max_new_tokens=24)
-    for spec in ("s4_k1_d5", "s4_k2_d8"):
-        out = js.speculative_generate(params, cfg, prompts, spec, max_new_tokens=24, draft=ckpt.draft)
-        np.testing.assert_array_equal(out.tokens, ref.tokens)
+    # A tree (its chain is the grid's above): every format dequantizes to the same float32 program.
+    out = js.speculative_generate(params, cfg, prompts, "s4_k2_d8", max_new_tokens=24, draft=ckpt.draft)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
 
 
 def test_release_folder_draft_mismatch_is_one_line(release, tmp_path):

@@ -55,8 +55,9 @@ MIN_PROMPTS = 8  # prompts per dataset and bucket: a batch-1 figure averages 8 p
 
 
 def _check(cfg: ModelConfig, params: ModelParams, draft: Draft | DraftSet | None, batch_sizes: Sequence[int],
-           candidates: Sequence[Any], repeats: int) -> dict[str, Any]:
-    """-> the methods to time: name -> None (AR), a spec (the one draft's) or (draft, spec) across a DraftSet."""
+           candidates: Sequence[Any], repeats: int) -> tuple[dict[str, Any], Draft | None]:
+    """-> (the methods to time: name -> None (AR), a spec of the one draft or (draft, spec) across a DraftSet;
+    the one draft, None for a DraftSet)."""
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
     check_params(params, cfg)
@@ -74,7 +75,7 @@ def _check(cfg: ModelConfig, params: ModelParams, draft: Draft | DraftSet | None
         draft = draft_of(params, cfg, draft)
         for spec in specs:
             draft.drafter.check(cfg, spec)
-        return methods | {s.name: s for s in specs}
+        return methods | {s.name: s for s in specs}, draft
     for d in draft.drafts:  # every candidate each draft can grow (a DSpark block bounds a chain's depth)
         for spec in specs:
             try:
@@ -84,7 +85,7 @@ def _check(cfg: ModelConfig, params: ModelParams, draft: Draft | DraftSet | None
             methods[qualified(d.name, spec.name)] = (d, spec)
     if len(methods) == 1:
         raise ValueError(f"no draft of {draft!r} can grow any of the candidates {[s.name for s in specs]}")
-    return methods
+    return methods, None
 
 
 def tune(
@@ -124,7 +125,7 @@ def tune(
     """
     from rich.progress import Progress, TimeElapsedColumn
 
-    methods = _check(cfg, params, draft, batch_sizes, candidates, repeats)
+    methods, one_draft = _check(cfg, params, draft, batch_sizes, candidates, repeats)
     if not prompts or any(not p for p in prompts.values()):
         raise ValueError("need at least one prompt per dataset")
     if projected is not None:
@@ -138,7 +139,6 @@ def tune(
     buckets = sorted({batch_bucket(int(b)) for b in batch_sizes})
     signature = _signature(cfg, rows, list(methods), max_new_tokens, repeats)
     finished = _finished_groups(resume, signature)
-    draft = None if isinstance(draft, DraftSet) else draft_of(params, cfg, draft)  # the one draft of bare specs
     if prune_below is not None and not 0 <= prune_below <= 1:
         raise ValueError(f"prune_below must be in [0, 1] or None, got {prune_below!r}")
     records: list[dict[str, Any]] = []
@@ -150,7 +150,7 @@ def tune(
                 key = f"{b}:{name}"
                 if key not in finished:
                     group = _measure_group(params, cfg, methods, ps, b, max_new_tokens, repeats, retries, longest,
-                                           lambda text, k=key: bar.update(task, description=f"{k} {text}"), draft,
+                                           lambda text, k=key: bar.update(task, description=f"{k} {text}"), one_draft,
                                            devices)
                     if not group["verdict"]["clean"] and not allow_loaded:
                         raise ValueError(f"batch {b}, {name}: the machine stayed loaded over {retries + 1} tries ("
