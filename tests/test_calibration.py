@@ -169,11 +169,11 @@ def test_calibrated_and_deep_trees_are_greedy_exact(calibration, agreeing_params
 
 def test_calibrated_loop_compiles_once(calibration, agreeing_params, test_cfg):
     cfg, params = test_cfg, agreeing_params
-    spec = js.SpecConfig(3, 2, 5, "calibrated")
-    js.speculative_generate(params, cfg, PROMPTS, spec, max_new_tokens=16, calibration=calibration)
+    spec = js.SpecConfig(3, 2, 4, "calibrated")  # the program the test above compiled (same spec and lengths)
+    js.speculative_generate(params, cfg, PROMPTS, spec, max_new_tokens=24, calibration=calibration)
     before = speculative_compile_count()
     other = [[p + 1 for p in prompt] for prompt in PROMPTS]  # same buckets, more cycles
-    out = js.speculative_generate(params, cfg, other, spec, max_new_tokens=16, calibration=calibration)
+    out = js.speculative_generate(params, cfg, other, spec, max_new_tokens=24, calibration=calibration)
     assert out.stats["cycles"] > 3 and speculative_compile_count() == before
 
 

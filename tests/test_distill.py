@@ -96,8 +96,9 @@ def test_one_step_recipe_is_deepseeks_mtp_loss(small):
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 26)), jnp.int32)  # [B, T+2]
     _, aux = jax.jit(loss_fn, static_argnums=(1,))(params, cfg, tokens, 1.0)
     # distill reads the row as T+1 chains, the last without a target: the same T predictions x_2..x_{T+1}
-    loss, m = distill.distill_loss(params.mtp, params, cfg, tokens, jnp.ones(tokens.shape, bool), 1,
-                                   ce_weight=1.0, kl_weight=0.0)
+    # jitted: op by op the target pass and the chain took half a minute
+    loss, m = jax.jit(distill.distill_loss, static_argnums=(2, 5, 6, 7))(
+        params.mtp, params, cfg, tokens, jnp.ones(tokens.shape, bool), 1, 1.0, 0.0)
     np.testing.assert_allclose(float(loss), float(aux["mtp"]), rtol=2e-5)
     assert float(m["ce1"]) == float(loss) and float(m["kl1"]) > 0  # the KL is reported, not trained
 

@@ -117,7 +117,8 @@ def test_tune_across_drafts_times_each_draft_side_by_side(agreeing_params, test_
     small = dataclasses.replace(dcfg, block_size=2)
     both = DraftSet((Draft("default", MTPDrafter(), agreeing_params.mtp),
                      dspark_draft(agreeing_dspark(agreeing_params, test_cfg, small, jax.random.key(2)), small)))
-    methods = _check(test_cfg, agreeing_params, both, (2,), ("s2_k1_d3", "s3_k1_d4"), 1)
+    methods, one_draft = _check(test_cfg, agreeing_params, both, (2,), ("s2_k1_d3", "s3_k1_d4"), 1)
+    assert one_draft is None
     assert list(methods) == [NO_SPECULATION, "default/s2_k1_d3", "default/s3_k1_d4", "dspark/s2_k1_d3"]
     with pytest.raises(ValueError, match="no draft of"):
         _check(test_cfg, agreeing_params, DraftSet((both.drafts[1],)), (2,), ("s4_k1_d5",), 1)
@@ -137,3 +138,4 @@ def test_tune_across_drafts_measures_each_draft(agreeing_params, test_cfg, dcfg,
     assert all(m["tau"] > 1.0 for m in tuning.measurements if m["spec"] != NO_SPECULATION)
     assert tuning.drafts == ("default", "dspark")
     split_choice(tuning.choices[2])  # a name spec="auto" can run
+
