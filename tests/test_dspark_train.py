@@ -126,12 +126,26 @@ def test_steps_lower_the_loss_and_resume(small, tmp_path):
     assert [h["step"] for h in hist2 if "train_loss" in h] == list(range(1, 10))
 
 
-def test_shipped_dspark_draft_loads_and_its_greedy_chain_is_generate():
+def _shipped_dspark():
     import os
 
     path = os.path.join(os.path.dirname(__file__), "..", "checkpoints", "tiny-v4")
     ck = js.load_checkpoint(path, draft="dspark", dtype="float32")
     assert ck.draft.drafter.config.block_size >= 7  # a chain reaches D = 8
+    return ck
+
+
+def test_shipped_dspark_draft_loads():
+    from jaxspec.speculation.values import Calibration
+
+    ck = _shipped_dspark()
+    assert ck.draft.name == "dspark" and isinstance(ck.draft.calibration, Calibration)
+
+
+@pytest.mark.long  # ~45 s (the 6-layer checkpoint's loop compiles); CI: the load above, DSpark chains and trees
+# greedy == generate on the test model and on a release folder (test_dspark_speculation.py)
+def test_shipped_dspark_draft_loads_and_its_greedy_chain_is_generate():
+    ck = _shipped_dspark()
     from jaxspec.training.tokenizer import encode
 
     prompt = [encode(ck.tokenizer, "Question: Tom has 3 apples and buys 5 more. How many apples?\nAnswer:")]
