@@ -48,6 +48,8 @@ STAGE_NAMES = ("ar", "verify", "draft", "draft step", "accept", "cycle")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser(__doc__, preset="tiny")
     p.add_argument("--checkpoint", metavar="PATH", help="a trained checkpoint folder instead of a random-init preset")
+    p.add_argument("--draft", metavar="NAME", help="time drafts/NAME/ of the checkpoint (e.g. dspark) instead of "
+                   "its own MTP draft")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--specs", nargs="+", default=["s3_k1_d4", "s7_k1_d8"])
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     con = console()
     specs = [js.SpecConfig.parse(s) for s in args.specs]
     if args.checkpoint:
-        cfg, params, tok, note, draft = load_model(args.checkpoint)  # the CPU's expert layout already
+        cfg, params, tok, note, draft = load_model(args.checkpoint, args.draft)  # the CPU's expert layout already
     else:
         cfg = js.ModelConfig.preset(args.preset).replace(dtype="float32")
         params, tok, note, draft = js.init_params(cfg, jax.random.key(0)), None, "", None
@@ -222,8 +224,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         spec_t = js.SpecConfig(num_steps=max(t - 1, 1), topk=1, num_draft_tokens=t) if t > 1 else None
         costs = (terms.stage_table(setup, spec_t)["verify"] if spec_t else terms.main_pass(setup, 1, commit=0))
         add("verify", f"verify {t}", *per_call(f"verify {t}"), costs, b * t)
+    block = getattr(getattr(draft, "drafter", None), "config", None)  # a DSpark drafter's config, else None
     for name, (spec, _) in resolved.items():
-        table = terms.stage_table(setup, spec)
+        table = terms.stage_table(setup, spec, block)
         add("draft", f"draft {name}", *per_call(f"draft {name}"), table["draft"], b * spec.topk)
         m, med = per_call(f"draft {name}")
         add("draft step", f"draft step {name}", m, med, table["draft"], b * spec.topk, per=spec.num_steps)

@@ -92,11 +92,12 @@ def make_variant(name: str, base, cfg):
     raise ValueError(name)
 
 
-def load_model(path: str) -> tuple[js.ModelConfig, Any, Any, str, js.Draft | None]:
+def load_model(path: str, draft: str | None = None) -> tuple[js.ModelConfig, Any, Any, str, js.Draft | None]:
     """-> (cfg, params, tokenizer or None, note, draft) of a checkpoint, float32 on a CPU, its routed
-    experts in the CPU's layout, and its own draft (calibration included)."""
+    experts in the CPU's layout, and its own draft or drafts/`draft`/ (calibration included)."""
     cpu = jax.default_backend() == "cpu"
-    ckpt = js.load_checkpoint(os.path.expanduser(path), dtype="float32" if cpu else None, cpu_experts=True)
+    ckpt = js.load_checkpoint(os.path.expanduser(path), dtype="float32" if cpu else None, cpu_experts=True,
+                              draft=draft)
     note = " (cast to float32 for the CPU)" if cpu else ""
     return ckpt.cfg, ckpt.params, ckpt.tokenizer, note, ckpt.draft
 
