@@ -218,6 +218,16 @@ def test_calibrate_needs_a_draft(tmp_path):
     assert "has no draft" in str(e.value.code) and "\n" not in str(e.value.code)
 
 
+def test_calibrate_values_confidence_needs_a_confidence_head(tmp_path):
+    """--values confidence fits the maps on a DSpark drafter's confidence feature; an MTP draft has none."""
+    cfg = js.ModelConfig.preset("test")
+    save_checkpoint(tmp_path, cfg, js.init_params(cfg, jax.random.key(0)))
+    shutil.copy(TOKENIZER, tmp_path / "tokenizer.json")
+    with pytest.raises(SystemExit) as e:
+        main(["calibrate", "--checkpoint", str(tmp_path), "--values", "confidence"])
+    assert "has no confidence head" in str(e.value.code) and "\n" not in str(e.value.code)
+
+
 CI_SAMPLING = [("s3_k2_d6", "t1", 4096)]
 LONG_SAMPLING = [(spec, t, 12_288) for spec in ("s3_k2_d6", "s5_k2_d6") for t in ("t0.5", "t1")]
 

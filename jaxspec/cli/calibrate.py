@@ -25,6 +25,7 @@ from jaxspec.cli.common import (
 
 
 def add_parser(subparsers: Any) -> None:
+    from jaxspec.core.spec import VALUE_SOURCES
     from jaxspec.harness.calibrate import COLLECT_STEPS, COLLECT_TOPK
 
     p = subparsers.add_parser(
@@ -44,6 +45,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--cycles", type=int, default=24, help="speculative cycles recorded per prompt")
     p.add_argument("--steps", type=int, default=COLLECT_STEPS, help="chain depth drafted per cycle")
     p.add_argument("--topk", type=int, default=COLLECT_TOPK, help="ranks recorded per chain node")
+    p.add_argument("--values", choices=VALUE_SOURCES, default="draft",
+                   help="the node feature the maps read: 'draft' (its draft probability; specs sS_kK_dD) or "
+                   "'confidence' (a DSpark drafter's confidence head; specs named ..._vc)")
     p.add_argument("--batch-size", type=int, default=64, help="prompts run together")
     p.add_argument("--heldout", type=int, default=32,
                    help="held-out (test-split) prompts per dataset to measure calibration error on (0 = none)")
@@ -59,6 +63,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from jaxspec.checkpoint.drafts import draft_dir
     from jaxspec.harness.calibrate import calibration_errors, collect, fit, plot_reliability
     from jaxspec.harness.eval import encode_prompts
+    from jaxspec.speculation.dspark import DSparkDrafter
     from jaxspec.speculation.values import draft_fingerprint, load_calibration
     from jaxspec.training.data import DATASETS, HELDOUT_SPLITS, load_dataset
 
@@ -74,17 +79,21 @@ def run(args: argparse.Namespace, console: Console) -> int:
     model = load_model(args, console, need_tokenizer="calibrate", mesh=mesh)
     if model.draft is None:
         raise ValueError(f"checkpoint {args.checkpoint!r} has no draft: nothing to calibrate")
+    if args.values == "confidence" and not isinstance(model.draft.drafter, DSparkDrafter):
+        raise ValueError(f"--values {args.values}: the draft {model.draft.name!r} has no confidence head "
+                         "(a DSpark drafter has one: --draft dspark)")
     temps = (0.0, *sorted(set(args.temperatures)))
     prompts = train_prompts(args, model.tokenizer)
     t0 = time.perf_counter()
     run_args = (args.cycles, args.batch_size, args.steps, args.topk)
-    train = {t: collect(model.params, model.cfg, prompts, t, *run_args, draft=model.draft, mesh=mesh) for t in temps}
+    train = {t: collect(model.params, model.cfg, prompts, t, *run_args, draft=model.draft, mesh=mesh,
+                        values=args.values) for t in temps}
     console.print(f"collected {sum(s['label'].size for s in train.values())} nodes from {len(prompts)} train "
                   f"prompts in {time.perf_counter() - t0:.0f} s")
     meta = {"datasets": ",".join(args.datasets), "train_prompts_per_dataset": args.num_prompts,
             "cycles": args.cycles, "steps": args.steps, "topk": args.topk,
             "checkpoint": os.path.basename(os.path.normpath(args.checkpoint)), "draft": args.draft or "default"}
-    calibration = fit(train, draft_fingerprint(model.draft.params, model.cfg), meta)
+    calibration = fit(train, draft_fingerprint(model.draft.params, model.cfg), meta, feature=args.values)
     out = calibration.save(args.out or sidecars)
     load_calibration(out, model.draft.params, model.cfg)  # what load_checkpoint will read must parse and match
     console.print(f"saved to {out}")
@@ -93,8 +102,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
         for name in args.datasets:
             examples = load_dataset(name, HELDOUT_SPLITS[name], root=args.data_root)[: args.heldout]
             heldout_prompts += encode_prompts(model.tokenizer, examples, args.max_prompt_tokens)
-        heldout = {t: collect(model.params, model.cfg, heldout_prompts, t, *run_args, seed=1, draft=model.draft)
-                   for t in temps}
+        heldout = {t: collect(model.params, model.cfg, heldout_prompts, t, *run_args, seed=1, draft=model.draft,
+                              values=args.values) for t in temps}
         errors = calibration_errors(calibration, heldout)
         console.print_json(data=errors)
         out.with_name(out.stem + "_heldout_ece.json").write_text(json.dumps(errors, indent=1) + "\n")
