@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from jaxspec.speculation import cycle as cycle_lib
     from jaxspec.speculation import stages as programs
     from jaxspec.speculation.cycle import SpecStats
+    from jaxspec.speculation.dspark import DSparkDrafter
     from jaxspec.speculation.generate import length_bucket
     from jaxspec.speculation.plan import build_plan, verify_context
 
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         spec_t = js.SpecConfig(num_steps=max(t - 1, 1), topk=1, num_draft_tokens=t) if t > 1 else None
         costs = (terms.stage_table(setup, spec_t)["verify"] if spec_t else terms.main_pass(setup, 1, commit=0))
         add("verify", f"verify {t}", *per_call(f"verify {t}"), costs, b * t)
-    block = getattr(getattr(draft, "drafter", None), "config", None)  # a DSpark drafter's config, else None
+    block = draft.drafter.config if draft is not None and isinstance(draft.drafter, DSparkDrafter) else None
     for name, (spec, _) in resolved.items():
         table = terms.stage_table(setup, spec, block)
         add("draft", f"draft {name}", *per_call(f"draft {name}"), table["draft"], b * spec.topk)

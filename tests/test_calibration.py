@@ -218,14 +218,11 @@ def test_calibrate_needs_a_draft(tmp_path):
     assert "has no draft" in str(e.value.code) and "\n" not in str(e.value.code)
 
 
-def test_calibrate_values_confidence_needs_a_confidence_head(tmp_path):
-    """--values confidence fits the maps on a DSpark drafter's confidence feature; an MTP draft has none."""
-    cfg = js.ModelConfig.preset("test")
-    save_checkpoint(tmp_path, cfg, js.init_params(cfg, jax.random.key(0)))
-    shutil.copy(TOKENIZER, tmp_path / "tokenizer.json")
-    with pytest.raises(SystemExit) as e:
-        main(["calibrate", "--checkpoint", str(tmp_path), "--values", "confidence"])
-    assert "has no confidence head" in str(e.value.code) and "\n" not in str(e.value.code)
+def test_confidence_values_need_a_confidence_head(agreeing_params, test_cfg):
+    """values="confidence" (`jaxspec calibrate --values confidence`) reads a DSpark drafter's confidence head;
+    an MTP draft has none, and its samples would silently be draft probabilities."""
+    with pytest.raises(ValueError, match="has no confidence head"):
+        collect(agreeing_params, test_cfg, PROMPTS, values="confidence")
 
 
 CI_SAMPLING = [("s3_k2_d6", "t1", 4096)]

@@ -63,7 +63,6 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from jaxspec.checkpoint.drafts import draft_dir
     from jaxspec.harness.calibrate import calibration_errors, collect, fit, plot_reliability
     from jaxspec.harness.eval import encode_prompts
-    from jaxspec.speculation.dspark import DSparkDrafter
     from jaxspec.speculation.values import draft_fingerprint, load_calibration
     from jaxspec.training.data import DATASETS, HELDOUT_SPLITS, load_dataset
 
@@ -79,9 +78,6 @@ def run(args: argparse.Namespace, console: Console) -> int:
     model = load_model(args, console, need_tokenizer="calibrate", mesh=mesh)
     if model.draft is None:
         raise ValueError(f"checkpoint {args.checkpoint!r} has no draft: nothing to calibrate")
-    if args.values == "confidence" and not isinstance(model.draft.drafter, DSparkDrafter):
-        raise ValueError(f"--values {args.values}: the draft {model.draft.name!r} has no confidence head "
-                         "(a DSpark drafter has one: --draft dspark)")
     temps = (0.0, *sorted(set(args.temperatures)))
     prompts = train_prompts(args, model.tokenizer)
     t0 = time.perf_counter()

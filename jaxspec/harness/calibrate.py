@@ -35,6 +35,7 @@ from jaxspec.speculation.cycle import (
     verify_stage,
 )
 from jaxspec.speculation.drafter import Draft
+from jaxspec.speculation.dspark import DSparkDrafter
 from jaxspec.speculation.generate import draft_of
 from jaxspec.speculation.inputs import length_bucket, prepare_prompts
 from jaxspec.speculation.policy import Policy
@@ -179,6 +180,9 @@ def collect(
     draft probability, or the drafter's confidence feature). `mesh`: run sharded over it (the params
     placed there, `batch_size` rows split over "data"), as `speculative_generate(mesh=)` does."""
     draft = draft_of(params, cfg, draft)
+    if values == "confidence" and not isinstance(draft.drafter, DSparkDrafter):  # it would fall back to "draft"
+        raise ValueError(f"values='confidence': the draft {draft.name!r} has no confidence head (a DSpark drafter "
+                         "has one: --draft dspark)")
     sampling = Sampling.create(temperature, key=jax.random.key(seed))
     sp = chain_speculator(cfg, draft, num_steps, "target", values)
     models = Models(target=params.replace(mtp=None), draft=draft.params)
