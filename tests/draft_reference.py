@@ -39,7 +39,7 @@ def draft_tree_exhaustive(
     slot_parent = jnp.zeros((b, num_slots), jnp.int32)
     slot_depth = jnp.zeros((b, num_slots), jnp.int32)
     slot_filled = jnp.zeros((b, num_slots), bool).at[:, 0].set(True)
-    pool = pool_token, pool_parent, pool_score, pool_rank, pool_feature = [], [], [], [], []
+    pool = pool_token, pool_parent, pool_score, pool_rank, pool_feature, pool_confidence = [], [], [], [], [], []
     pool_depth = []
     expander = Expander(jnp.float32(0.0), None, None, k)
     # per new slot: its pool index (-1 for the root) and score
@@ -85,4 +85,5 @@ def draft_tree_exhaustive(
         rank=jnp.concatenate(pool_rank, axis=1),
         depth=jnp.concatenate(pool_depth, axis=1),
         feature=jnp.concatenate(pool_feature, axis=1),
+        confidence=jnp.concatenate(pool_confidence, axis=1),
     )

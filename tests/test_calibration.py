@@ -180,12 +180,13 @@ def test_calibrated_loop_compiles_once(calibration, agreeing_params, test_cfg):
 def test_chain_collection_matches_draft_tree(agreeing_params, test_cfg, calibration):
     cfg, params = test_cfg, agreeing_params
     state = mtp_prefill(params, cfg, PROMPTS[2:] * 2, [9, 9], 64)
-    chain, top_logp, top_token = jax.jit(chain_with_children, static_argnums=(0, 3))(
+    chain, top_logp, top_token, confidence = jax.jit(chain_with_children, static_argnums=(0, 3))(
         mtp_speculator(cfg, "s4_k1_d5"), mtp_models(params), state, 3, jnp.float32(0))
     tree = mtp_tree(params, cfg, "s4_k1_d5", state)  # the drafter's own sS_k1 chain
     np.testing.assert_array_equal(np.asarray(chain.tokens), np.asarray(tree.tokens))
     np.testing.assert_array_equal(np.asarray(top_token[..., 0]), np.asarray(tree.tokens[:, 1:]))
     np.testing.assert_allclose(np.cumsum(np.asarray(top_logp[..., 0]), 1), np.asarray(tree.score[:, 1:]), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(confidence), 1.0)  # an MTP draft has no confidence head
     samples = collect(params, cfg, PROMPTS, 0.0, cycles=3, batch_size=4, num_steps=4, topk=3)
     assert set(np.unique(samples["rank"])) == {0, 1, 2} and samples["depth"].max() <= 4
     assert set(np.unique(samples["label"])) <= {0.0, 1.0}

@@ -71,12 +71,12 @@ class _Forbidden(Expander):
     own_prob: jax.Array = None  # [] bool
 
     def children(self, logits, confidence, score, pool_index, slots, depth):
-        (token, parent, value, rank, feature), logq = super().children(logits, confidence, score, pool_index, slots,
-                                                                       depth)
+        (token, parent, value, rank, feature, confidence), logq = super().children(
+            logits, confidence, score, pool_index, slots, depth)
         b, k = score.shape[0], self.k
         own = jnp.take_along_axis(logq, token.reshape(b, -1, k), axis=2).reshape(b, -1)
         value = jnp.where(self.own_prob, jnp.repeat(score, k, axis=1) + own, value)
-        return (token, parent, value, rank, feature), logq
+        return (token, parent, value, rank, feature, confidence), logq
 
 
 @functools.partial(jax.jit, static_argnums=(2, 4))

@@ -36,12 +36,13 @@ def test_shrink_keeps_what_pruning_the_pool_keeps(test_params, test_cfg):
     state = mtp_prefill(params, cfg, PROMPTS[2:] * 2, [9, 9], 64, spec=whole)
     every = mtp_tree(params, cfg, whole, state)
     pool = DraftPool(token=every.tokens[:, 1:], parent=every.parent[:, 1:] - 1, score=every.score[:, 1:],
-                     rank=every.rank[:, 1:], depth=every.depth[:, 1:], feature=every.feature[:, 1:])
+                     rank=every.rank[:, 1:], depth=every.depth[:, 1:], feature=every.feature[:, 1:],
+                     confidence=every.confidence[:, 1:])
     tree = prune_to_budget(pool, state.root, 8)
     np.testing.assert_array_equal(np.asarray(tree.tokens), np.asarray(mtp_tree(params, cfg, "s4_k2_d8", state).tokens))
     for width in (2, 4, 5, 8):
         got, want = shrink(tree, width), prune_to_budget(pool, state.root, width)
-        for name in ("tokens", "parent", "depth", "rank", "score", "feature"):
+        for name in ("tokens", "parent", "depth", "rank", "score", "feature", "confidence"):
             np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), name)
 
 

@@ -13,7 +13,8 @@ if TYPE_CHECKING:
     from jaxspec.core.config import ModelConfig
 
 SCORES = ("auto", "calibrated", "draft")
-VALUE_SOURCES = ("draft", "confidence")
+VALUE_SOURCES = ("draft", "confidence", "both")
+VALUE_SUFFIXES = {"draft": "", "confidence": "_vc", "both": "_vb"}  # the spec name's mark of its value source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,8 +28,9 @@ class SpecConfig:
     widths: width chosen per cycle (speculation/widths.py): the compiled verify widths, ascending, the last
     = D; each cycle verifies the nodes whose path value (P(the walk reaches them)) is at least
     width_threshold, in the smallest width that holds them. () verifies all D every cycle.
-    values: a node's value feature, "draft" (its draft probability) or "confidence" (a drafter's
-    confidence head; name suffix "_vc"); speculation/tree.py `Expander`.
+    values: a node's value feature, "draft" (its draft probability), "confidence" (a drafter's
+    confidence head; name suffix "_vc") or "both" (a calibration over the two together; suffix "_vb");
+    speculation/tree.py `Expander`.
     """
 
     num_steps: int
@@ -85,18 +87,20 @@ class SpecConfig:
     def name(self) -> str:
         base = f"s{self.num_steps}_k{self.topk}_d{self.num_draft_tokens}"
         base += "_w" + ".".join(str(w) for w in self.widths[:-1]) if len(self.widths) > 1 else ""
-        return base + ("_vc" if self.values == "confidence" else "")
+        return base + VALUE_SUFFIXES[self.values]
 
     @classmethod
     def parse(cls, name: str) -> SpecConfig:
-        """'s15_k2_d16', 's15_k2_d16_w4.8' for widths (4, 8, 16) chosen per cycle, '_vc' valued by confidence."""
-        match = re.fullmatch(r"s(\d+)_k(\d+)_d(\d+)(?:_w(\d+(?:\.\d+)*))?(_vc)?", str(name).strip())
+        """'s15_k2_d16', 's15_k2_d16_w4.8' for widths (4, 8, 16) chosen per cycle, '_vc' valued by confidence,
+        '_vb' by both (draft probability and confidence)."""
+        match = re.fullmatch(r"s(\d+)_k(\d+)_d(\d+)(?:_w(\d+(?:\.\d+)*))?(_vc|_vb)?", str(name).strip())
         if not match:
             raise ValueError(f"spec name must look like 's3_k2_d6' (steps, topk, draft tokens) or 's15_k2_d16_w4.8' "
                              f"(per-cycle widths), got {name!r}")
         s, k, d = (int(g) for g in match.groups()[:3])
         widths = () if match.group(4) is None else (*(int(w) for w in match.group(4).split(".")), d)
-        return cls(s, k, d, widths=widths, values="confidence" if match.group(5) else "draft")
+        values = {suffix: source for source, suffix in VALUE_SUFFIXES.items()}[match.group(5) or ""]
+        return cls(s, k, d, widths=widths, values=values)
 
     def validate_for(self, cfg: ModelConfig) -> None:
         """What the target fixes; what the draft fixes is its drafter's `check`."""

@@ -2,7 +2,8 @@
 
 Runs chain speculative cycles on prompts and records, for the top-K children of every chain node
 on or just after the accepted path (= every tree node whose parent is accepted), its features
-(depth, rank, own draft probability, the parent's top-1 draft probability) and its outcome:
+(depth, rank, own draft probability, the parent's top-1 draft probability, the confidence head's sigma(c)
+of its slot where the drafter has one) and its outcome:
 greedy runs record whether the token is the target's argmax after the parent (the greedy event),
 sampled runs the target's processed probability of the token after the parent (the acceptance
 probability of the target-only rule, a lower-variance label than the 0/1 draw). Fitting is on
@@ -45,6 +46,7 @@ from jaxspec.speculation.values import (
     CONTEXT_EDGES,
     Calibration,
     ValueMap,
+    both_first_feature,
     context_bins,
     draft_fingerprint,
     expected_calibration_error,
@@ -54,14 +56,15 @@ from jaxspec.speculation.values import (
 
 COLLECT_STEPS = 10  # chain depth drafted per cycle (deeper nodes share the last depth bin)
 COLLECT_TOPK = 4  # ranks recorded at every chain node (3+ share the last rank bin)
-FIELDS = ("depth", "rank", "own_prob", "parent_top1", "label", "context")
+FIELDS = ("depth", "rank", "own_prob", "parent_top1", "label", "context", "confidence")
 
 
 def chain_with_children(sp: Speculator, models: Models, state: SpecState, k: int, temperature: jax.Array
-                        ) -> tuple[Tree, jax.Array, jax.Array]:
+                        ) -> tuple[Tree, jax.Array, jax.Array, jax.Array]:
     """The top-1 chain the drafter drafts for sS_k1, plus the top-k children at every chain node ->
     (the chain as a tree of S+1 nodes, log value features [B, S, k] (`sp.spec.values`: the draft's
-    log-probs, or the confidence feature), tokens [B, S, k]).
+    log-probs, or the confidence feature), tokens [B, S, k], sigma(c) of each child's slot [B, S, k]
+    (1 without a confidence head)).
 
     One beam that expands only the best candidate of each step, k children each: the chain, and every
     child a tree node whose parent is on the accepted path could have (its ancestors are the accepted
@@ -81,7 +84,7 @@ def chain_with_children(sp: Speculator, models: Models, state: SpecState, k: int
         score=jnp.concatenate([jnp.zeros((b, 1)), jnp.cumsum(log_feature[:, :, 0], axis=1)], axis=1),
         feature=jnp.concatenate([jnp.ones((b, 1)), full.feature[:, 1::k]], axis=1),
     )
-    return chain, log_feature, top_token
+    return chain, log_feature, top_token, full.confidence[:, 1:].reshape(b, s, k)
 
 
 @functools.partial(bounded_jit, static_argnums=(1, 4))
@@ -94,8 +97,8 @@ def _collect_loop(
     sampling: Sampling,
 ):
     """-> per sequence [B, C, S, k] (batch first, so a mesh splits it over "data"): top_logp, label, mask
-    (parent accepted), and [B, C] the sequence's context bin before the cycle (`context_bins`, as the loop
-    computes it); depth = S index + 1, rank = k index."""
+    (parent accepted), the slot's sigma(c), and [B, C] the sequence's context bin before the cycle
+    (`context_bins`, as the loop computes it); depth = S index + 1, rank = k index."""
     k, cycles, max_len = shape
     num_steps = sp.spec.num_steps
     bb = prompt_tokens.shape[0]
@@ -105,7 +108,7 @@ def _collect_loop(
     def body(carry, _):
         state, capped = carry
         context = context_bins(capped, state.stats.cycles)
-        chain, top_logp, top_token = chain_with_children(sp, models, state, k, sampling.temperature)
+        chain, top_logp, top_token, confidence = chain_with_children(sp, models, state, k, sampling.temperature)
         out = verify_stage(sp, models, state.target, chain, plan_stage(sp, state.target, chain))
         acc = accept_stage(sp, chain, out.logits, sampling, state.stats.cycles)
         state, _ = commit_stage(sp, models, state, chain, out, acc, jnp.ones((bb,), bool))
@@ -122,7 +125,7 @@ def _collect_loop(
         depth = jnp.arange(1, num_steps + 1)[None, :, None]
         mask = jnp.broadcast_to(depth <= acc.num_accepted[:, None, None] + 1, label.shape)  # parent on the path
         capped = capped + jnp.minimum(acc.num_accepted, CONTEXT_CAP)
-        return (state, capped), (top_logp, label, mask, context)
+        return (state, capped), (top_logp, label, mask, confidence, context)
 
     _, records = jax.lax.scan(body, (state, jnp.zeros((bb,), jnp.int32)), None, length=cycles)
     return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), records)
@@ -177,18 +180,19 @@ def collect(
 ) -> dict[str, np.ndarray]:
     """Node samples (FIELDS) of `cycles` chain cycles per prompt, greedy or sampled at `temperature`, of
     `draft` (default: the MTP block of `params`); "own_prob" is the node's value feature (`values`: its
-    draft probability, or the drafter's confidence feature). `mesh`: run sharded over it (the params
+    draft probability for "draft" and "both", the confidence feature for "confidence"), "confidence" its
+    slot's sigma(c) (1 without a confidence head). `mesh`: run sharded over it (the params
     placed there, `batch_size` rows split over "data"), as `speculative_generate(mesh=)` does."""
     draft = draft_of(params, cfg, draft)
-    if values == "confidence" and not isinstance(draft.drafter, DSparkDrafter):  # it would fall back to "draft"
-        raise ValueError(f"values='confidence': the draft {draft.name!r} has no confidence head (a DSpark drafter "
+    if values != "draft" and not isinstance(draft.drafter, DSparkDrafter):  # it would fall back to "draft"
+        raise ValueError(f"values={values!r}: the draft {draft.name!r} has no confidence head (a DSpark drafter "
                          "has one: --draft dspark)")
     sampling = Sampling.create(temperature, key=jax.random.key(seed))
     sp = chain_speculator(cfg, draft, num_steps, "target", values)
     models = Models(target=params.replace(mtp=None), draft=draft.params)
     parts: dict[str, list[np.ndarray]] = {f: [] for f in FIELDS}
     loop = on_mesh(_collect_loop, mesh, batch_size)
-    for top_logp, label, mask, context in chain_cycles_in_slices(
+    for top_logp, label, mask, confidence, context in chain_cycles_in_slices(
         sp, prompts, cycles, batch_size,
         lambda tokens, lengths, max_len: [np.swapaxes(np.asarray(x), 0, 1) for x in loop(
             models, sp, tokens, lengths, (topk, cycles, max_len), sampling)],
@@ -202,49 +206,66 @@ def collect(
         parts["parent_top1"].append(np.exp(np.broadcast_to(top_logp[..., :1], mask.shape)[keep]))
         parts["label"].append(label[keep])
         parts["context"].append(np.broadcast_to(context[:, :, None, None], mask.shape)[keep])
+        parts["confidence"].append(confidence[keep])
     return {f: np.concatenate(v) for f, v in parts.items()}
 
 
-def map_feature(value_map: ValueMap, samples: dict[str, np.ndarray]) -> np.ndarray:
-    return samples["own_prob"] if value_map.mode == "greedy" else samples["parent_top1"]
+def map_inputs(value_map: ValueMap, samples: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
+    """The features `value_map` reads: (the probability feature, sigma(c) for a two-feature map or None)."""
+    if value_map.mode != "greedy":
+        return samples["parent_top1"], None
+    if not value_map.two_features:
+        return samples["own_prob"], None
+    return both_first_feature(samples["rank"], samples["own_prob"], samples["parent_top1"]), samples["confidence"]
 
 
 def fit(samples_by_temperature: dict[float, dict[str, np.ndarray]], fingerprint: str,
         meta: dict[str, Any] | None = None, feature: str = "draft") -> Calibration:
-    """The greedy map from the samples at temperature 0, a sampling map per other temperature."""
+    """The greedy map from the samples at temperature 0, a sampling map per other temperature; for
+    feature "both" the greedy maps read the samples' "confidence" too."""
     if 0.0 not in samples_by_temperature:
         raise ValueError("a calibration needs greedy samples (temperature 0)")
+    both = feature == "both"
+    if both and "confidence" not in samples_by_temperature[0.0]:
+        raise ValueError("a 'both' calibration needs the confidence feature of every greedy sample")
     maps = {}
     for t, s in sorted(samples_by_temperature.items()):
         mode = "greedy" if t == 0 else "sampling"
         values = s["own_prob"] if mode == "greedy" else s["parent_top1"]
-        maps[t] = fit_map(mode, t, s["depth"], s["rank"], values, s["label"])
+        second = None
+        if both and mode == "greedy":
+            values, second = both_first_feature(s["rank"], s["own_prob"], s["parent_top1"]), s["confidence"]
+        maps[t] = fit_map(mode, t, s["depth"], s["rank"], values, s["label"], second)
     meta_items = tuple(sorted((str(k), str(v)) for k, v in (meta or {}).items()))
     return Calibration(fingerprint, maps[0.0], tuple(m for t, m in sorted(maps.items()) if t > 0), meta_items,
                        fit_context_maps(samples_by_temperature[0.0], maps[0.0]), feature=feature)
 
 
 def fit_context_maps(greedy: dict[str, np.ndarray], pooled: ValueMap) -> tuple[ValueMap, ...]:
-    """One greedy map per context bin from the greedy samples; a bin with no samples keeps the pooled map
-    (samples without a "context" field, e.g. hand-made ones, give no context maps)."""
+    """One greedy map per context bin from the greedy samples (reading the confidence too where `pooled`
+    does); a bin with no samples keeps the pooled map (samples without a "context" field, e.g. hand-made
+    ones, give no context maps)."""
     if "context" not in greedy:
         return ()
     maps = []
     for c in range(len(CONTEXT_EDGES) + 1):
         sel = greedy["context"] == c
-        maps.append(fit_map("greedy", 0.0, *(greedy[f][sel] for f in ("depth", "rank", "own_prob", "label")))
-                    if sel.any() else pooled)
+        prob, second = map_inputs(pooled, greedy)
+        maps.append(fit_map("greedy", 0.0, greedy["depth"][sel], greedy["rank"][sel], prob[sel], greedy["label"][sel],
+                            None if second is None else second[sel]) if sel.any() else pooled)
     return tuple(maps)
 
 
 def predict_values(calibration: Calibration, value_map: ValueMap, samples: dict[str, np.ndarray]) -> np.ndarray:
     """The value the engine gives each sample: per context bin for greedy maps with context maps."""
     if value_map.mode != "greedy" or not calibration.greedy_by_context:
-        return predict(value_map, samples["depth"], samples["rank"], map_feature(value_map, samples))
+        return predict(value_map, samples["depth"], samples["rank"], *map_inputs(value_map, samples))
     out = np.empty(samples["label"].shape, np.float64)
     for c, m in enumerate(calibration.greedy_by_context):
         sel = samples["context"] == c
-        out[sel] = predict(m, samples["depth"][sel], samples["rank"][sel], samples["own_prob"][sel])
+        prob, second = map_inputs(m, samples)
+        out[sel] = predict(m, samples["depth"][sel], samples["rank"][sel], prob[sel],
+                           None if second is None else second[sel])
     return out
 
 
@@ -255,7 +276,7 @@ def calibration_errors(calibration: Calibration, samples_by_temperature: dict[fl
     maps = {0.0: calibration.greedy, **{m.temperature: m for m in calibration.sampling}}
     for t, s in sorted(samples_by_temperature.items()):
         value_map = maps.get(t) or min(maps.values(), key=lambda m: abs(m.temperature - t))
-        fitted = predict(value_map, s["depth"], s["rank"], map_feature(value_map, s))
+        fitted = predict(value_map, s["depth"], s["rank"], *map_inputs(value_map, s))
         out[f"T={t:g}"] = {
             "ece_raw": expected_calibration_error(s["own_prob"], s["label"]),
             "ece_calibrated": expected_calibration_error(fitted, s["label"]),
@@ -286,7 +307,7 @@ def plot_reliability(calibration: Calibration, heldout: dict[float, dict[str, np
     axes = fig.subplots(1, len(temps), squeeze=False)
     for ax, t in zip(axes[0], temps, strict=True):
         s, value_map = heldout[t], maps[t]
-        fitted = predict(value_map, s["depth"], s["rank"], map_feature(value_map, s))
+        fitted = predict(value_map, s["depth"], s["rank"], *map_inputs(value_map, s))
         curves = [("raw draft prob", s["own_prob"], "o--"), ("calibrated", fitted, "s-")]
         if value_map.mode == "greedy" and calibration.greedy_by_context:
             curves.append(("per context", predict_values(calibration, value_map, s), "^:"))

@@ -28,6 +28,7 @@ class DraftPool:
     rank: jax.Array  # [B, N] rank of the token among its parent's K children
     depth: jax.Array  # [B, N] depth of the candidate (1 = a child of the root)
     feature: jax.Array  # [B, N] the value feature it was ranked by (`Expander.source`), in (0, 1]
+    confidence: jax.Array  # [B, N] sigma(c) of the slot it was drafted from (1 without a confidence head)
     # Sampled drafts only (`speculation/sampled.py`): log q of every slot, and the slot each candidate was drawn from.
     q: jax.Array | None = None  # [B, slots, V]
     q_slot: jax.Array | None = None  # [B, N]
@@ -44,6 +45,7 @@ class Tree:
     score: jax.Array  # [B, D] cumulative log node value (0 for the root): log P(the walk reaches it)
     feature: jax.Array  # [B, D] the value feature each node was ranked by (root: 1)
     q: jax.Array | None = None  # [B, D, V] sampled drafts: log q each node was drawn from (root: zeros)
+    confidence: jax.Array | None = None  # [B, D] sigma(c) of the slot each node was drafted from (root: 1)
 
 
 @struct.dataclass
@@ -55,8 +57,9 @@ class Expander:
 
     A top-K child's value feature (`source`): "draft", its own draft probability q_r; "confidence", the
     drafter's confidence that the slot's top child survives, sigma(c), scaled to the child as
-    sigma(c) q_r / q_0 (a drafter without a confidence head falls back to "draft"). Uncalibrated, the
-    feature is the value; a calibration maps it (`values.node_log_values`)."""
+    sigma(c) q_r / q_0 (a drafter without a confidence head falls back to "draft"); "both", q_r, with sigma(c)
+    as a second feature a "both" calibration reads. Uncalibrated, the feature is the value; a calibration
+    maps it (`values.node_log_values`)."""
 
     temperature: jax.Array  # [] traced: picks a calibration's sampling map when > 0
     context: jax.Array | None  # [B] int32 context bin of each sequence (greedy values), None = pooled
@@ -64,7 +67,7 @@ class Expander:
     k: int = struct.field(pytree_node=False, default=1)  # children per expanded slot
     values: Calibration | None = struct.field(pytree_node=False, default=None)  # None: raw draft log-probs
     expand: int = struct.field(pytree_node=False, default=0)  # candidates the next step expands (0: k)
-    source: str = struct.field(pytree_node=False, default="draft")  # "draft" | "confidence"
+    source: str = struct.field(pytree_node=False, default="draft")  # "draft" | "confidence" | "both"
 
     @property
     def width(self) -> int:
@@ -79,14 +82,17 @@ class Expander:
         slots: jax.Array,  # [n] their slot indices (sampled drafts' keys)
         depth: int,  # of the children (1 = the root's)
     ) -> tuple[tuple[jax.Array, ...], jax.Array | None]:
-        """-> ((token, parent, score, rank, feature) [B, n*K] pool columns, log q [B, n, V] or None)."""
+        """-> ((token, parent, score, rank, feature, confidence) [B, n*K] pool columns, log q [B, n, V] or None)."""
         b, n = score.shape
         k = self.k
         top_logp, top_token = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)  # [B, n, K]
         log_feature = top_logp
+        slot_confidence = jnp.ones((b, n, k)) if confidence is None else jnp.broadcast_to(
+            jax.nn.sigmoid(confidence.astype(jnp.float32))[..., None], (b, n, k))
         if self.source == "confidence" and confidence is not None:
             log_feature = jax.nn.log_sigmoid(confidence)[..., None] + top_logp - top_logp[..., :1]
-        log_value = node_log_values(self.values, depth, log_feature, self.temperature, self.context)
+        log_value = node_log_values(self.values, depth, log_feature, self.temperature, self.context,
+                                    None if confidence is None else slot_confidence)
         columns = (
             top_token.reshape(b, n * k).astype(jnp.int32),
             jnp.repeat(pool_index, k, axis=1),
@@ -94,11 +100,12 @@ class Expander:
             jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, n, k)).reshape(b, n * k),
         )
         feature = jnp.exp(log_feature).reshape(b, n * k)
+        slot_confidence = slot_confidence.reshape(b, n * k)
         if self.sampler is None:
-            return (*columns, feature), None
+            return (*columns, feature, slot_confidence), None
         columns, logq = sampled_children(logits, score, slots, depth, self.sampler, columns)
         drawn = jnp.exp(jnp.take_along_axis(logq, columns[0].reshape(b, n, k), axis=2)).reshape(b, n * k)
-        return (*columns, jnp.where(self.temperature > 0, drawn, feature)), logq
+        return (*columns, jnp.where(self.temperature > 0, drawn, feature), slot_confidence), logq
 
 
 # (new token [B, n], parent [B, n] = index among the previous step's slots, step, carry)
@@ -118,7 +125,8 @@ def grow_beam(spec: SpecConfig, expander: Expander, root: jax.Array, step_logits
     new_slots = jnp.zeros((1,), jnp.int32)
     new_pool_index = jnp.full((b, 1), -1, jnp.int32)
     new_score = jnp.zeros((b, 1), jnp.float32)
-    columns: list[list[jax.Array]] = [[], [], [], [], [], []]  # token, parent, score, rank, feature, depth
+    # token, parent, score, rank, feature, confidence, depth
+    columns: list[list[jax.Array]] = [[], [], [], [], [], [], []]
     slot_q, q_slot = [], []
     pool_offset = 0
     for step in range(1, s_steps + 1):
@@ -139,9 +147,10 @@ def grow_beam(spec: SpecConfig, expander: Expander, root: jax.Array, step_logits
         new_pool_index = pool_offset + best
         new_score = jnp.take_along_axis(columns[2][-1], best, axis=1)
         pool_offset += n * k
-    token, parent, score, rank, feature, depth = (jnp.concatenate(c, axis=1) for c in columns)
+    token, parent, score, rank, feature, confidence, depth = (jnp.concatenate(c, axis=1) for c in columns)
     sampled = bool(slot_q)
     return DraftPool(token=token, parent=parent, score=score, rank=rank, depth=depth, feature=feature,
+                     confidence=confidence,
                      q=jnp.concatenate(slot_q, axis=1) if sampled else None,
                      q_slot=jnp.concatenate(q_slot, axis=1) if sampled else None)
 
@@ -184,6 +193,7 @@ def prune_to_budget(pool: DraftPool, root: jax.Array, num_draft_tokens: int) -> 
         score=kept(pool.score, jnp.zeros((b, 1))),
         feature=kept(pool.feature, jnp.ones((b, 1))),
         q=q,
+        confidence=kept(pool.confidence, jnp.ones((b, 1))),
     )
 
 
@@ -200,6 +210,7 @@ def shrink(tree: Tree, width: int) -> Tree:
         rank=tree.rank[:, 1:],
         depth=tree.depth[:, 1:],
         feature=tree.feature[:, 1:],
+        confidence=jnp.ones_like(tree.feature[:, 1:]) if tree.confidence is None else tree.confidence[:, 1:],
         q=None if tree.q is None else tree.q[:, 1:],
         q_slot=None if tree.q is None else jnp.broadcast_to(jnp.arange(d - 1, dtype=jnp.int32), (b, d - 1)),
     )

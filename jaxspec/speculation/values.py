@@ -13,6 +13,12 @@ Two maps, one event each:
   token or probability, so a sampled-draft verifier stays exact whatever the children drawn
   (rank 0 nondecreasing, later ranks nonincreasing in the parent's top-1 probability).
 
+A "both" calibration (`Calibration.feature`, specs named `_vb`) reads two features in its greedy maps: the
+node's draft probability (`both_first_feature`: a rank-0 child's own q_0, a later child's q_r / q_0, how
+close it comes to its slot's top child) and the drafter's confidence that the slot's top child survives,
+sigma(c) (a DSpark drafter's confidence head), in a table with one more axis (CONFIDENCE_EDGES). Its
+sampling maps stay those of the draft probability.
+
 Greedy values may also depend on the sequence's context: how much its own drafts have been accepted
 so far (mean min(accepted, CONTEXT_CAP) per cycle, `context_bins`). The same draft probability is
 accepted more often in a sequence the draft predicts well (docs/calibration.md, "The context
@@ -41,7 +47,7 @@ from jaxspec.core.config import ModelConfig
 from jaxspec.core.spec import VALUE_SOURCES, SpecConfig
 from jaxspec.model.network import standard_layout
 
-CALIBRATION_FILE = "calibration.json"
+CALIBRATION_FILE = "calibration.json"  # the draft-probability values; other sources: `calibration_file`
 PROB_EDGES = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)  # 13 bins
 DEPTH_EDGES = (2, 3, 4, 5, 7, 10)  # depth bins: 1, 2, 3, 4, 5-6, 7-9, 10+
 NUM_RANKS = 4  # ranks 0, 1, 2, 3+
@@ -51,6 +57,7 @@ FORMAT = "jaxspec-calibration-v1"
 CONTEXT_CAP = 8  # a cycle counts min(accepted, 8) towards its sequence's context
 CONTEXT_EDGES = (3.5, 5.5)  # context bins of the mean: < 3.5, 3.5-5.5, >= 5.5
 CONTEXT_START = 4.5  # the mean assumed before a sequence's first cycle (the middle bin)
+CONFIDENCE_EDGES = (0.1, 0.2, 0.35, 0.5, 0.65, 0.8, 0.9)  # 8 bins of sigma(c), the second axis of "both" maps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,11 +68,23 @@ class ValueMap:
     # (the recursive-rejection event of sampled drafts; feature: parent's processed top-1 draft prob)
     mode: str
     temperature: float  # 0 for greedy
-    table: tuple[float, ...]  # [depth bins, NUM_RANKS, prob bins] row-major
+    table: tuple[float, ...]  # [depth bins, NUM_RANKS, prob bins(, confidence bins)] row-major
     counts: tuple[int, ...]  # samples behind each cell (same layout)
 
+    @property
+    def two_features(self) -> bool:
+        """The map of a "both" calibration's greedy values: a confidence axis after the probability's."""
+        return len(self.table) == _cells() * (len(CONFIDENCE_EDGES) + 1)
+
     def array(self) -> np.ndarray:
-        return np.asarray(self.table, np.float64).reshape(len(DEPTH_EDGES) + 1, NUM_RANKS, len(PROB_EDGES) + 1)
+        shape = (len(DEPTH_EDGES) + 1, NUM_RANKS, len(PROB_EDGES) + 1)
+        return np.asarray(self.table, np.float64).reshape(*shape, *((len(CONFIDENCE_EDGES) + 1,) if self.two_features
+                                                                    else ()))
+
+
+def _cells() -> int:
+    """Cells of a one-feature map."""
+    return (len(DEPTH_EDGES) + 1) * NUM_RANKS * (len(PROB_EDGES) + 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +97,15 @@ class Calibration:
     meta: tuple[tuple[str, str], ...] = ()  # provenance (datasets, prompts, spec, ...) as strings
     greedy_by_context: tuple[ValueMap, ...] = ()  # one greedy map per context bin (CONTEXT_EDGES), or none
     residual: tuple[ValueMap, ...] = ()  # sampled drafts' values (speculation/sampled.py), ascending temperature
-    feature: str = "draft"  # the value feature the maps read: "draft" probability or "confidence" (tree.Expander)
+    feature: str = "draft"  # what the maps read: "draft" probability, "confidence" or "both" (tree.Expander)
+
+    def __post_init__(self):
+        two = self.feature == "both"
+        if any(m.two_features != two for m in (self.greedy, *self.greedy_by_context)) or any(
+            m.two_features for m in (*self.sampling, *self.residual)
+        ):
+            raise ValueError(f"a {self.feature!r} calibration's greedy maps must {'' if two else 'not '}have the "
+                             "confidence axis, its sampling and residual maps never")
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -90,6 +117,7 @@ class Calibration:
             "maps": [dataclasses.asdict(m) for m in (self.greedy, *self.sampling, *self.residual)],
             "meta": dict(self.meta),
             **({"feature": self.feature} if self.feature != "draft" else {}),
+            **({"confidence_edges": list(CONFIDENCE_EDGES)} if self.feature == "both" else {}),
             **({"context": {"cap": CONTEXT_CAP, "edges": list(CONTEXT_EDGES),
                             "maps": [dataclasses.asdict(m) for m in self.greedy_by_context]}}
                if self.greedy_by_context else {}),
@@ -103,7 +131,15 @@ class Calibration:
             PROB_EDGES, DEPTH_EDGES, NUM_RANKS
         ):
             raise ValueError(f"{source} uses other bins than this jaxspec version; re-run `jaxspec calibrate`")
-        size = (len(DEPTH_EDGES) + 1) * NUM_RANKS * (len(PROB_EDGES) + 1)
+        feature = data.get("feature", "draft")
+        if feature not in VALUE_SOURCES:
+            raise ValueError(f"{source}: feature must be one of {VALUE_SOURCES}, got {feature!r}")
+        if feature == "both" and tuple(data.get("confidence_edges", ())) != CONFIDENCE_EDGES:
+            raise ValueError(f"{source} uses other confidence bins than this jaxspec version; "
+                             "re-run `jaxspec calibrate`")
+        size = _cells()
+        greedy_size = size * (len(CONFIDENCE_EDGES) + 1 if feature == "both" else 1)
+
         def value_map(m: Any) -> ValueMap:
             return ValueMap(str(m["mode"]), float(m["temperature"]), tuple(float(x) for x in m["table"]),
                             tuple(int(x) for x in m["counts"]))
@@ -125,13 +161,11 @@ class Calibration:
             raise ValueError(f"{source}: its context maps use other bins than this jaxspec version "
                              f"(cap {CONTEXT_CAP}, edges {list(CONTEXT_EDGES)}, greedy maps); "
                              "re-run `jaxspec calibrate`")
-        if any(len(m.table) != size or not all(0.0 < x < 1.0 for x in m.table) for m in (*maps, *by_context)):
-            raise ValueError(f"{source}: every map needs {size} values in (0, 1)")
+        if any(len(m.table) != (greedy_size if m.mode == "greedy" else size) or len(m.counts) != len(m.table)
+               or not all(0.0 < x < 1.0 for x in m.table) for m in (*maps, *by_context)):
+            raise ValueError(f"{source}: every greedy map needs {greedy_size} values in (0, 1), every other map {size}")
         by_mode = {mode: tuple(sorted((m for m in maps[1:] if m.mode == mode), key=lambda m: m.temperature))
                    for mode in ("sampling", "residual")}
-        feature = data.get("feature", "draft")
-        if feature not in VALUE_SOURCES:
-            raise ValueError(f"{source}: feature must be one of {VALUE_SOURCES}, got {feature!r}")
         return cls(fingerprint=fingerprint, greedy=maps[0], sampling=by_mode["sampling"], meta=meta,
                    greedy_by_context=tuple(by_context), residual=by_mode["residual"], feature=feature)
 
@@ -141,6 +175,14 @@ class Calibration:
             path = path / CALIBRATION_FILE
         path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
         return path
+
+
+def calibration_file(values: str) -> str:
+    """The file a draft's folder keeps the calibration of value source `values` in: calibration.json for the
+    draft probability, calibration_<source>.json for the others (a folder can hold one of each)."""
+    if values not in VALUE_SOURCES:
+        raise ValueError(f"values must be one of {', '.join(VALUE_SOURCES)}, got {values!r}")
+    return CALIBRATION_FILE if values == "draft" else f"calibration_{values}.json"
 
 
 # ---- which draft a calibration belongs to ------------------------------------------------------
@@ -205,6 +247,10 @@ def resolve_scores(spec: SpecConfig, calibration: Calibration | None) -> tuple[S
             raise ValueError(f"the calibration maps the draft's {calibration.feature!r} values, the spec ranks by "
                              f"{spec.values!r}: calibrate for it (jaxspec calibrate --values {spec.values})")
         calibration = None  # "auto": raw values of the spec's own feature
+    if calibration is None and spec.values == "both":
+        raise ValueError(f"{spec.name}: values='both' ranks by a calibration over the draft probability and the "
+                         "confidence head together and has no uncalibrated form; pass calibration= a 'both' "
+                         "calibration (jaxspec calibrate --values both), or rank by 'draft' or 'confidence' (_vc)")
     if calibration is None:
         if spec.scores == "calibrated":
             raise ValueError('scores="calibrated" needs a calibration: calibration= (a Calibration or its file), '
@@ -216,15 +262,28 @@ def resolve_scores(spec: SpecConfig, calibration: Calibration | None) -> tuple[S
 # ---- the values in a drafting step ------------------------------------------------------------
 
 
+def both_first_feature(rank: Any, own: Any, top1: Any) -> Any:
+    """The probability axis of a "both" map: rank 0 its own draft probability q_0, a later rank q_r / q_0.
+    A sibling is right only where its slot's top child is wrong, and how close it comes to the top child
+    says more about that than its own probability does (held-out AUC of rank-1 nodes 0.83 against 0.69 on
+    the DSpark drafter; docs/calibration.md). numpy or jax arrays alike."""
+    xp = jnp if isinstance(own, jax.Array) else np
+    return own / xp.where(rank > 0, top1, 1.0)
+
+
 def depth_bin(depth: int) -> int:
     return int(np.searchsorted(np.asarray(DEPTH_EDGES), depth, side="right"))
 
 
-def _lookup(table: np.ndarray, depth: int, rank: jax.Array, prob: jax.Array) -> jax.Array:
-    """table [depth bins, ranks, prob bins] -> values at (static depth, rank, prob)."""
-    rows = jnp.asarray(table[depth_bin(depth)], jnp.float32)  # [R, P]
+def _lookup(table: np.ndarray, depth: int, rank: jax.Array, prob: jax.Array, confidence: jax.Array | None = None
+            ) -> jax.Array:
+    """table [depth bins, ranks, prob bins(, confidence bins)] -> values at (static depth, rank, prob(, confidence))."""
+    rows = jnp.asarray(table[depth_bin(depth)], jnp.float32)  # [R, P(, C)]
     prob_index = jnp.searchsorted(jnp.asarray(PROB_EDGES, jnp.float32), prob, side="right")
-    return rows[jnp.minimum(rank, NUM_RANKS - 1), prob_index]
+    if rows.ndim == 2:
+        return rows[jnp.minimum(rank, NUM_RANKS - 1), prob_index]
+    confidence_index = jnp.searchsorted(jnp.asarray(CONFIDENCE_EDGES, jnp.float32), confidence, side="right")
+    return rows[jnp.minimum(rank, NUM_RANKS - 1), prob_index, confidence_index]
 
 
 def context_bins(
@@ -242,18 +301,24 @@ def node_log_values(
     top_logp: jax.Array,  # [B, n, K] draft log-probs of each slot's top-K children, descending
     temperature: jax.Array | None = None,  # [] traced; > 0 uses the sampling map nearest in temperature
     context: jax.Array | None = None,  # [B] int32 context bin (`context_bins`); None = the pooled greedy map
+    confidence: jax.Array | None = None,  # [B, n, K] sigma(c) of each child's slot; read by "both" calibrations only
 ) -> jax.Array:
     """-> [B, n, K] log P(child accepted | slot accepted): the raw draft log-probs without a calibration."""
     if calibration is None:
         return top_logp
+    if calibration.feature == "both" and confidence is None:
+        raise ValueError("a 'both' calibration reads the drafter's confidence head; this drafter has none")
+    second = confidence if calibration.feature == "both" else None
     k = top_logp.shape[-1]
     rank = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), top_logp.shape)
     own = jnp.exp(top_logp)
+    greedy_prob = own if second is None else both_first_feature(rank, own, own[..., :1])
     if context is not None and calibration.greedy_by_context:
-        per_context = jnp.stack([_lookup(m.array(), depth, rank, own) for m in calibration.greedy_by_context])
+        per_context = jnp.stack([_lookup(m.array(), depth, rank, greedy_prob, second)
+                                 for m in calibration.greedy_by_context])
         value = jnp.take_along_axis(per_context, context[None, :, None, None], axis=0)[0]  # [B, n, K]
     else:
-        value = _lookup(calibration.greedy.array(), depth, rank, own)
+        value = _lookup(calibration.greedy.array(), depth, rank, greedy_prob, second)
     if calibration.sampling and temperature is not None:
         parent_top1 = jnp.broadcast_to(own[..., :1], own.shape)  # siblings share it
         temps = jnp.asarray([m.temperature for m in calibration.sampling], jnp.float32)
@@ -280,34 +345,74 @@ def _pav(y: np.ndarray, w: np.ndarray) -> np.ndarray:
     return np.concatenate([np.full(n, v) for v, _, n in blocks])
 
 
-def bin_indices(depth: np.ndarray, rank: np.ndarray, prob: np.ndarray) -> np.ndarray:
-    """Flat cell index of each sample (numpy twin of `_lookup`)."""
+def bin_indices(depth: np.ndarray, rank: np.ndarray, prob: np.ndarray, confidence: np.ndarray | None = None
+                ) -> np.ndarray:
+    """Flat cell index of each sample (numpy twin of `_lookup`); with `confidence`, of a two-feature map."""
     d = np.searchsorted(np.asarray(DEPTH_EDGES), depth, side="right")
     p = np.searchsorted(np.asarray(PROB_EDGES, np.float32), prob.astype(np.float32), side="right")
     r = np.minimum(rank, NUM_RANKS - 1)
-    return (d * NUM_RANKS + r) * (len(PROB_EDGES) + 1) + p
+    index = (d * NUM_RANKS + r) * (len(PROB_EDGES) + 1) + p
+    if confidence is None:
+        return index
+    c = np.searchsorted(np.asarray(CONFIDENCE_EDGES, np.float32), np.asarray(confidence, np.float32), side="right")
+    return index * (len(CONFIDENCE_EDGES) + 1) + c
+
+
+def _pav_rows(value: np.ndarray, weight: np.ndarray, increasing: bool) -> np.ndarray:
+    """PAV along the last axis of every row."""
+    out = np.empty_like(value)
+    for i in np.ndindex(value.shape[:-1]):
+        out[i] = _pav(value[i], weight[i]) if increasing else -_pav(-value[i], weight[i])
+    return out
+
+
+def _monotone_2d(value: np.ndarray, weight: np.ndarray, along_confidence: bool, sweeps: int = 200) -> np.ndarray:
+    """value [P, C] nondecreasing along P (and along C with `along_confidence`): alternating PAV along
+    each axis (projections onto two convex sets) until neither moves a value by more than 1e-9."""
+    value = _pav_rows(value.T, weight.T, True).T  # along P (rows of the transpose)
+    for _ in range(sweeps if along_confidence else 0):
+        before = value
+        value = _pav_rows(value, weight, True)  # along C
+        value = _pav_rows(value.T, weight.T, True).T
+        if np.max(np.abs(value - before)) < 1e-9:
+            break
+    return value
 
 
 def fit_map(mode: str, temperature: float, depth: Sequence[int], rank: Sequence[int], prob: Sequence[float],
-            label: Sequence[float]) -> ValueMap:
+            label: Sequence[float], confidence: Sequence[float] | None = None) -> ValueMap:
     """Binned, smoothed and monotone fit of E[label | depth, rank, prob]; `prob` is the node's own
-    draft probability (greedy) or its parent's top-1 draft probability (sampling)."""
+    draft probability (greedy) or its parent's top-1 draft probability (sampling). With `confidence`
+    (greedy only: sigma(c) of the node's slot), of E[label | depth, rank, prob, confidence] (a "both"
+    calibration's map, `prob` its `both_first_feature`): nondecreasing in `prob`, and for rank 0 in the
+    confidence too.
+    Later ranks are left free along the confidence: a confident top child leaves its siblings less to be
+    right about, yet marks a slot the drafter reads well, and the data decide which wins."""
     if mode not in ("greedy", "sampling", "residual"):
         raise ValueError(f"mode must be 'greedy', 'sampling' or 'residual', got {mode!r}")
+    if confidence is not None and mode != "greedy":
+        raise ValueError("only greedy maps read the confidence feature")
     depth, rank, prob, label = (np.asarray(x) for x in (depth, rank, prob, label))
     if not depth.size:
         raise ValueError("no samples to fit a calibration on")
     shape = (len(DEPTH_EDGES) + 1, NUM_RANKS, len(PROB_EDGES) + 1)
+    if confidence is not None:
+        confidence = np.asarray(confidence)
+        if confidence.shape != depth.shape:
+            raise ValueError(f"confidence needs one value per sample ({depth.shape}), got {confidence.shape}")
+        shape = (*shape, len(CONFIDENCE_EDGES) + 1)
     cells = int(np.prod(shape))
-    index = bin_indices(depth, rank, prob)
+    index = bin_indices(depth, rank, prob, confidence)
     n = np.bincount(index, minlength=cells).reshape(shape).astype(np.float64)
     s = np.bincount(index, weights=label.astype(np.float64), minlength=cells).reshape(shape)
     # Backoff: a cell borrows strength from the same (rank, prob) cell pooled over depths, which
     # borrows from its rank's overall mean.
-    rank_n, rank_s = n.sum((0, 2)), s.sum((0, 2))
+    other = tuple(a for a in range(n.ndim) if a != 1)
+    rank_n, rank_s = n.sum(other), s.sum(other)
     rank_mean = (rank_s + 0.5) / (rank_n + 1.0)  # [R]
-    pool_n, pool_s = n.sum(0), s.sum(0)  # [R, P]
-    pool = (pool_s + PRIOR_STRENGTH * rank_mean[:, None]) / (pool_n + PRIOR_STRENGTH)
+    pool_n, pool_s = n.sum(0), s.sum(0)  # [R, P(, C)]
+    rank_prior = rank_mean.reshape(-1, *(1,) * (pool_n.ndim - 1))
+    pool = (pool_s + PRIOR_STRENGTH * rank_prior) / (pool_n + PRIOR_STRENGTH)
     value = (s + PRIOR_STRENGTH * pool[None]) / (n + PRIOR_STRENGTH)
     weight = n + PRIOR_STRENGTH
     # Residual maps stay unconstrained in the feature: under recursive rejection rank 0 is U-shaped and
@@ -316,14 +421,22 @@ def fit_map(mode: str, temperature: float, depth: Sequence[int], rank: Sequence[
         for r in range(shape[1]):
             increasing = mode == "greedy" or r == 0
             row, w = value[d, r], weight[d, r]
-            value[d, r] = _pav(row, w) if increasing else -_pav(-row, w)
+            if confidence is not None:
+                value[d, r] = _monotone_2d(row, w, along_confidence=r == 0)
+            else:
+                value[d, r] = _pav(row, w) if increasing else -_pav(-row, w)
     value = np.clip(value, *VALUE_RANGE)
     return ValueMap(mode, float(temperature), tuple(float(x) for x in value.ravel()),
                     tuple(int(x) for x in n.ravel()))
 
 
-def predict(value_map: ValueMap, depth: np.ndarray, rank: np.ndarray, prob: np.ndarray) -> np.ndarray:
-    return np.asarray(value_map.table)[bin_indices(np.asarray(depth), np.asarray(rank), np.asarray(prob))]
+def predict(value_map: ValueMap, depth: np.ndarray, rank: np.ndarray, prob: np.ndarray,
+            confidence: np.ndarray | None = None) -> np.ndarray:
+    """The map's values at the samples; a two-feature map needs `confidence`."""
+    if value_map.two_features != (confidence is not None):
+        raise ValueError("a two-feature map needs the confidence feature, a one-feature map takes none")
+    index = bin_indices(np.asarray(depth), np.asarray(rank), np.asarray(prob), confidence)
+    return np.asarray(value_map.table)[index]
 
 
 def expected_calibration_error(predicted: np.ndarray, label: np.ndarray, num_bins: int = 10) -> float:
