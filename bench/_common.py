@@ -119,7 +119,7 @@ def cycle_of(params: Any, cfg: Any, spec: Any, draft: Any = None, rule: str = "g
     spec = SpecConfig.parse(spec) if isinstance(spec, str) else spec
     spec.validate_for(cfg)
     draft.drafter.check(cfg, spec)
-    calibration = draft.calibration
+    calibration = draft.calibration_for(spec.values)
     if calibration is not None and not isinstance(calibration, Calibration):  # an unreadable calibration.json
         if spec.scores != "draft":
             calibration.fail()

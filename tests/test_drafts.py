@@ -21,7 +21,7 @@ from jaxspec.checkpoint import drafts
 from jaxspec.checkpoint.drafts import DEFAULT_DRAFT, draft_dir, draft_names, save_draft
 from jaxspec.core.config import ModelConfig
 from jaxspec.model.network import init_params
-from jaxspec.speculation.values import Calibration, ValueMap, draft_fingerprint
+from jaxspec.speculation.values import CONFIDENCE_EDGES, Calibration, ValueMap, calibration_file, draft_fingerprint
 
 SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-v4"
 
@@ -117,6 +117,28 @@ def test_each_draft_carries_its_own_calibration(saved, tmp_path):
     _calibration(own_fp, 0.5).save(copy / "drafts" / "other")
     with pytest.raises(ValueError, match="fitted for another draft"):
         js.load_checkpoint(copy, draft="other")
+
+
+def test_other_value_sources_calibrations_sit_beside_the_draft_ones(saved, tmp_path):
+    """calibration_<source>.json (`jaxspec calibrate --values both` writes calibration_both.json) is read beside
+    calibration.json; a spec ranking by that source takes it by default; a file holding another source's
+    values than its name says is refused."""
+    import shutil
+
+    folder, cfg, params, _ = saved
+    copy = tmp_path / "ckpt"
+    shutil.copytree(folder, copy)
+    fp = draft_fingerprint(params.mtp, cfg)
+    cells = 7 * 4 * 13 * len(CONFIDENCE_EDGES + (1,))
+    both = Calibration(fp, ValueMap("greedy", 0.0, (0.75,) * cells, (1,) * cells), (), feature="both")
+    _calibration(fp, 0.5).save(copy)
+    both.save(copy / calibration_file("both"))
+    draft = js.load_checkpoint(copy).draft
+    assert draft.calibration.feature == "draft" and draft.calibration.greedy.table[0] == 0.5
+    assert draft.calibration_for("both") == both and draft.calibration_for("confidence") is None
+    _calibration(fp, 0.5).save(copy / calibration_file("both"))
+    with pytest.raises(ValueError, match="calibration_both.json holds a calibration of the 'draft' values"):
+        js.load_checkpoint(copy)
 
 
 def test_greedy_speculation_with_a_loaded_draft_is_generate(saved):

@@ -9,6 +9,7 @@ choice among them that `jaxspec tune --draft all` wrote to drafts/tune.json.
         mtp/              orbax PyTree of MTPParams, in the checkpoint's config.json dtypes
         draft.json        how it was trained (recipe, schedule, held-out history)
         calibration.json  `jaxspec calibrate --draft one-step`
+        calibration_both.json  (DSpark drafts) `jaxspec calibrate --draft dspark --values both`: `_vb` specs
         tune.json         the budget chooser's result for this draft
     checkpoints/tiny-v4/drafts/tune.json  the chooser's result across every draft ("dspark/s5_k1_d6")
     checkpoints/tiny-v4/drafts/dspark/
@@ -31,13 +32,14 @@ import jax.numpy as jnp
 from jaxspec.checkpoint.errors import one_line, read_json
 from jaxspec.core.config import ModelConfig
 from jaxspec.core.dspark import DSparkConfig
+from jaxspec.core.spec import VALUE_SOURCES
 from jaxspec.model.dspark import DSparkParams, abstract_dspark_params
 from jaxspec.model.network import MTPParams, abstract_params
 from jaxspec.speculation.auto import TUNING_FILE, Tuning, load_tuning
 from jaxspec.speculation.drafter import Draft, Unreadable
 from jaxspec.speculation.dspark import dspark_draft
 from jaxspec.speculation.mtp import MTPDrafter
-from jaxspec.speculation.values import CALIBRATION_FILE, Calibration, check_fitted, load_calibration
+from jaxspec.speculation.values import Calibration, calibration_file, check_fitted, load_calibration
 
 DRAFTS = "drafts"
 DEFAULT_DRAFT = "default"  # the checkpoint's own params/mtp
@@ -87,21 +89,29 @@ def draft_dir(path: str | os.PathLike, name: str | None) -> str:
     return os.path.join(path, DRAFTS, name)
 
 
-def sidecar_values(folder: str, draft: Any, cfg: ModelConfig
-                   ) -> tuple[Calibration | Unreadable | None, Tuning | Unreadable | None]:
-    """The calibration.json and tune.json a draft's folder holds (None where absent). A calibration fitted
-    for another draft is an error here; a file that cannot be read is kept as `Unreadable` (its one-line
-    error raised when speculation uses it, with a warning now)."""
-    calibration = None
-    path = os.path.join(folder, CALIBRATION_FILE)
-    if os.path.isfile(path):
+def sidecar_values(folder: str, draft: Any, cfg: ModelConfig) -> tuple[
+    Calibration | Unreadable | None, Tuning | Unreadable | None, dict[str, Calibration | Unreadable]
+]:
+    """The calibration.json, tune.json and other value sources' calibration_<source>.json a draft's folder
+    holds -> (calibration, tuning, {source: calibration}) (None / absent where there is no file). A
+    calibration fitted for another draft or for another value source than its name says is an error here;
+    a file that cannot be read is kept as `Unreadable` (its one-line error raised when speculation uses it,
+    with a warning now)."""
+    found: dict[str, Calibration | Unreadable] = {}
+    for values in VALUE_SOURCES:
+        path = os.path.join(folder, calibration_file(values))
+        if not os.path.isfile(path):
+            continue
         try:
-            calibration = load_calibration(path)
+            found[values] = load_calibration(path)
         except (ValueError, OSError) as e:
-            calibration = _unreadable(path, e)
-        else:
-            check_fitted(calibration, draft, cfg, path)  # fitted for this draft, or a one-line error now
-    return calibration, read_tuning(folder)
+            found[values] = _unreadable(path, e)
+            continue
+        check_fitted(found[values], draft, cfg, path)  # fitted for this draft, or a one-line error now
+        if found[values].feature != values:
+            raise ValueError(f"{path} holds a calibration of the {found[values].feature!r} values; this file is "
+                             f"for {values!r} (`jaxspec calibrate --values {values}` writes it)")
+    return found.pop("draft", None), read_tuning(folder), found
 
 
 def read_tuning(folder: str) -> Tuning | Unreadable | None:
@@ -123,11 +133,14 @@ def _unreadable(path: str, error: Exception) -> Unreadable:
     return Unreadable(path, message)
 
 
-def draft_of(name: str, params: Any, config: DSparkConfig | None, calibration: Any, tuning: Any) -> Draft:
+def draft_of(name: str, params: Any, config: DSparkConfig | None, calibration: Any, tuning: Any,
+             value_calibrations: Any = None) -> Draft:
     """The Draft of an MTP block (a checkpoint's own, or drafts/<name>/mtp) or of a DSpark drafter."""
     if isinstance(params, DSparkParams):
-        return dspark_draft(params, config, name, calibration, tuning)
-    return Draft(name, MTPDrafter(), params, calibration, tuning)
+        draft = dspark_draft(params, config, name, calibration, tuning)
+    else:
+        draft = Draft(name, MTPDrafter(), params, calibration, tuning)
+    return dataclasses.replace(draft, value_calibrations=dict(value_calibrations or {}))
 
 
 def abstract_mtp(cfg: ModelConfig) -> MTPParams:

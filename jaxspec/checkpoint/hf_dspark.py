@@ -124,8 +124,8 @@ def load_release(
         if params.mtp is not None:
             found = Draft("default", MTPDrafter(), params.mtp)
     if found is not None:  # what `jaxspec calibrate / tune --checkpoint RELEASE` wrote beside the weights
-        calibration, tuning = sidecar_values(os.fspath(path), found.params, cfg)
-        found = dataclasses.replace(found, calibration=calibration, tuning=tuning)
+        calibration, tuning, others = sidecar_values(os.fspath(path), found.params, cfg)
+        found = dataclasses.replace(found, calibration=calibration, tuning=tuning, value_calibrations=others)
     return Checkpoint(cfg=cfg, params=params, tokenizer=release_tokenizer(path), draft=found,
                       path=os.path.abspath(os.fspath(path)))
 

@@ -47,7 +47,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--topk", type=int, default=COLLECT_TOPK, help="ranks recorded per chain node")
     p.add_argument("--values", choices=VALUE_SOURCES, default="draft",
                    help="the node feature the maps read: 'draft' (its draft probability; specs sS_kK_dD) or "
-                   "'confidence' (a DSpark drafter's confidence head; specs named ..._vc)")
+                   "'confidence' (a DSpark drafter's confidence head; specs named ..._vc) or 'both' (the two "
+                   "together in one map; specs named ..._vb)")
     p.add_argument("--batch-size", type=int, default=64, help="prompts run together")
     p.add_argument("--heldout", type=int, default=32,
                    help="held-out (test-split) prompts per dataset to measure calibration error on (0 = none)")
@@ -55,7 +56,8 @@ def add_parser(subparsers: Any) -> None:
     add_mesh_arguments(p)
     p.add_argument("--figure", default=None, help="reliability diagram PNG (held-out; default none)")
     p.add_argument("--out", default=None, help="calibration file (default CHECKPOINT/calibration.json, with --draft "
-                   "CHECKPOINT/drafts/NAME/calibration.json)")
+                   "CHECKPOINT/drafts/NAME/calibration.json; --values confidence / both: calibration_confidence.json / "
+                   "calibration_both.json there, beside the draft-probability one)")
     p.set_defaults(func=run)
 
 
@@ -63,7 +65,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from jaxspec.checkpoint.drafts import draft_dir
     from jaxspec.harness.calibrate import calibration_errors, collect, fit, plot_reliability
     from jaxspec.harness.eval import encode_prompts
-    from jaxspec.speculation.values import draft_fingerprint, load_calibration
+    from jaxspec.speculation.values import calibration_file, draft_fingerprint, load_calibration
     from jaxspec.training.data import DATASETS, HELDOUT_SPLITS, load_dataset
 
     for name in ("num_prompts", "max_prompt_tokens", "cycles", "batch_size", "steps", "topk"):
@@ -90,7 +92,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             "cycles": args.cycles, "steps": args.steps, "topk": args.topk,
             "checkpoint": os.path.basename(os.path.normpath(args.checkpoint)), "draft": args.draft or "default"}
     calibration = fit(train, draft_fingerprint(model.draft.params, model.cfg), meta, feature=args.values)
-    out = calibration.save(args.out or sidecars)
+    out = calibration.save(args.out or os.path.join(sidecars, calibration_file(args.values)))
     load_calibration(out, model.draft.params, model.cfg)  # what load_checkpoint will read must parse and match
     console.print(f"saved to {out}")
     if args.heldout:

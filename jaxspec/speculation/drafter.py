@@ -16,6 +16,7 @@ fixed settings. Its parameters and its state are pytrees the cycle passes in. Th
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import jax
@@ -75,8 +76,14 @@ class Draft:
     name: str  # "default" (the checkpoint's own), or a drafts/<name>/ folder
     drafter: Drafter
     params: Any
-    calibration: Calibration | Unreadable | None = None
+    calibration: Calibration | Unreadable | None = None  # of the draft probability (calibration.json)
     tuning: Tuning | Unreadable | None = None
+    # of the other value sources, by source ("confidence", "both"; calibration_<source>.json)
+    value_calibrations: Mapping[str, Calibration | Unreadable] = dataclasses.field(default_factory=dict)
+
+    def calibration_for(self, values: str) -> Calibration | Unreadable | None:
+        """The calibration a spec ranking by value source `values` (`SpecConfig.values`) uses by default."""
+        return self.calibration if values == "draft" else self.value_calibrations.get(values)
 
     def __repr__(self) -> str:
         return (f"Draft({self.name!r}, {type(self.drafter).__name__}, calibrated={self.calibration is not None}, "
