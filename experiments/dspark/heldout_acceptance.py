@@ -4,7 +4,8 @@ For each dataset's held-out split (GSM8K test, MBPP test, ShareGPT test), the fi
 prompts (at most --max-prompt-tokens tokens each) decode --new-tokens tokens with each (draft, spec);
 the record holds tau (tokens per cycle, bonus included) and the per-position acceptance (P(the cycle's
 accepted path reaches depth k)). With --exact N, the first N prompts' greedy outputs are checked
-against `generate` for every (draft, spec).
+against `generate` for every (draft, spec). --calibration FILE ranks the runs whose value source is the
+file's (`_vc` specs by a confidence calibration, `_vb` by a "both" one) by it instead of the draft folder's.
 
     PYTHONPATH=. JAXSPEC_DATA=/work/shared/data XLA_FLAGS=--xla_cpu_multi_thread_eigen=false \
       taskset -c 0 python experiments/dspark/heldout_acceptance.py --out experiments/dspark/heldout.json
@@ -22,6 +23,7 @@ import numpy as np
 import jaxspec as js
 from jaxspec.harness.eval import encode_prompts
 from jaxspec.speculation.generate import summarize_stats
+from jaxspec.speculation.values import load_calibration
 from jaxspec.training.data import HELDOUT_SPLITS, load_dataset
 
 RUNS = (("default", "s7_k1_d8"), ("dspark", "s7_k1_d8"), ("dspark", "s7_k2_d8"), ("dspark", "s7_k2_d8_vc"))
@@ -38,10 +40,12 @@ def main() -> None:
     ap.add_argument("--max-prompt-tokens", type=int, default=192)
     ap.add_argument("--exact", type=int, default=4, help="prompts per dataset checked against generate")
     ap.add_argument("--out", default="experiments/dspark/heldout.json")
+    ap.add_argument("--calibration", default=None, help="calibration.json for the runs of its value source")
     args = ap.parse_args()
     runs = [tuple(r.split(":")) for r in args.runs.split(",")]
     drafts = {name: js.load_checkpoint(args.checkpoint, draft=name, dtype="float32") for name in {d for d, _ in runs}}
     ck = next(iter(drafts.values()))
+    calibration = None if args.calibration is None else load_calibration(args.calibration)
     records = json.load(open(args.out)) if os.path.isfile(args.out) else []
     done = {(r["dataset"], r["draft"], r["spec"]) for r in records}
     for dataset in args.datasets.split(","):
@@ -56,8 +60,10 @@ def main() -> None:
             sums = None
             tokens = []
             for start in range(0, len(prompts), args.batch):
+                mine = calibration is not None and js.SpecConfig.parse(spec).values == calibration.feature
                 out = js.speculative_generate(ck.params, ck.cfg, prompts[start : start + args.batch], spec,
-                                              max_new_tokens=args.new_tokens, draft=draft)
+                                              max_new_tokens=args.new_tokens, draft=draft,
+                                              calibration=args.calibration if mine else None)
                 per = {k: np.asarray(v) for k, v in out.stats["per_sequence"].items()
                        if k in ("cycles", "accepted", "verified", "depth_hits", "rank_hist")}
                 sums = per if sums is None else {k: np.concatenate([sums[k], per[k]]) for k in per}
@@ -73,6 +79,7 @@ def main() -> None:
                    "new_tokens": args.new_tokens, "tau": stats["mean_accepted_length"],
                    "per_depth_acceptance": stats["per_depth_acceptance"], "cycles": stats["cycles"],
                    "rank_histogram": stats["rank_histogram"], "exact_vs_generate": exact if args.exact else None,
+                   **({"calibration": args.calibration} if mine else {}),
                    "wall_s": round(time.time() - t0, 1)}
             print(json.dumps({k: v for k, v in rec.items()}), flush=True)
             records.append(rec)
