@@ -214,6 +214,25 @@ def test_the_shipped_checkpoint_carries_its_tuning():
         assert spec is None or spec.validate_for(ckpt.cfg) is None
 
 
+def test_the_shipped_drafts_carry_their_cross_draft_tuning():
+    """checkpoints/tiny-v4/drafts/tune.json (`jaxspec tune --draft all`) parses, chose among the checkpoint's
+    three drafts from every (bucket, dataset) group measured on a quiet machine, and
+    load_checkpoint(draft="all") carries it for spec="auto"."""
+    from jaxspec.checkpoint import load_checkpoint
+
+    shipped = load_tuning("checkpoints/tiny-v4/drafts")
+    assert sorted(shipped.choices) == [1, 4] and shipped.estimator == "end-to-end"
+    assert sorted({(v["batch"], v["dataset"]) for v in shipped.verdicts}) == [
+        (b, d) for b in (1, 4) for d in ("gsm8k", "mbpp", "sharegpt")]
+    assert all(v["clean"] for v in shipped.verdicts)
+    assert set(shipped.drafts) == {"default", "one-step", "dspark"}
+    every = load_checkpoint("checkpoints/tiny-v4", draft="all")
+    assert every.draft.tuning == shipped
+    for b in (1, 4):
+        draft, spec = shipped.choice_for(b)
+        assert spec is None or (draft in {d.name for d in every.draft.drafts} and spec.validate_for(every.cfg) is None)
+
+
 def test_a_candidate_far_behind_ar_is_not_measured_at_larger_buckets(agreeing_params, test_cfg, monkeypatch):
     """Buckets run smallest first; a spec below prune_below x AR (pooled over the datasets) at one
     bucket is left out of the larger ones, and prune_below=None measures every spec everywhere."""
