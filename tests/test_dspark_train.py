@@ -140,6 +140,9 @@ def test_shipped_dspark_draft_loads():
 
     ck = _shipped_dspark()
     assert ck.draft.name == "dspark" and isinstance(ck.draft.calibration, Calibration)
+    assert ck.draft.calibration.feature == "draft"  # calibration.json: what sS_kK_dD trees rank by
+    both = ck.draft.calibration_for("both")  # calibration_both.json: what the `_vb` trees rank by
+    assert isinstance(both, Calibration) and both.feature == "both" and dict(both.meta)["draft"] == "dspark"
 
 
 @pytest.mark.long  # ~45 s (the 6-layer checkpoint's loop compiles); CI: the load above, DSpark chains and trees

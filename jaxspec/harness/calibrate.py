@@ -248,9 +248,9 @@ def fit_context_maps(greedy: dict[str, np.ndarray], pooled: ValueMap) -> tuple[V
     if "context" not in greedy:
         return ()
     maps = []
+    prob, second = map_inputs(pooled, greedy)
     for c in range(len(CONTEXT_EDGES) + 1):
         sel = greedy["context"] == c
-        prob, second = map_inputs(pooled, greedy)
         maps.append(fit_map("greedy", 0.0, greedy["depth"][sel], greedy["rank"][sel], prob[sel], greedy["label"][sel],
                             None if second is None else second[sel]) if sel.any() else pooled)
     return tuple(maps)
