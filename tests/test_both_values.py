@@ -42,8 +42,9 @@ def two_feature_samples(n=40_000, seed=0):
     p = np.where(rank == 0, own * (0.4 + 0.6 * conf), own * (1 - conf))
     label = (rng.uniform(0, 1, n) < p).astype(np.float32)
     top1 = np.where(rank == 0, own, own + (1 - own) * rng.uniform(0, 1, n))  # the slot's top child's probability
-    samples = {"depth": depth, "rank": rank, "own_prob": own, "parent_top1": top1, "label": label,
-               "confidence": conf.astype(np.float32), "context": np.ones(n, np.int32)}
+    runner_up = top1 * rng.uniform(0, 1, n)  # the slot's second child's
+    samples = {"depth": depth, "rank": rank, "own_prob": own, "parent_top1": top1, "runner_up": runner_up,
+               "label": label, "confidence": conf.astype(np.float32), "context": np.ones(n, np.int32)}
     return samples, p
 
 
@@ -102,11 +103,13 @@ def test_engine_lookup_is_the_fit(both_calibration):
         got = np.exp(np.asarray(node_log_values(both_calibration, depth, jnp.log(own), jnp.float32(0), None,
                                                 jnp.asarray(conf))))
         rank = np.broadcast_to(np.arange(4), own.shape)
-        prob = both_first_feature(rank, own, own[..., :1])  # rank 0: q_0; later ranks: q_r / q_0
+        prob = both_first_feature(rank, own, own[..., :1], own[..., 1:2])  # rank 0: 1 - q_1 / q_0; later: q_r / q_0
         want = predict(both_calibration.greedy, np.full(own.shape, depth), rank, prob, conf)
         np.testing.assert_allclose(got, want, rtol=1e-6)
     with pytest.raises(ValueError, match="confidence head"):
         node_log_values(both_calibration, 1, jnp.log(own), jnp.float32(0))
+    with pytest.raises(ValueError, match="runner-up"):  # a chain's K = 1 alone cannot be valued by it
+        node_log_values(both_calibration, 1, jnp.log(own[..., :1]), jnp.float32(0), None, jnp.asarray(conf[..., :1]))
 
 
 @pytest.fixture(scope="module")

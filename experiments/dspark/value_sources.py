@@ -4,7 +4,7 @@ Collects greedy node samples of the DSpark drafter's chain (`harness.calibrate.c
 each top-4 child of a chain node whose parent was accepted, with its own draft probability q_r, its
 slot's confidence sigma(c) and whether it was the target's argmax) on train-split prompts, fits the three
 greedy maps there (draft: q_r; confidence: sigma(c) q_r / q_0, the `_vc` feature; both, the `_vb` map:
-rank 0 q_0, later ranks q_r / q_0, beside sigma(c)),
+rank 0 1 - q_1 / q_0, later ranks q_r / q_0, beside sigma(c)),
 and scores them on held-out prompts: log loss and Brier score (lower is better) and AUC (how well the value
 orders accepted above rejected nodes), over all nodes and per rank. Rank 1 is the decision a tree makes:
 whether a sibling is worth a node.
@@ -74,7 +74,8 @@ def main() -> None:
     def features(s):
         vc = s["confidence"] * s["own_prob"] / s["parent_top1"]  # the `_vc` feature
         return {"draft": (s["own_prob"], None), "confidence": (vc, None),
-                "both": (both_first_feature(s["rank"], s["own_prob"], s["parent_top1"]), s["confidence"])}
+                "both": (both_first_feature(s["rank"], s["own_prob"], s["parent_top1"], s["runner_up"]),
+                         s["confidence"])}
 
     train, heldout = samples["train"], samples["heldout"]
     if args.samples:

@@ -56,7 +56,7 @@ from jaxspec.speculation.values import (
 
 COLLECT_STEPS = 10  # chain depth drafted per cycle (deeper nodes share the last depth bin)
 COLLECT_TOPK = 4  # ranks recorded at every chain node (3+ share the last rank bin)
-FIELDS = ("depth", "rank", "own_prob", "parent_top1", "label", "context", "confidence")
+FIELDS = ("depth", "rank", "own_prob", "parent_top1", "runner_up", "label", "context", "confidence")
 
 
 def chain_with_children(sp: Speculator, models: Models, state: SpecState, k: int, temperature: jax.Array
@@ -187,6 +187,8 @@ def collect(
     if values != "draft" and not isinstance(draft.drafter, DSparkDrafter):  # it would fall back to "draft"
         raise ValueError(f"values={values!r}: the draft {draft.name!r} has no confidence head (a DSpark drafter "
                          "has one: --draft dspark)")
+    if values == "both" and topk < 2:
+        raise ValueError(f"values='both' reads each slot's runner-up: topk must be >= 2, got {topk}")
     sampling = Sampling.create(temperature, key=jax.random.key(seed))
     sp = chain_speculator(cfg, draft, num_steps, "target", values)
     models = Models(target=params.replace(mtp=None), draft=draft.params)
@@ -204,6 +206,8 @@ def collect(
         parts["rank"].append(rank[keep])
         parts["own_prob"].append(np.exp(top_logp[keep]))
         parts["parent_top1"].append(np.exp(np.broadcast_to(top_logp[..., :1], mask.shape)[keep]))
+        parts["runner_up"].append(np.exp(np.broadcast_to(top_logp[..., 1:2], mask.shape)[keep]) if topk > 1
+                                  else np.zeros(int(keep.sum()), np.float32))
         parts["label"].append(label[keep])
         parts["context"].append(np.broadcast_to(context[:, :, None, None], mask.shape)[keep])
         parts["confidence"].append(confidence[keep])
@@ -216,7 +220,8 @@ def map_inputs(value_map: ValueMap, samples: dict[str, np.ndarray]) -> tuple[np.
         return samples["parent_top1"], None
     if not value_map.two_features:
         return samples["own_prob"], None
-    return both_first_feature(samples["rank"], samples["own_prob"], samples["parent_top1"]), samples["confidence"]
+    first = both_first_feature(samples["rank"], samples["own_prob"], samples["parent_top1"], samples["runner_up"])
+    return first, samples["confidence"]
 
 
 def fit(samples_by_temperature: dict[float, dict[str, np.ndarray]], fingerprint: str,
@@ -226,15 +231,16 @@ def fit(samples_by_temperature: dict[float, dict[str, np.ndarray]], fingerprint:
     if 0.0 not in samples_by_temperature:
         raise ValueError("a calibration needs greedy samples (temperature 0)")
     both = feature == "both"
-    if both and "confidence" not in samples_by_temperature[0.0]:
-        raise ValueError("a 'both' calibration needs the confidence feature of every greedy sample")
+    if both and not {"confidence", "runner_up"} <= set(samples_by_temperature[0.0]):
+        raise ValueError("a 'both' calibration needs the confidence and runner-up features of every greedy sample")
     maps = {}
     for t, s in sorted(samples_by_temperature.items()):
         mode = "greedy" if t == 0 else "sampling"
         values = s["own_prob"] if mode == "greedy" else s["parent_top1"]
         second = None
         if both and mode == "greedy":
-            values, second = both_first_feature(s["rank"], s["own_prob"], s["parent_top1"]), s["confidence"]
+            values = both_first_feature(s["rank"], s["own_prob"], s["parent_top1"], s["runner_up"])
+            second = s["confidence"]
         maps[t] = fit_map(mode, t, s["depth"], s["rank"], values, s["label"], second)
     meta_items = tuple(sorted((str(k), str(v)) for k, v in (meta or {}).items()))
     return Calibration(fingerprint, maps[0.0], tuple(m for t, m in sorted(maps.items()) if t > 0), meta_items,

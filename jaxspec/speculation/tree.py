@@ -85,14 +85,18 @@ class Expander:
         """-> ((token, parent, score, rank, feature, confidence) [B, n*K] pool columns, log q [B, n, V] or None)."""
         b, n = score.shape
         k = self.k
-        top_logp, top_token = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)  # [B, n, K]
-        log_feature = top_logp
-        slot_confidence = jnp.ones((b, n, k)) if confidence is None else jnp.broadcast_to(
-            jax.nn.sigmoid(confidence.astype(jnp.float32))[..., None], (b, n, k))
+        # "both" values read the runner-up of every slot, a chain's (K = 1) too
+        width = max(k, 2) if self.source == "both" else k
+        wide_logp, wide_token = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), width)  # [B, n, width]
+        top_token = wide_token[..., :k]  # [B, n, K]
+        log_feature = wide_logp
+        slot_confidence = jnp.ones((b, n, width)) if confidence is None else jnp.broadcast_to(
+            jax.nn.sigmoid(confidence.astype(jnp.float32))[..., None], (b, n, width))
         if self.source == "confidence" and confidence is not None:
-            log_feature = jax.nn.log_sigmoid(confidence)[..., None] + top_logp - top_logp[..., :1]
+            log_feature = jax.nn.log_sigmoid(confidence)[..., None] + wide_logp - wide_logp[..., :1]
         log_value = node_log_values(self.values, depth, log_feature, self.temperature, self.context,
-                                    None if confidence is None else slot_confidence)
+                                    None if confidence is None else slot_confidence)[..., :k]
+        log_feature, slot_confidence = log_feature[..., :k], slot_confidence[..., :k]
         columns = (
             top_token.reshape(b, n * k).astype(jnp.int32),
             jnp.repeat(pool_index, k, axis=1),

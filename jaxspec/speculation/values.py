@@ -14,8 +14,9 @@ Two maps, one event each:
   (rank 0 nondecreasing, later ranks nonincreasing in the parent's top-1 probability).
 
 A "both" calibration (`Calibration.feature`, specs named `_vb`) reads two features in its greedy maps: the
-node's draft probability (`both_first_feature`: a rank-0 child's own q_0, a later child's q_r / q_0, how
-close it comes to its slot's top child) and the drafter's confidence that the slot's top child survives,
+node's draft probability against its siblings' (`both_first_feature`: a rank-0 child's lead over the
+runner-up, 1 - q_1 / q_0; a later child's q_r / q_0, how close it comes to the top child) and the
+drafter's confidence that the slot's top child survives,
 sigma(c) (a DSpark drafter's confidence head), in a table with one more axis (CONFIDENCE_EDGES). Its
 sampling maps stay those of the draft probability.
 
@@ -262,13 +263,14 @@ def resolve_scores(spec: SpecConfig, calibration: Calibration | None) -> tuple[S
 # ---- the values in a drafting step ------------------------------------------------------------
 
 
-def both_first_feature(rank: Any, own: Any, top1: Any) -> Any:
-    """The probability axis of a "both" map: rank 0 its own draft probability q_0, a later rank q_r / q_0.
-    A sibling is right only where its slot's top child is wrong, and how close it comes to the top child
-    says more about that than its own probability does (held-out AUC of rank-1 nodes 0.83 against 0.69 on
-    the DSpark drafter; docs/calibration.md). numpy or jax arrays alike."""
+def both_first_feature(rank: Any, own: Any, top1: Any, runner_up: Any) -> Any:
+    """The probability axis of a "both" map, from a slot's draft probabilities q_0 >= q_1 >= ...: rank 0
+    its lead over the runner-up, 1 - q_1 / q_0; a later rank q_r / q_0. A sibling is right only where the
+    top child is wrong, and how the two compare says more about both than either's own probability
+    (held-out AUC on the DSpark drafter: rank 1 0.83 against 0.69 for q_1, rank 0 0.75 against 0.65 for
+    q_0; docs/calibration.md). numpy or jax arrays alike."""
     xp = jnp if isinstance(own, jax.Array) else np
-    return own / xp.where(rank > 0, top1, 1.0)
+    return xp.where(rank > 0, own / top1, 1.0 - runner_up / top1)
 
 
 def depth_bin(depth: int) -> int:
@@ -303,16 +305,19 @@ def node_log_values(
     context: jax.Array | None = None,  # [B] int32 context bin (`context_bins`); None = the pooled greedy map
     confidence: jax.Array | None = None,  # [B, n, K] sigma(c) of each child's slot; read by "both" calibrations only
 ) -> jax.Array:
-    """-> [B, n, K] log P(child accepted | slot accepted): the raw draft log-probs without a calibration."""
+    """-> [B, n, K] log P(child accepted | slot accepted): the raw draft log-probs without a calibration.
+    A "both" calibration reads a slot's runner-up too: pass K >= 2 (`Expander` drafts top-2 for it)."""
     if calibration is None:
         return top_logp
     if calibration.feature == "both" and confidence is None:
         raise ValueError("a 'both' calibration reads the drafter's confidence head; this drafter has none")
+    if calibration.feature == "both" and top_logp.shape[-1] < 2:
+        raise ValueError("a 'both' calibration reads a slot's runner-up: pass its top-2 draft log-probs at least")
     second = confidence if calibration.feature == "both" else None
     k = top_logp.shape[-1]
     rank = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), top_logp.shape)
     own = jnp.exp(top_logp)
-    greedy_prob = own if second is None else both_first_feature(rank, own, own[..., :1])
+    greedy_prob = own if second is None else both_first_feature(rank, own, own[..., :1], own[..., 1:2])
     if context is not None and calibration.greedy_by_context:
         per_context = jnp.stack([_lookup(m.array(), depth, rank, greedy_prob, second)
                                  for m in calibration.greedy_by_context])
