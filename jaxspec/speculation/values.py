@@ -16,9 +16,8 @@ Two maps, one event each:
 A "both" calibration (`Calibration.feature`, specs named `_vb`) reads two features in its greedy maps: the
 node's draft probability against its siblings' (`both_first_feature`: a rank-0 child's lead over the
 runner-up, 1 - q_1 / q_0; a later child's q_r / q_0, how close it comes to the top child) and the
-drafter's confidence that the slot's top child survives,
-sigma(c) (a DSpark drafter's confidence head), in a table with one more axis (CONFIDENCE_EDGES). Its
-sampling maps stay those of the draft probability.
+drafter's confidence that the slot's top child survives, sigma(c) (a DSpark drafter's confidence head),
+in a table with one more axis (CONFIDENCE_EDGES). Its sampling maps stay those of the draft probability.
 
 Greedy values may also depend on the sequence's context: how much its own drafts have been accepted
 so far (mean min(accepted, CONTEXT_CAP) per cycle, `context_bins`). The same draft probability is
