@@ -214,14 +214,20 @@ def collect(
     return {f: np.concatenate(v) for f, v in parts.items()}
 
 
+def greedy_inputs(samples: dict[str, np.ndarray], two_features: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """What a greedy map reads: (the node's draft probability, None), or for a two-feature ("both") map
+    (`both_first_feature`, sigma(c))."""
+    if not two_features:
+        return samples["own_prob"], None
+    first = both_first_feature(samples["rank"], samples["own_prob"], samples["parent_top1"], samples["runner_up"])
+    return first, samples["confidence"]
+
+
 def map_inputs(value_map: ValueMap, samples: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
     """The features `value_map` reads: (the probability feature, sigma(c) for a two-feature map or None)."""
     if value_map.mode != "greedy":
         return samples["parent_top1"], None
-    if not value_map.two_features:
-        return samples["own_prob"], None
-    first = both_first_feature(samples["rank"], samples["own_prob"], samples["parent_top1"], samples["runner_up"])
-    return first, samples["confidence"]
+    return greedy_inputs(samples, value_map.two_features)
 
 
 def fit(samples_by_temperature: dict[float, dict[str, np.ndarray]], fingerprint: str,
@@ -236,11 +242,7 @@ def fit(samples_by_temperature: dict[float, dict[str, np.ndarray]], fingerprint:
     maps = {}
     for t, s in sorted(samples_by_temperature.items()):
         mode = "greedy" if t == 0 else "sampling"
-        values = s["own_prob"] if mode == "greedy" else s["parent_top1"]
-        second = None
-        if both and mode == "greedy":
-            values = both_first_feature(s["rank"], s["own_prob"], s["parent_top1"], s["runner_up"])
-            second = s["confidence"]
+        values, second = greedy_inputs(s, both) if mode == "greedy" else (s["parent_top1"], None)
         maps[t] = fit_map(mode, t, s["depth"], s["rank"], values, s["label"], second)
     meta_items = tuple(sorted((str(k), str(v)) for k, v in (meta or {}).items()))
     return Calibration(fingerprint, maps[0.0], tuple(m for t, m in sorted(maps.items()) if t > 0), meta_items,
