@@ -111,19 +111,14 @@ def cycle_of(params: Any, cfg: Any, spec: Any, draft: Any = None, rule: str = "g
     from jaxspec.core.spec import SpecConfig
     from jaxspec.model.network import Models
     from jaxspec.speculation.cycle import Speculator
-    from jaxspec.speculation.generate import draft_of
+    from jaxspec.speculation.generate import calibration_of, draft_of
     from jaxspec.speculation.policy import Policy
-    from jaxspec.speculation.values import Calibration, resolve_scores
+    from jaxspec.speculation.values import resolve_scores
 
     draft = draft_of(params, cfg, draft)
     spec = SpecConfig.parse(spec) if isinstance(spec, str) else spec
     spec.validate_for(cfg)
     draft.drafter.check(cfg, spec)
-    calibration = draft.calibration_for(spec.values)
-    if calibration is not None and not isinstance(calibration, Calibration):  # an unreadable calibration.json
-        if spec.scores != "draft":
-            calibration.fail()
-        calibration = None
-    spec, values = resolve_scores(spec, calibration)
+    spec, values = resolve_scores(spec, calibration_of(draft, None, spec, cfg))
     return (Speculator(cfg, spec, draft.drafter, Policy(rule, values)),
             Models(target=params.replace(mtp=None), draft=draft.params))

@@ -29,8 +29,15 @@ from jaxspec.harness.eval import encode_prompts
 from jaxspec.model.dspark import block_logits
 from jaxspec.model.network import Models
 from jaxspec.model.sampling import Sampling
-from jaxspec.speculation.cycle import (Speculator, accept_stage, commit_stage, draft_stage, plan_stage, prefill,
-                                       verify_stage)
+from jaxspec.speculation.cycle import (
+    Speculator,
+    accept_stage,
+    commit_stage,
+    draft_stage,
+    plan_stage,
+    prefill,
+    verify_stage,
+)
 from jaxspec.speculation.policy import Policy
 from jaxspec.speculation.values import resolve_scores
 from jaxspec.training.data import HELDOUT_SPLITS, TRAIN_SPLITS, load_dataset

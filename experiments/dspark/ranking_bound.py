@@ -150,7 +150,8 @@ def fit_mlp(x: np.ndarray, y: np.ndarray, seed: int = 0, steps: int = 6000, hidd
     mu, sd = x.mean(0), x.std(0) + 1e-6
     keys = jax.random.split(jax.random.key(seed), 3)
     sizes = (x.shape[1], hidden, hidden, 1)
-    params = [(jax.random.normal(k, (a, b)) / np.sqrt(a), jnp.zeros(b)) for k, a, b in zip(keys, sizes[:-1], sizes[1:])]
+    params = [(jax.random.normal(k, (a, b)) / np.sqrt(a), jnp.zeros(b))
+              for k, a, b in zip(keys, sizes[:-1], sizes[1:], strict=True)]
 
     def apply(params, x):
         for w, b in params[:-1]:
@@ -237,7 +238,8 @@ def main() -> None:
     for name, context in (("learned", False), ("learned + context", True)):
         xt = path_features(tr, context)
         nodes = np.arange(xt.shape[1]) > 0
-        predict = fit_mlp(xt[:, nodes].reshape(-1, xt.shape[-1]), tr["on_path"][:, nodes].reshape(-1).astype(np.float32))
+        labels = tr["on_path"][:, nodes].reshape(-1).astype(np.float32)
+        predict = fit_mlp(xt[:, nodes].reshape(-1, xt.shape[-1]), labels)
         xh = path_features(he, context)
         scores[name] = predict(xh.reshape(-1, xh.shape[-1])).reshape(xh.shape[:2])
     # a perfect confidence head: knows whether each slot's top child is right, not which sibling is

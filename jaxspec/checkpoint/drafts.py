@@ -137,10 +137,8 @@ def draft_of(name: str, params: Any, config: DSparkConfig | None, calibration: A
              value_calibrations: Any = None) -> Draft:
     """The Draft of an MTP block (a checkpoint's own, or drafts/<name>/mtp) or of a DSpark drafter."""
     if isinstance(params, DSparkParams):
-        draft = dspark_draft(params, config, name, calibration, tuning)
-    else:
-        draft = Draft(name, MTPDrafter(), params, calibration, tuning)
-    return dataclasses.replace(draft, value_calibrations=dict(value_calibrations or {}))
+        return dspark_draft(params, config, name, calibration, tuning, value_calibrations)
+    return Draft(name, MTPDrafter(), params, calibration, tuning, dict(value_calibrations or {}))
 
 
 def abstract_mtp(cfg: ModelConfig) -> MTPParams:

@@ -73,6 +73,6 @@ class DSparkDrafter:
 
 
 def dspark_draft(params: DSparkParams, config: DSparkConfig, name: str = "dspark", calibration=None,
-                 tuning=None) -> Draft:
+                 tuning=None, value_calibrations=None) -> Draft:
     """The Draft of a DSpark drafter (a release's `mtp.*` stages, or a drafts/<name>/ folder)."""
-    return Draft(name, DSparkDrafter(config), params, calibration, tuning)
+    return Draft(name, DSparkDrafter(config), params, calibration, tuning, dict(value_calibrations or {}))

@@ -222,7 +222,7 @@ def speculative_generate(
         return generate(params, cfg, prompts, max_new_tokens, temperature, top_k, top_p, eos_id, rng, mesh,
                         prompt_lengths, stream=stream)
     spec = _check_spec(cfg, spec, draft)
-    spec, values = resolve_scores(spec, _calibration_of(draft, calibration, spec, cfg))
+    spec, values = resolve_scores(spec, calibration_of(draft, calibration, spec, cfg))
     sp = Speculator(cfg, spec, draft.drafter, Policy.choose(accept, float(opts.sampling.temperature), values))
     extra = spec.num_steps + 1  # a cycle may overshoot max_new_tokens by up to S + 1 slots
     batch = pad_batch(prepare_prompts(cfg, prompts, opts.max_new_tokens, prompt_lengths, overshoot=extra), opts.mesh)
@@ -295,7 +295,7 @@ def _tuning_of(draft: Draft, tuning: Any) -> Any:
     return draft.tuning
 
 
-def _calibration_of(draft: Draft, calibration: Any, spec: SpecConfig, cfg: ModelConfig) -> Calibration | None:
+def calibration_of(draft: Draft, calibration: Any, spec: SpecConfig, cfg: ModelConfig) -> Calibration | None:
     """`calibration=` (a Calibration, or its file checked against the draft), else the one the draft
     carries for the spec's value source (`Draft.calibration_for`)."""
     scores = spec.scores
