@@ -83,6 +83,54 @@ def test_dspark_loop_compiles_once_and_checks_its_depth(agreeing_params, test_cf
         js.speculative_generate(agreeing_params, test_cfg, PROMPTS, "s6_k1_d7", draft=draft)
 
 
+def test_a_pruned_tree_accepts_the_beam_path_nodes_it_keeps(agreeing_params, test_cfg, draft):
+    """What `experiments/dspark/ranking_bound.py` reads a ranking's tau off: from the same state, a tree of
+    D nodes accepts exactly the nodes of the whole beam's accepted path that are among the beam's D - 1
+    best-scoring candidates (the whole beam verified at once, s4_k2_d15, against its pruning s4_k2_d8)."""
+    from jaxspec.model.network import Models
+    from jaxspec.model.sampling import Sampling
+    from jaxspec.speculation.cycle import (Speculator, accept_stage, commit_stage, draft_stage, plan_stage,
+                                           prefill, verify_stage)
+    from jaxspec.speculation.policy import Policy
+
+    full, pruned = (Speculator(test_cfg, js.SpecConfig.parse(s), draft.drafter, Policy("greedy"))
+                    for s in ("s4_k2_d15", "s4_k2_d8"))
+    models = Models(target=agreeing_params.replace(mtp=None), draft=draft.params)
+    sampling = Sampling.create(0.0, key=jax.random.key(0))
+    width = max(map(len, PROMPTS))
+    tokens = jnp.asarray([p + [0] * (width - len(p)) for p in PROMPTS], jnp.int32)
+    lengths = jnp.asarray([len(p) for p in PROMPTS], jnp.int32)
+
+    def run(sp, state):
+        tree = draft_stage(sp, models, state, sampling)
+        out = verify_stage(sp, models, state.target, tree, plan_stage(sp, state.target, tree))
+        return tree, out, accept_stage(sp, tree, out.logits, sampling, state.stats.cycles)
+
+    @jax.jit
+    def cycle(state):
+        tree, out, acc = run(full, state)
+        small_tree, _, small = run(pruned, state)
+        _, best = jax.lax.top_k(tree.score[:, 1:], 7)  # the pruning's choice among the beam's 14
+        best = jnp.sort(best, axis=1) + 1
+        rows = jnp.arange(3)[:, None]
+        on_path = jnp.zeros(tree.score.shape, bool).at[rows, acc.path_nodes].max(
+            jnp.arange(acc.path_nodes.shape[1])[None, :] <= acc.num_accepted[:, None])
+        state, _ = commit_stage(full, models, state, tree, out, acc, jnp.ones((3,), bool))
+        kept_tokens = jnp.take_along_axis(tree.tokens, best, axis=1)
+        return (state, acc.num_accepted, jnp.sum(on_path[rows, best], axis=1), small.num_accepted, kept_tokens,
+                small_tree.tokens[:, 1:])
+
+    state = prefill(full, models, tokens, lengths, 64, sampling)
+    seen = []
+    for _ in range(10):
+        state, whole, expected, got, kept_tokens, pruned_tokens = cycle(state)
+        np.testing.assert_array_equal(pruned_tokens, kept_tokens)  # the D = 8 tree is the beam's 7 best
+        np.testing.assert_array_equal(got, expected)
+        seen.append((np.asarray(whole), np.asarray(got)))
+    whole, got = (np.concatenate(x) for x in zip(*seen, strict=True))
+    assert np.any(got < whole) and np.any(got > 0), seen  # the pruning cut some paths, and kept some
+
+
 # Long: the first three tokens of 4,096 rows by chi-square (marginals and conditionals); CI samples the same
 # chain and tree over 16 tokens below (the transformed tokens' law, at both temperatures).
 @pytest.mark.long
