@@ -89,8 +89,15 @@ def test_a_pruned_tree_accepts_the_beam_path_nodes_it_keeps(agreeing_params, tes
     best-scoring candidates (the whole beam verified at once, s4_k2_d15, against its pruning s4_k2_d8)."""
     from jaxspec.model.network import Models
     from jaxspec.model.sampling import Sampling
-    from jaxspec.speculation.cycle import (Speculator, accept_stage, commit_stage, draft_stage, plan_stage,
-                                           prefill, verify_stage)
+    from jaxspec.speculation.cycle import (
+        Speculator,
+        accept_stage,
+        commit_stage,
+        draft_stage,
+        plan_stage,
+        prefill,
+        verify_stage,
+    )
     from jaxspec.speculation.policy import Policy
 
     full, pruned = (Speculator(test_cfg, js.SpecConfig.parse(s), draft.drafter, Policy("greedy"))
