@@ -1,5 +1,6 @@
 """Tables of experiments/dspark/heldout.json (heldout_acceptance.py): tau per dataset for each draft and
-spec, the best DSpark tree over the DSpark chain at each D, and per-position acceptance. Means are over
+spec, the best DSpark tree over the DSpark chain at each D (past the block's depth, over the deepest chain),
+the best run of every draft at each D, and per-position acceptance. Means are over
 GSM8K, MBPP and ShareGPT (the training mixture's held-out splits); HumanEval, never trained on, is its own
 column beside them. The best tree at each D is chosen by that mean.
 
@@ -45,9 +46,13 @@ def main() -> None:
     for (draft, spec), row in tau.items():
         if draft == "dspark" and len(row) == len(datasets):
             by_d[SpecConfig.parse(spec).num_draft_tokens].append((spec, row))
+    every_chain = sorted(((SpecConfig.parse(s).num_draft_tokens, s, r) for rows in by_d.values() for s, r in rows
+                          if SpecConfig.parse(s).topk == 1), key=lambda x: x[0])
     for d in sorted(by_d):
         chains = [(s, r) for s, r in by_d[d] if SpecConfig.parse(s).topk == 1]
         trees = [(s, r) for s, r in by_d[d] if SpecConfig.parse(s).topk > 1]
+        if not chains:  # deeper than the block lets a chain go: the deepest chain
+            chains = [(s, r) for n, s, r in every_chain if n < d][-1:]
         if not chains or not trees:
             continue
         cs, cr = chains[0]
@@ -56,6 +61,21 @@ def main() -> None:
         gain = sum(gains[ds] for ds in mean_over) / len(mean_over)
         print(f"| {d} | {cs} ({mean(cr):.2f}) | {ts} ({mean(tr):.2f}) | "
               f"{100 * gain:+.1f}% | " + " / ".join(f"{100 * gains[ds]:+.1f}%" for ds in datasets) + " |")
+    print()
+    print("The best run of every draft at each D (mean of " + ", ".join(mean_over) + "):")
+    print()
+    drafts = sorted({draft for draft, _ in tau})
+    print("| D | " + " | ".join(drafts) + " |")
+    print("|---:|" + "---|" * len(drafts))
+    full = {k: row for k, row in tau.items() if len(row) == len(datasets)}
+    for d in sorted({SpecConfig.parse(spec).num_draft_tokens for _, spec in full}):
+        cells = []
+        for draft in drafts:
+            runs = [(spec, row) for (dr, spec), row in full.items()
+                    if dr == draft and SpecConfig.parse(spec).num_draft_tokens == d]
+            spec, row = max(runs, key=lambda x: mean(x[1])) if runs else (None, None)
+            cells.append("-" if spec is None else f"{spec} {mean(row):.2f}")
+        print(f"| {d} | " + " | ".join(cells) + " |")
     print()
     print("| dataset | draft | spec | P(accepted path reaches depth k), k = 1.. | rank histogram |")
     print("|---|---|---|---|---|")
