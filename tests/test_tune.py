@@ -233,6 +233,23 @@ def test_the_shipped_drafts_carry_their_cross_draft_tuning():
         assert spec is None or (draft in {d.name for d in every.draft.drafts} and spec.validate_for(every.cfg) is None)
 
 
+def test_the_shipped_dspark_draft_carries_its_tuning():
+    """checkpoints/tiny-v4/drafts/dspark/tune.json (`jaxspec tune --draft dspark`, chains and the `_vb` tree at
+    every bucket) parses, every (bucket, dataset) group was measured clean, and load_checkpoint(draft="dspark")
+    carries it: spec="auto" with the DSpark draft alone runs what it chose at each bucket."""
+    from jaxspec.checkpoint import load_checkpoint
+
+    shipped = load_tuning("checkpoints/tiny-v4/drafts/dspark")
+    assert sorted(shipped.choices) == [1, 4, 16, 64]
+    assert sorted({(v["batch"], v["dataset"]) for v in shipped.verdicts}) == [
+        (b, d) for b in (1, 4, 16, 64) for d in ("gsm8k", "mbpp", "sharegpt")]
+    assert all(v["clean"] for v in shipped.verdicts)
+    measured = {(m["batch"], m["spec"]) for m in shipped.measurements}
+    assert {(b, "s7_k2_d8_vb") for b in (1, 4, 16, 64)} <= measured  # the tree beside the chains
+    ckpt = load_checkpoint("checkpoints/tiny-v4", draft="dspark")
+    assert ckpt.draft.tuning == shipped
+
+
 def test_a_candidate_far_behind_ar_is_not_measured_at_larger_buckets(agreeing_params, test_cfg, monkeypatch):
     """Buckets run smallest first; a spec below prune_below x AR (pooled over the datasets) at one
     bucket is left out of the larger ones, and prune_below=None measures every spec everywhere."""
