@@ -126,6 +126,40 @@ def test_steps_lower_the_loss_and_resume(small, tmp_path):
     assert [h["step"] for h in hist2 if "train_loss" in h] == list(range(1, 10))
 
 
+def test_greedy_confidence_goal_and_sibling_metric(small):
+    """`confidence_target="greedy"` trains the confidence head on whether the block's argmax is the label
+    (what a greedy verify accepts); `sibling{k}` is the runner-up's hit rate where the argmax missed.
+    Both recomputed here from the training forward's own logits."""
+    cfg, target, draft = small
+    rng = np.random.default_rng(2)
+    seqs = [rng.integers(3, cfg.vocab_size, 28).astype(np.int32) for _ in range(3)]
+    cache = _cache(cfg, target, seqs, [5] * 3)
+    host = cache.blocks(cache.anchors, cfg.sliding_window, DCFG.block_size)
+    blocks = train.to_blocks(host)
+    g = DCFG.block_size
+    logits, conf = train.block_forward(draft, target, cfg, DCFG, blocks.window, blocks.anchor_pos, blocks.tokens[:, :g])
+    logits, conf = np.asarray(logits), np.asarray(conf)
+    labels, valid = host["tokens"][:, 1:], host["valid"]
+    order = np.argsort(-logits, axis=-1, kind="stable")
+    match = (order[..., 0] == labels) & valid
+    missed = valid & ~match
+    w = np.exp(-np.arange(g) / 4.0)[None, :] * valid
+    bce = np.logaddexp(0.0, conf) - match * conf  # sigmoid BCE with goal 1[argmax == label]
+    greedy = train.LossWeights(confidence_target="greedy")
+    _, m = jax.jit(train.dspark_loss, static_argnums=(2, 3, 5))(draft, target, cfg, DCFG, blocks, greedy)
+    np.testing.assert_allclose(float(m["bce"]), np.sum(w * bce) / np.sum(w), rtol=1e-4)
+    _, m_l1 = jax.jit(train.dspark_loss, static_argnums=(2, 3, 5))(draft, target, cfg, DCFG, blocks,
+                                                                   train.LossWeights())
+    assert abs(float(m_l1["bce"]) - float(m["bce"])) > 1e-3  # the goal is a different one
+    assert missed.sum() > 0
+    for k in range(g):
+        want = ((order[:, k, 1] == labels[:, k]) & missed[:, k]).sum() / max(missed[:, k].sum(), 1)
+        assert float(m[f"sibling{k + 1}"]) == pytest.approx(want, abs=1e-6)
+        assert float(m[f"match{k + 1}"]) == pytest.approx(match[:, k].sum() / valid[:, k].sum(), abs=1e-6)
+    with pytest.raises(ValueError, match="confidence_target"):
+        train.DSparkTrainConfig(confidence_target="soft")
+
+
 def _shipped_dspark():
     import os
 

@@ -36,7 +36,8 @@ def add_parser(subparsers: Any) -> None:
         description="Train a DSpark drafter (stages, main_proj, heads; target, embedding and head frozen) on the "
         "`jaxspec distill-data` continuations: anchors uniform over response tokens, blocks [anchor, noise...] "
         "reading the target's captured rows in the drafter's window, loss 0.1 CE + 0.9 L1 to the target + "
-        "confidence BCE with position decay. The target's rows are computed once (cached in --run-dir); train "
+        "confidence BCE with position decay (--ce-weight / --l1-weight change the first two). The target's rows "
+        "are computed once (cached in --run-dir); train "
         "states go to --run-dir/ckpt at every evaluation and a rerun resumes; the drafter is written to "
         "CHECKPOINT/drafts/--draft-name/ at every evaluation.",
     )
@@ -55,6 +56,13 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--blocks", type=int, default=256, help="blocks (anchors) per step")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
     p.add_argument("--warmup", type=int, default=60, help="linear warm-up steps")
+    p.add_argument("--ce-weight", type=float, default=0.1,
+                   help="weight of the block cross-entropy to the data's next tokens (default 0.1, DeepSpec's)")
+    p.add_argument("--l1-weight", type=float, default=0.9,
+                   help="weight of the L1 distance to the target's distribution (default 0.9, DeepSpec's)")
+    p.add_argument("--confidence-target", choices=("l1", "greedy"), default="l1",
+                   help="what the confidence head learns: l1, DeepSpec's 1 - L1/2 (a sampled draft's chance; "
+                        "default), or greedy, whether the draft's argmax is the target's token")
     p.add_argument("--eval-every", type=int, default=200,
                    help="steps between held-out evaluations (each saves the states and ships the drafter)")
     p.add_argument("--eval-blocks", type=int, default=1024, help="held-out blocks per evaluation")
@@ -77,6 +85,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
     for name in ("stages", "block_size", "markov_rank", "steps", "blocks", "eval_every", "eval_blocks",
                  "cache_batch"):
         positive(name.replace("_", "-"), getattr(args, name))
+    if min(args.ce_weight, args.l1_weight) < 0 or args.ce_weight + args.l1_weight == 0:
+        raise ValueError(f"--ce-weight and --l1-weight must be >= 0 and not both 0, got {args.ce_weight}, "
+                         f"{args.l1_weight}")
     if not 0 < args.eval_fraction < 1:
         raise ValueError(f"--eval-fraction must be in (0, 1), got {args.eval_fraction}")
     if not os.path.isdir(args.data):
@@ -87,7 +98,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
     dcfg = DSparkConfig(block_size=args.block_size, noise_token_id=args.noise_token, target_layers=layers,
                         markov_rank=args.markov_rank, num_stages=args.stages)
     dcfg.validate_for(cfg)
-    tc = train.DSparkTrainConfig(lr=args.lr, warmup_steps=args.warmup, steps=args.steps, blocks=args.blocks)
+    tc = train.DSparkTrainConfig(lr=args.lr, warmup_steps=args.warmup, steps=args.steps, blocks=args.blocks,
+                                 ce_weight=args.ce_weight, l1_weight=args.l1_weight,
+                                 confidence_target=args.confidence_target)
     run_dir = args.run_dir or os.path.join("runs", args.draft_name)
     os.makedirs(run_dir, exist_ok=True)
     if args.fresh and os.path.isdir(os.path.join(run_dir, "ckpt")):

@@ -14,7 +14,8 @@ the Markov head is teacher-forced (prev = x_a, x_{a+1}, ...) and the confidence 
 [hh_k ; W1[prev_k]]. Labels x_{a+1..a+γ}; supervision stops at the first position past the sequence.
 
 Losses, per position k = 0..γ-1 weighted w_k = exp(-k / decay): 0.1 CE(logits, label) +
-0.9 ‖softmax(logits) - softmax(target)‖₁ + 1.0 BCE(confidence, 1 - ½ L1 detached).
+0.9 ‖softmax(logits) - softmax(target)‖₁ + 1.0 BCE(confidence, 1 - ½ L1 detached) (the weights, and
+the confidence's goal: 1[argmax == label] instead, are `DSparkTrainConfig`'s).
 
 The target's part is computed once (`build_cache`): one stop-gradient pass over every sequence with
 capture, keeping the captured rows of the positions a window can reach and the target's final
@@ -100,6 +101,9 @@ class LossWeights:
     l1: float = 0.9
     confidence: float = 1.0
     decay: float = 4.0  # w_k = exp(-k / decay), k = 0..γ-1 (DeepSpec's loss_decay_gamma)
+    # what the confidence head learns: "l1" DeepSpec's 1 - ½ L1 (the chance a *sampled* draft survives);
+    # "greedy" whether the draft's argmax is the label (what a greedy verify accepts)
+    confidence_target: str = "l1"
 
 
 def dspark_loss(
@@ -111,7 +115,8 @@ def dspark_loss(
     weights: LossWeights = LossWeights(),
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """DeepSpec's loss (reference §6) -> (loss, metrics: the three terms, and per position k = 1..γ
-    `match{k}` (draft argmax == label, teacher-forced) and `accept{k}` (the first k all match))."""
+    `match{k}` (draft argmax == label, teacher-forced), `sibling{k}` (the runner-up == label, among the
+    blocks whose argmax missed) and `accept{k}` (the first k all match))."""
     g = dcfg.block_size
     logits, conf = block_forward(params, target, cfg, dcfg, blocks.window, blocks.anchor_pos, blocks.tokens[:, :g])
     teacher = jnp.einsum("ngd,dv->ngv", blocks.teacher.astype(target.head.dtype), target.head,
@@ -123,16 +128,24 @@ def dspark_loss(
     logp = jax.nn.log_softmax(logits, axis=-1)
     ce = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
     l1 = jnp.sum(jnp.abs(jnp.exp(logp) - jax.nn.softmax(teacher, axis=-1)), axis=-1)  # [N, γ]
-    soft = jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0))
-    bce = optax.sigmoid_binary_cross_entropy(conf, soft)
+    top2 = jax.lax.top_k(logits, 2)[1]  # [N, γ, 2]
+    match = (top2[..., 0] == labels) & blocks.valid
+    if weights.confidence_target == "greedy":
+        goal = match.astype(jnp.float32)
+    else:
+        goal = jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0))
+    bce = optax.sigmoid_binary_cross_entropy(conf, goal)
     terms = {"ce": jnp.sum(w * ce) / norm, "l1": jnp.sum(w * l1) / norm, "bce": jnp.sum(w * bce) / norm}
     loss = weights.ce * terms["ce"] + weights.l1 * terms["l1"] + weights.confidence * terms["bce"]
-    match = (jnp.argmax(logits, axis=-1) == labels) & blocks.valid
+    # what a K = 2 tree's sibling adds: the runner-up is the label where the top token is not
+    missed = blocks.valid & ~match
+    sibling = (top2[..., 1] == labels) & missed
     accepted = jnp.cumprod(match, axis=1)
     full = jnp.maximum(jnp.sum(blocks.valid[:, -1]), 1)
     metrics = {"loss": loss, **terms}
     for k in range(g):
         metrics[f"match{k + 1}"] = jnp.sum(match[:, k]) / jnp.maximum(jnp.sum(blocks.valid[:, k]), 1)
+        metrics[f"sibling{k + 1}"] = jnp.sum(sibling[:, k]) / jnp.maximum(jnp.sum(missed[:, k]), 1)
         # over the blocks whose γ labels all exist, so every position counts the same blocks
         metrics[f"accept{k + 1}"] = jnp.sum(accepted[:, k] * blocks.valid[:, -1]) / full
     return loss, metrics
@@ -252,9 +265,12 @@ class DSparkTrainConfig(Schedule):
     l1_weight: float = 0.9
     confidence_weight: float = 1.0
     decay: float = 4.0
+    confidence_target: str = "l1"  # LossWeights.confidence_target
 
     def __post_init__(self):
         super().__post_init__()
+        if self.confidence_target not in ("l1", "greedy"):
+            raise ValueError(f"confidence_target must be 'l1' or 'greedy', got {self.confidence_target!r}")
         if self.blocks < 1:
             raise ValueError(f"blocks must be >= 1, got {self.blocks}")
         if min(self.ce_weight, self.l1_weight, self.confidence_weight) < 0 or self.decay <= 0:
@@ -262,7 +278,7 @@ class DSparkTrainConfig(Schedule):
 
     @property
     def weights(self) -> LossWeights:
-        return LossWeights(self.ce_weight, self.l1_weight, self.confidence_weight, self.decay)
+        return LossWeights(self.ce_weight, self.l1_weight, self.confidence_weight, self.decay, self.confidence_target)
 
 
 @struct.dataclass
