@@ -71,6 +71,7 @@ NAMES = ("hidden", "token", "parent", "depth", "rank", "prob", "confidence", "sc
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--checkpoint", default="checkpoints/tiny-v4")
+    ap.add_argument("--draft", default="dspark", help="a DSpark draft folder of the checkpoint")
     ap.add_argument("--spec", default="s7_k2_d27_vb")
     ap.add_argument("--split", choices=("train", "heldout"), default="train")
     ap.add_argument("--datasets", default="gsm8k,mbpp,sharegpt")
@@ -80,7 +81,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    ck = js.load_checkpoint(args.checkpoint, draft="dspark", dtype="float32")
+    ck = js.load_checkpoint(args.checkpoint, draft=args.draft, dtype="float32")
     draft = ck.draft
     spec = js.SpecConfig.parse(args.spec)
     spec, values = resolve_scores(spec, draft.calibration_for(spec.values))
