@@ -19,17 +19,8 @@ import jax
 import numpy as np
 
 import jaxspec as js
+from experiments.dspark.ranking_bound import auc
 from jaxspec.training import dspark as train
-
-
-def auc(score: np.ndarray, label: np.ndarray) -> float:
-    """Mann-Whitney AUC of `score` for the positives of `label` (ties count a half)."""
-    p, n = int(label.sum()), int((~label).sum())
-    if p == 0 or n == 0:
-        return float("nan")
-    _, inv, counts = np.unique(score, return_inverse=True, return_counts=True)
-    ranks = (np.cumsum(counts) - (counts - 1) / 2)[inv]  # 1-based, ties averaged
-    return float((ranks[label].sum() - p * (p + 1) / 2) / (p * n))
 
 
 def read(ck, cache: train.Cache, max_blocks: int, batch: int) -> dict:
