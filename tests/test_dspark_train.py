@@ -160,6 +160,67 @@ def test_greedy_confidence_goal_and_sibling_metric(small):
         train.DSparkTrainConfig(confidence_target="soft")
 
 
+def test_decoding_anchors_are_where_a_greedy_chain_starts_its_cycles(small):
+    """A sequence written cycle by cycle from the drafter's own greedy chain (the inference path:
+    prefill with capture, commit_context, draft_chain): each cycle keeps a chosen number of its drafts,
+    then a token the draft did not propose, as a greedy verify would commit. `decoding_anchors` must
+    find exactly those cycle starts, for every acceptance from none to the whole chain."""
+    cfg, target, draft = small
+    g, depth, p = DCFG.block_size, 4, 3  # a chain of depth 4: 3 drafts a cycle
+    seq = list(np.random.default_rng(3).integers(3, cfg.vocab_size, p + 1))
+    keeps = [2, 0, 3, 1, 3, 0, 2]
+    chain = jax.jit(ds.draft_chain, static_argnums=(2, 3))
+
+    @jax.jit
+    def state_at(tokens, length):
+        out, _ = extend(target, cfg, init_state(cfg, 1, 32), tokens, jnp.arange(32)[None] < length,
+                        capture=DCFG.target_layers)
+        return ds.commit_context(draft, cfg, DCFG, ds.init_dspark_state(cfg, DCFG, 1), out.captured,
+                                 jnp.arange(32, dtype=jnp.int32)[None], jnp.arange(32)[None] < length)
+
+    want = []
+    for keep in keeps:
+        a = len(seq) - 1  # the anchor: the last committed token
+        want.append(a)
+        tokens = np.zeros((1, 32), np.int32)
+        tokens[0, :a] = seq[:a]
+        drafted = np.asarray(chain(draft, target, cfg, DCFG, state_at(jnp.asarray(tokens), jnp.int32(a)),
+                                   jnp.asarray([seq[a]], jnp.int32)).tokens[0])
+        seq += list(drafted[:keep])
+        seq.append(3 + (drafted[keep] - 2) % (cfg.vocab_size - 3) if keep < depth - 1 else 5)  # not the draft
+    assert len(seq) <= 32
+    cache = _cache(cfg, target, [np.asarray(seq, np.int32)], [p])
+    rows = train.decoding_anchors(draft, target, cfg, DCFG, cache, depth, batch=4)
+    assert cache.positions[rows].tolist() == want
+    # a chain as deep as the block runs further from the same start: fewer cycles
+    assert len(train.decoding_anchors(draft, target, cfg, DCFG, cache, g, batch=4)) <= len(rows)
+    with pytest.raises(ValueError, match="depth"):
+        train.decoding_anchors(draft, target, cfg, DCFG, cache, g + 1)
+    # sampling them: share 1 is those rows only, a share below 1 mixes them into the uniform anchors
+    only = train.with_anchors(cache, rows, 1.0)
+    assert sorted(set(train.sample_anchors(only, 0, 64, 0).tolist())) <= sorted(rows.tolist())
+    mixed = train.with_anchors(cache, rows, 0.5)
+    drawn = train.sample_anchors(mixed, 0, 4000, 0)
+    assert 0.45 < np.isin(drawn, rows).mean() < 0.75  # ~0.5 by construction, plus uniform draws that land on them
+    with pytest.raises(ValueError, match="share"):
+        train.with_anchors(cache, rows, 0.0)
+
+
+def test_training_continues_from_given_params(small, tmp_path):
+    """init=DSparkParams fine-tunes those parameters: the step-0 held-out metrics are theirs."""
+    cfg, target, draft = small
+    rng = np.random.default_rng(4)
+    seqs = [rng.integers(3, cfg.vocab_size, 24).astype(np.int32) for _ in range(2)]
+    cache = _cache(cfg, target, seqs, [6] * 2)
+    tc = train.DSparkTrainConfig(steps=1, warmup_steps=0, blocks=8)
+    _, hist = train.train_loop(target, cfg, DCFG, tc, cache, cache, run_dir=str(tmp_path), init=draft,
+                               eval_every=5, log=lambda _: None, resume=False)
+    want = train.evaluate(draft, target, cfg, DCFG, cache, tc)
+    assert hist[0]["heldout"]["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    with pytest.raises(ValueError, match="init"):
+        train.train_loop(target, cfg, DCFG, tc, cache, cache, run_dir=str(tmp_path), init="dspark")
+
+
 def _shipped_dspark():
     import os
 

@@ -50,8 +50,17 @@ def add_parser(subparsers: Any) -> None:
                    help="captured target layers (default: the last three)")
     p.add_argument("--markov-rank", type=int, default=64, help="rank r of the Markov head's bigram W1 W2^T")
     p.add_argument("--noise-token", type=int, default=2, help="noise slot token id (default 2, <|pad|>)")
-    p.add_argument("--init", choices=("target", "random"), default="target",
-                   help="target: stages start as copies of the target's last layers (default); random: fresh")
+    p.add_argument("--init", default="target",
+                   help="target: stages start as copies of the target's last layers (default); random: fresh; "
+                        "or the name of one of the checkpoint's DSpark drafts to fine-tune (its sizes are kept: "
+                        "--stages / --block-size / --target-layers / --markov-rank / --noise-token are then ignored)")
+    p.add_argument("--decoding-anchors", default=None, metavar="DRAFT",
+                   help="sample --decoding-share of the anchors where this DSpark draft's greedy chain of "
+                        "--decoding-depth starts its cycles on the data (right after a token it got wrong), the "
+                        "rest uniform; needs greedy data (`distill-data --temperatures 0`)")
+    p.add_argument("--decoding-depth", type=int, default=8, help="the chain depth D of --decoding-anchors (default 8)")
+    p.add_argument("--decoding-share", type=float, default=0.5,
+                   help="share of the anchors drawn from --decoding-anchors (default 0.5; 1: those only)")
     p.add_argument("--steps", type=int, default=3000, help="optimizer steps (cosine schedule length)")
     p.add_argument("--blocks", type=int, default=256, help="blocks (anchors) per step")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
@@ -92,11 +101,17 @@ def run(args: argparse.Namespace, console: Console) -> int:
         raise ValueError(f"--eval-fraction must be in (0, 1), got {args.eval_fraction}")
     if not os.path.isdir(args.data):
         raise FileNotFoundError(f"no distillation data folder {args.data!r}; run `jaxspec distill-data` first")
+    if not 0 < args.decoding_share <= 1:
+        raise ValueError(f"--decoding-share must be in (0, 1], got {args.decoding_share}")
     model = load_model(args, console)
     cfg, target = model.cfg, model.params
-    layers = tuple(args.target_layers) if args.target_layers else tuple(range(cfg.num_layers - 3, cfg.num_layers))
-    dcfg = DSparkConfig(block_size=args.block_size, noise_token_id=args.noise_token, target_layers=layers,
-                        markov_rank=args.markov_rank, num_stages=args.stages)
+    init = args.init
+    if init not in ("target", "random"):
+        init, dcfg = _dspark_draft(args.checkpoint, init, "--init")
+    else:
+        layers = tuple(args.target_layers) if args.target_layers else tuple(range(cfg.num_layers - 3, cfg.num_layers))
+        dcfg = DSparkConfig(block_size=args.block_size, noise_token_id=args.noise_token, target_layers=layers,
+                            markov_rank=args.markov_rank, num_stages=args.stages)
     dcfg.validate_for(cfg)
     tc = train.DSparkTrainConfig(lr=args.lr, warmup_steps=args.warmup, steps=args.steps, blocks=args.blocks,
                                  ce_weight=args.ce_weight, l1_weight=args.l1_weight,
@@ -109,6 +124,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
         shutil.rmtree(os.path.join(run_dir, "ckpt"))
     args.resume_hint = f"the target's rows and train states are kept in {run_dir}: rerun the same command to continue"
     train_cache, eval_cache = _caches(args, console, target, cfg, dcfg, run_dir)
+    if args.decoding_anchors is not None:
+        rows = _decoding_rows(args, console, target, cfg, train_cache, run_dir)
+        console.print(f"{len(rows)} decoding anchors of {args.decoding_anchors} (chain D = {args.decoding_depth}, "
+                      f"{len(train_cache.anchors) / len(rows):.2f} tokens a cycle), {args.decoding_share:.0%} of the "
+                      "sampled anchors")
+        train_cache = train.with_anchors(train_cache, rows, args.decoding_share)
     console.print(f"{dcfg}\n{tc}\n{len(train_cache.anchors)} training and {len(eval_cache.anchors)} monitoring "
                   f"anchors")
     stored = cfg.replace(dtype=read_json(os.path.join(args.checkpoint, "config.json"))["dtype"])
@@ -127,10 +148,43 @@ def run(args: argparse.Namespace, console: Console) -> int:
     bar, on_step = step_progress(console, "train-dspark")
     with bar:
         train.train_loop(target, cfg, dcfg, tc, train_cache, eval_cache, run_dir=run_dir, export=export,
-                         init=args.init, resume=not args.fresh, time_budget_s=budget, eval_every=args.eval_every,
+                         init=init, resume=not args.fresh, time_budget_s=budget, eval_every=args.eval_every,
                          eval_blocks_max=args.eval_blocks, seed=args.seed, log=bar.console.print, on_step=on_step)
     console.print(f"done: DSpark drafter in {os.path.join(args.checkpoint, 'drafts', args.draft_name)}")
     return 0
+
+
+def _dspark_draft(checkpoint, name, flag):
+    """(params, config) of the checkpoint's DSpark draft `name`."""
+    from jaxspec.checkpoint import load_checkpoint
+    from jaxspec.checkpoint.drafts import draft_names
+
+    if name not in draft_names(checkpoint):
+        raise ValueError(f"{flag} {name!r}: not target / random nor a draft of {checkpoint} "
+                         f"({', '.join(draft_names(checkpoint)) or 'none'})")
+    draft = load_checkpoint(checkpoint, draft=name, dtype="float32").draft
+    config = getattr(draft.drafter, "config", None)
+    if config is None or not hasattr(config, "block_size"):
+        raise ValueError(f"{flag} {name!r} is not a DSpark draft")
+    return draft.params, config
+
+
+def _decoding_rows(args, console, target, cfg, train_cache, run_dir):
+    """The training anchors where --decoding-anchors' chain starts its cycles (cached in run_dir)."""
+    import numpy as np
+
+    from jaxspec.training import dspark as train
+
+    path = os.path.join(run_dir, f"decoding_anchors_{args.decoding_anchors}_d{args.decoding_depth}_"
+                                 f"{len(train_cache.tokens)}.npy")  # the rows count names the cache it indexes
+    if os.path.isfile(path):
+        return np.load(path)
+    params, dcfg = _dspark_draft(args.checkpoint, args.decoding_anchors, "--decoding-anchors")
+    bar, on_batch = step_progress(console, "decoding anchors")
+    with bar:
+        rows = train.decoding_anchors(params, target, cfg, dcfg, train_cache, args.decoding_depth, progress=on_batch)
+    np.save(path, rows)
+    return rows
 
 
 def _caches(args, console, target, cfg, dcfg, run_dir):
