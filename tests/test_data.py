@@ -55,6 +55,27 @@ def test_sharegpt_record_by_record_and_split():
     assert all(len(x.reference) <= 101 for x in data_lib.load_sharegpt("test", max_chars=100))
 
 
+@needs_data
+def test_unseen_prompts_avoid_every_evaluated_and_tuned_prompt():
+    """`distill-data --prompts unseen` reads held-out prompts that no figure or tune reads: the sweeps'
+    first EVAL_RESERVE, tuning's last ones (MBPP: validation) and the target's train split."""
+    r = data_lib.EVAL_RESERVE
+    names = ["gsm8k", "mbpp"] + (["sharegpt"] if data_lib.sharegpt_available() else [])
+    for name in names:
+        test = data_lib.load_dataset(name, data_lib.HELDOUT_SPLITS[name])
+        unseen = {e.id for e in data_lib.unseen_examples(name)}
+        assert unseen and unseen < {e.id for e in test}
+        assert not unseen & {e.id for e in test[:r]}  # every sweep / held-out acceptance prompt (first ones)
+        if name != "mbpp":  # tuning reads the last ones; MBPP's tuning split is validation
+            assert not unseen & {e.id for e in test[-r:]}
+        train = data_lib.load_dataset(name, data_lib.TRAIN_SPLITS[name])
+        assert not unseen & {e.id for e in train}
+        if name != "sharegpt":  # (ShareGPT repeats some first turns under other ids, in both splits)
+            assert not {e.prompt for e in data_lib.unseen_examples(name)} & {e.prompt for e in train}
+    with pytest.raises(ValueError, match="dataset"):
+        data_lib.unseen_examples("humaneval")
+
+
 def test_iter_json_array_stops_at_cut(tmp_path):
     full = [{"id": str(i), "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "a"}]}
             for i in range(5)]

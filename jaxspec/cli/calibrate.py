@@ -40,6 +40,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--checkpoint", required=True, help="checkpoint folder (with tokenizer)")
     add_draft_argument(p, every=False)
     add_data_arguments(p, 64, "train-split prompts")
+    p.add_argument("--prompts", choices=("train", "unseen"), default="train",
+                   help="fit on train-split prompts (default) or on held-out-split prompts that no evaluation or "
+                        "tune reads (`distill-data --prompts unseen`): text the target never trained on")
     p.add_argument("--temperatures", type=csv(float), default=(0.6, 1.0),
                    help="sampling temperatures to fit a map for (greedy is always fitted)")
     p.add_argument("--cycles", type=int, default=24, help="speculative cycles recorded per prompt")
@@ -86,9 +89,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
     run_args = (args.cycles, args.batch_size, args.steps, args.topk)
     train = {t: collect(model.params, model.cfg, prompts, t, *run_args, draft=model.draft, mesh=mesh,
                         values=args.values) for t in temps}
-    console.print(f"collected {sum(s['label'].size for s in train.values())} nodes from {len(prompts)} train "
+    console.print(f"collected {sum(s['label'].size for s in train.values())} nodes from {len(prompts)} {args.prompts} "
                   f"prompts in {time.perf_counter() - t0:.0f} s")
-    meta = {"datasets": ",".join(args.datasets), "train_prompts_per_dataset": args.num_prompts,
+    meta = {"datasets": ",".join(args.datasets), "prompts": args.prompts, "train_prompts_per_dataset": args.num_prompts,
             "cycles": args.cycles, "steps": args.steps, "topk": args.topk,
             "checkpoint": os.path.basename(os.path.normpath(args.checkpoint)), "draft": args.draft or "default"}
     calibration = fit(train, draft_fingerprint(model.draft.params, model.cfg), meta, feature=args.values)

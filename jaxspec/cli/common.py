@@ -157,13 +157,17 @@ def add_data_arguments(p: argparse.ArgumentParser, num_prompts: int, what: str) 
 
 def train_prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
     """The first --num-prompts train-split prompts of each of --datasets, tokenized (held-out
-    prompts are the sweep's, never calibration's or training's)."""
+    prompts are the sweep's, never calibration's or training's); with `args.prompts == "unseen"`
+    (distill-data) the first of `data.unseen_examples` instead: held-out prompts no figure reads."""
     from jaxspec.harness.eval import encode_prompts
-    from jaxspec.training.data import TRAIN_SPLITS, load_dataset
+    from jaxspec.training.data import TRAIN_SPLITS, load_dataset, unseen_examples
 
     prompts = []
     for name in args.datasets:
-        examples = load_dataset(name, TRAIN_SPLITS[name], root=args.data_root)[: args.num_prompts]
+        if getattr(args, "prompts", "train") == "unseen":
+            examples = unseen_examples(name, root=args.data_root)[: args.num_prompts]
+        else:
+            examples = load_dataset(name, TRAIN_SPLITS[name], root=args.data_root)[: args.num_prompts]
         prompts += encode_prompts(tokenizer, examples, args.max_prompt_tokens)
     return prompts
 

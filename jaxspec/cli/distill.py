@@ -20,10 +20,14 @@ def add_parser(subparsers: Any) -> None:
         help="the target's continuations of train-split prompts (greedy and sampled), for draft training",
         description="Generate the frozen target's continuations of train-split prompts of the datasets at each "
         "temperature and write them in chunks to --out; a stopped run resumes where it stopped. Held-out "
-        "prompts are never used.",
+        "prompts are used only with --prompts unseen, and never those evaluation or tuning reads.",
     )
     p.add_argument("--checkpoint", required=True, help="checkpoint folder (with tokenizer)")
     add_data_arguments(p, 512, "train-split prompts")
+    p.add_argument("--prompts", choices=("train", "unseen"), default="train",
+                   help="train: train-split prompts (default); unseen: held-out-split prompts that no evaluation "
+                        "or tune reads (the EVAL_RESERVE first and last are left out), which the target never "
+                        "trained on, so its continuations are the text it writes for new prompts")
     p.add_argument("--new-tokens", type=int, default=128, help="continuation length (default 128)")
     p.add_argument("--temperatures", type=csv(float), default=(0.0, 1.0), help="default 0,1 (greedy and sampled)")
     p.add_argument("--chunk", type=int, default=64, help="prompts per chunk file (default 64)")
@@ -82,7 +86,8 @@ def run_data(args: argparse.Namespace, console: Console) -> int:
         raise ValueError(f"--temperatures must be >= 0, got {list(args.temperatures)}")
     model = load_model(args, console, need_tokenizer="distill-data")
     prompts = train_prompts(args, model.tokenizer)
-    console.print(f"{len(prompts)} train-split prompts x temperatures {list(args.temperatures)}, "
+    which = "train-split" if args.prompts == "train" else "unseen held-out"
+    console.print(f"{len(prompts)} {which} prompts x temperatures {list(args.temperatures)}, "
                   f"{args.new_tokens} new tokens -> {args.out}")
     args.resume_hint = f"finished chunks are kept in {args.out}: rerun the same command to continue"
     bar, on_chunk = step_progress(console, "generating")

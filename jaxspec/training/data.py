@@ -39,6 +39,9 @@ HF_NAMES = {
 # Splits of the training mixture and the ones held out from it (the evaluation splits).
 TRAIN_SPLITS = {"gsm8k": "train", "mbpp": "train", "sharegpt": "train"}
 HELDOUT_SPLITS = {"gsm8k": "test", "mbpp": "test", "sharegpt": "test", "humaneval": "test"}
+# Sweeps, benchmarks and held-out acceptance read the first prompts of a held-out split, tuning the last
+# ones (MBPP: its validation split); this many at each end are reserved for them.
+EVAL_RESERVE = 128
 
 _ENV = "JAXSPEC_DATA"
 
@@ -343,3 +346,17 @@ def mixture(splits: dict[str, str], root: str | os.PathLike | None = None,
         else:
             out[name] = load_dataset(name, split, root=root)
     return out
+
+
+def unseen_examples(name: str, root: str | os.PathLike | None = None) -> list[Example]:
+    """The held-out split of `name` less the EVAL_RESERVE prompts at each end that evaluation and tuning
+    read (MBPP: less its first EVAL_RESERVE; its tuning prompts are the validation split): prompts the
+    target never trained on and no reported figure is measured on. A drafter trained on the target's
+    continuations of these sees the text the target writes for new prompts, where its continuations of
+    train-split prompts partly recite what it memorised."""
+    _check("dataset", name, DATASETS)
+    examples = load_dataset(name, HELDOUT_SPLITS[name], root=root)
+    rest = examples[EVAL_RESERVE:] if name == "mbpp" else examples[EVAL_RESERVE:-EVAL_RESERVE]
+    if not rest:
+        raise ValueError(f"{name}'s held-out split has {len(examples)} prompts, all reserved for evaluation")
+    return rest
