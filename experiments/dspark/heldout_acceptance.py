@@ -6,6 +6,8 @@ the record holds tau (tokens per cycle, bonus included) and the per-position acc
 accepted path reaches depth k)). With --exact N, the first N prompts' greedy outputs are checked
 against `generate` for every (draft, spec). --calibration FILE ranks the runs whose value source is the
 file's (`_vc` specs by a confidence calibration, `_vb` by a "both" one) by it instead of the draft folder's.
+Every sequence decodes --new-tokens tokens past any end-of-text token (the benchmarks' convention), or
+with --stop-at-eos stops after it, so that only the answer to the prompt is counted.
 
     PYTHONPATH=. JAXSPEC_DATA=/work/shared/data XLA_FLAGS=--xla_cpu_multi_thread_eigen=false \
       taskset -c 0 python experiments/dspark/heldout_acceptance.py --out experiments/dspark/heldout.json
@@ -41,10 +43,12 @@ def main() -> None:
     ap.add_argument("--exact", type=int, default=4, help="prompts per dataset checked against generate")
     ap.add_argument("--out", default="experiments/dspark/heldout.json")
     ap.add_argument("--calibration", default=None, help="calibration.json for the runs of its value source")
+    ap.add_argument("--stop-at-eos", action="store_true", help="stop each sequence after its end-of-text token")
     args = ap.parse_args()
     runs = [tuple(r.split(":")) for r in args.runs.split(",")]
     drafts = {name: js.load_checkpoint(args.checkpoint, draft=name, dtype="float32") for name in {d for d, _ in runs}}
     ck = next(iter(drafts.values()))
+    eos = ck.cfg.eos_id if args.stop_at_eos else None
     calibration = None if args.calibration is None else load_calibration(args.calibration)
     records = json.load(open(args.out)) if os.path.isfile(args.out) else []
     done = {(r["dataset"], r["draft"], r["spec"]) for r in records}
@@ -62,7 +66,7 @@ def main() -> None:
             for start in range(0, len(prompts), args.batch):
                 mine = calibration is not None and js.SpecConfig.parse(spec).values == calibration.feature
                 out = js.speculative_generate(ck.params, ck.cfg, prompts[start : start + args.batch], spec,
-                                              max_new_tokens=args.new_tokens, draft=draft,
+                                              max_new_tokens=args.new_tokens, draft=draft, eos_id=eos,
                                               calibration=args.calibration if mine else None)
                 per = {k: np.asarray(v) for k, v in out.stats["per_sequence"].items()
                        if k in ("cycles", "accepted", "verified", "depth_hits", "rank_hist")}
@@ -71,12 +75,14 @@ def main() -> None:
             stats = summarize_stats(sums, spec, 0, None)
             if args.exact:
                 if reference is None:
-                    ref = js.generate(ck.params, ck.cfg, prompts[: args.exact], max_new_tokens=args.new_tokens)
+                    ref = js.generate(ck.params, ck.cfg, prompts[: args.exact], max_new_tokens=args.new_tokens,
+                                      eos_id=eos)
                     reference = [np.asarray(ref.tokens[i, : int(ref.lengths[i])]).tolist()
                                  for i in range(args.exact)]
                 exact = [tokens[i] == reference[i] for i in range(args.exact)]
             rec = {"dataset": dataset, "draft": name, "spec": spec, "num_prompts": len(prompts),
-                   "new_tokens": args.new_tokens, "tau": stats["mean_accepted_length"],
+                   "new_tokens": args.new_tokens, "stop_at_eos": args.stop_at_eos,
+                   "tokens": sum(map(len, tokens)), "tau": stats["mean_accepted_length"],
                    "per_depth_acceptance": stats["per_depth_acceptance"], "cycles": stats["cycles"],
                    "rank_histogram": stats["rank_histogram"], "exact_vs_generate": exact if args.exact else None,
                    **({"calibration": args.calibration} if mine else {}),

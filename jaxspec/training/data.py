@@ -351,9 +351,8 @@ def mixture(splits: dict[str, str], root: str | os.PathLike | None = None,
 def unseen_examples(name: str, root: str | os.PathLike | None = None) -> list[Example]:
     """The held-out split of `name` less the EVAL_RESERVE prompts at each end that evaluation and tuning
     read (MBPP: less its first EVAL_RESERVE; its tuning prompts are the validation split): prompts the
-    target never trained on and no reported figure is measured on. A drafter trained on the target's
-    continuations of these sees the text the target writes for new prompts, where its continuations of
-    train-split prompts partly recite what it memorised."""
+    target never trained on and no reported figure is measured on, for a drafter or a calibration that
+    should see what the target writes for new prompts."""
     _check("dataset", name, DATASETS)
     examples = load_dataset(name, HELDOUT_SPLITS[name], root=root)
     rest = examples[EVAL_RESERVE:] if name == "mbpp" else examples[EVAL_RESERVE:-EVAL_RESERVE]
