@@ -19,6 +19,7 @@ from jaxspec.model.network import extend
 from jaxspec.model.state import init_state
 from jaxspec.testing import randomize
 from jaxspec.training import dspark as train
+from jaxspec.training import dspark_anchors
 
 DCFG = DSparkConfig(block_size=4, noise_token_id=2, target_layers=(0, 1), markov_rank=8, num_stages=1)
 
@@ -190,20 +191,20 @@ def test_decoding_anchors_are_where_a_greedy_chain_starts_its_cycles(small):
         seq.append(3 + (drafted[keep] - 2) % (cfg.vocab_size - 3) if keep < depth - 1 else 5)  # not the draft
     assert len(seq) <= 32
     cache = _cache(cfg, target, [np.asarray(seq, np.int32)], [p])
-    rows = train.decoding_anchors(draft, target, cfg, DCFG, cache, depth, batch=4)
+    rows = dspark_anchors.decoding_anchors(draft, target, cfg, DCFG, cache, depth, batch=4)
     assert cache.positions[rows].tolist() == want
     # a chain as deep as the block runs further from the same start: fewer cycles
-    assert len(train.decoding_anchors(draft, target, cfg, DCFG, cache, g, batch=4)) <= len(rows)
+    assert len(dspark_anchors.decoding_anchors(draft, target, cfg, DCFG, cache, g, batch=4)) <= len(rows)
     with pytest.raises(ValueError, match="depth"):
-        train.decoding_anchors(draft, target, cfg, DCFG, cache, g + 1)
+        dspark_anchors.decoding_anchors(draft, target, cfg, DCFG, cache, g + 1)
     # sampling them: share 1 is those rows only, a share below 1 mixes them into the uniform anchors
-    only = train.with_anchors(cache, rows, 1.0)
+    only = dspark_anchors.with_anchors(cache, rows, 1.0)
     assert sorted(set(train.sample_anchors(only, 0, 64, 0).tolist())) <= sorted(rows.tolist())
-    mixed = train.with_anchors(cache, rows, 0.5)
+    mixed = dspark_anchors.with_anchors(cache, rows, 0.5)
     drawn = train.sample_anchors(mixed, 0, 4000, 0)
     assert 0.45 < np.isin(drawn, rows).mean() < 0.75  # ~0.5 by construction, plus uniform draws that land on them
     with pytest.raises(ValueError, match="share"):
-        train.with_anchors(cache, rows, 0.0)
+        dspark_anchors.with_anchors(cache, rows, 0.0)
 
 
 def test_training_continues_from_given_params(small, tmp_path):

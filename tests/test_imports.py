@@ -43,7 +43,7 @@ RANKS = [
     ("jaxspec.checkpoint", "jaxspec.harness.stages", "jaxspec.harness.report", "jaxspec.training.packing",
      "jaxspec.training.plots", "jaxspec.cost"),
     ("jaxspec.cost.xla", "jaxspec.harness.eval", "jaxspec.training.train", "jaxspec.training.dspark"),
-    ("jaxspec.harness.tune", "jaxspec.training.distill", "jaxspec.harness.calibrate",
+    ("jaxspec.harness.tune", "jaxspec.training.distill", "jaxspec.training.dspark_anchors", "jaxspec.harness.calibrate",
      "jaxspec.harness.calibrate_residual"),
     ("jaxspec.cli",),
     ("jaxspec", "jaxspec.__main__"),

@@ -23,6 +23,7 @@ import numpy as np
 import jaxspec as js
 from experiments.dspark.ranking_bound import auc
 from jaxspec.training import dspark as train
+from jaxspec.training import dspark_anchors
 
 
 def read(ck, cache: train.Cache, max_blocks: int, batch: int) -> dict:
@@ -82,10 +83,11 @@ def main() -> None:
     cache = train.load_cache(args.cache)
     if args.decoding_anchors is not None:
         ck = js.load_checkpoint(args.checkpoint, draft=args.decoding_anchors, dtype="float32")
-        rows = train.decoding_anchors(ck.draft.params, ck.params, ck.cfg, ck.draft.drafter.config, cache, args.depth)
+        rows = dspark_anchors.decoding_anchors(ck.draft.params, ck.params, ck.cfg, ck.draft.drafter.config, cache,
+                                               args.depth)
         print(f"{len(rows)} decoding anchors of {args.decoding_anchors} (D = {args.depth}), "
               f"{len(cache.anchors) / len(rows):.2f} tokens a cycle")
-        cache = train.with_anchors(cache, rows, 1.0)
+        cache = dspark_anchors.with_anchors(cache, rows, 1.0)
     results = {}
     for name in args.drafts.split(","):
         ck = js.load_checkpoint(args.checkpoint, draft=name, dtype="float32")

@@ -89,6 +89,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from jaxspec.checkpoint.errors import read_json
     from jaxspec.core.dspark import DSparkConfig
     from jaxspec.training import dspark as train
+    from jaxspec.training import dspark_anchors
     from jaxspec.training.plots import plot_dspark_history
 
     for name in ("stages", "block_size", "markov_rank", "steps", "blocks", "eval_every", "eval_blocks",
@@ -129,7 +130,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         console.print(f"{len(rows)} decoding anchors of {args.decoding_anchors} (chain D = {args.decoding_depth}, "
                       f"{len(train_cache.anchors) / len(rows):.2f} tokens a cycle), {args.decoding_share:.0%} of the "
                       "sampled anchors")
-        train_cache = train.with_anchors(train_cache, rows, args.decoding_share)
+        train_cache = dspark_anchors.with_anchors(train_cache, rows, args.decoding_share)
     console.print(f"{dcfg}\n{tc}\n{len(train_cache.anchors)} training and {len(eval_cache.anchors)} monitoring "
                   f"anchors")
     stored = cfg.replace(dtype=read_json(os.path.join(args.checkpoint, "config.json"))["dtype"])
@@ -173,7 +174,7 @@ def _decoding_rows(args, console, target, cfg, train_cache, run_dir):
     """The training anchors where --decoding-anchors' chain starts its cycles (cached in run_dir)."""
     import numpy as np
 
-    from jaxspec.training import dspark as train
+    from jaxspec.training.dspark_anchors import decoding_anchors
 
     path = os.path.join(run_dir, f"decoding_anchors_{args.decoding_anchors}_d{args.decoding_depth}_"
                                  f"{len(train_cache.tokens)}.npy")  # the rows count names the cache it indexes
@@ -182,7 +183,7 @@ def _decoding_rows(args, console, target, cfg, train_cache, run_dir):
     params, dcfg = _dspark_draft(args.checkpoint, args.decoding_anchors, "--decoding-anchors")
     bar, on_batch = step_progress(console, "decoding anchors")
     with bar:
-        rows = train.decoding_anchors(params, target, cfg, dcfg, train_cache, args.decoding_depth, progress=on_batch)
+        rows = decoding_anchors(params, target, cfg, dcfg, train_cache, args.decoding_depth, progress=on_batch)
     np.save(path, rows)
     return rows
 
