@@ -33,14 +33,10 @@ def read(ck, cache: train.Cache, max_blocks: int, batch: int) -> dict:
     fwd = jax.jit(train.block_forward, static_argnums=(2, 3))
     rows = cache.anchors[np.linspace(0, len(cache.anchors) - 1, min(max_blocks, len(cache.anchors))).astype(int)]
     top1, top2, conf, labels, valid = [], [], [], [], []
-    for start in range(0, len(rows), batch):
-        chunk = rows[start : start + batch]
-        pad = batch - len(chunk)
-        host = cache.blocks(np.concatenate([chunk, np.full(pad, chunk[0])]), cfg.sliding_window, g)
+    for n, host in cache.batches(rows, batch, cfg.sliding_window, g):
         b = train.to_blocks(host)
         logits, c = fwd(params, target, cfg, dcfg, b.window, b.anchor_pos, b.tokens[:, :g])
         idx = np.asarray(jax.lax.top_k(logits, 2)[1])
-        n = len(chunk)
         top1.append(idx[:n, :, 0])
         top2.append(idx[:n, :, 1])
         conf.append(np.asarray(jax.nn.sigmoid(c))[:n])

@@ -106,6 +106,11 @@ class LossWeights:
     confidence_target: str = "l1"
 
 
+def greedy_match(top1: jax.Array, blocks: Blocks) -> jax.Array:
+    """[N, γ] bool: the draft's argmax `top1` [N, γ] is the label (what a greedy verify accepts)."""
+    return (top1 == blocks.tokens[:, 1:]) & blocks.valid
+
+
 def dspark_loss(
     params: DSparkParams,
     target: ModelParams,
@@ -129,7 +134,7 @@ def dspark_loss(
     ce = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
     l1 = jnp.sum(jnp.abs(jnp.exp(logp) - jax.nn.softmax(teacher, axis=-1)), axis=-1)  # [N, γ]
     top2 = jax.lax.top_k(logits, 2)[1]  # [N, γ, 2]
-    match = (top2[..., 0] == labels) & blocks.valid
+    match = greedy_match(top2[..., 0], blocks)
     if weights.confidence_target == "greedy":
         goal = match.astype(jnp.float32)
     else:
@@ -140,7 +145,7 @@ def dspark_loss(
     # what a K = 2 tree's sibling adds: the runner-up is the label where the top token is not
     missed = blocks.valid & ~match
     sibling = (top2[..., 1] == labels) & missed
-    accepted = jnp.cumprod(match, axis=1)
+    accepted = jnp.cumprod(match, axis=1)  # [N, γ] the chain's first k+1 drafts all right
     full = jnp.maximum(jnp.sum(blocks.valid[:, -1]), 1)
     metrics = {"loss": loss, **terms}
     for k in range(g):
@@ -181,6 +186,15 @@ class Cache:
         return dict(window=window_rows.astype(np.float32), anchor_pos=self.positions[rows].astype(np.int32),
                     tokens=tokens, teacher=self.teacher[ahead_c[:, :block_size]] * same[:, :block_size, None],
                     valid=same[:, 1:])
+
+    def batches(self, rows: np.ndarray, batch: int, window: int, block_size: int):
+        """-> (n, host arrays of `batch` blocks) for consecutive chunks of `rows`: one shape for every
+        chunk (one program), the last padded with blocks whose labels are all invalid (count for nothing)."""
+        for start in range(0, len(rows), batch):
+            chunk = rows[start : start + batch]
+            host = self.blocks(np.concatenate([chunk, np.full(batch - len(chunk), chunk[0])]), window, block_size)
+            host["valid"][len(chunk):] = False
+            yield len(chunk), host
 
 
 @functools.partial(bounded_jit, static_argnums=(1, 2))
@@ -347,16 +361,11 @@ def evaluate(params: DSparkParams, target: ModelParams, cfg: ModelConfig, dcfg: 
     rows = cache.anchors[np.linspace(0, len(cache.anchors) - 1, min(max_blocks, len(cache.anchors))).astype(int)]
     sums: dict[str, float] = {}
     weight = 0
-    for start in range(0, len(rows), tc.blocks):
-        chunk = rows[start : start + tc.blocks]
-        pad = tc.blocks - len(chunk)
-        host = cache.blocks(np.concatenate([chunk, np.full(pad, chunk[0])]), cfg.sliding_window, dcfg.block_size)
-        if pad:  # padding blocks count for nothing
-            host["valid"][len(chunk):] = False
+    for n, host in cache.batches(rows, tc.blocks, cfg.sliding_window, dcfg.block_size):
         m = jax.device_get(eval_blocks(params, target, to_blocks(host), cfg, dcfg, tc.weights))
         for k, v in m.items():
-            sums[k] = sums.get(k, 0.0) + float(v) * len(chunk)
-        weight += len(chunk)
+            sums[k] = sums.get(k, 0.0) + float(v) * n
+        weight += n
     out = {k: v / weight for k, v in sums.items()}
     total = 1.0
     for k in range(1, dcfg.block_size + 1):

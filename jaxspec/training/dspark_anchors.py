@@ -16,7 +16,7 @@ from jaxspec.core.dspark import DSparkConfig
 from jaxspec.core.programs import bounded_jit
 from jaxspec.model.dspark import DSparkParams
 from jaxspec.model.network import ModelParams
-from jaxspec.training.dspark import Blocks, Cache, block_forward, to_blocks
+from jaxspec.training.dspark import Blocks, Cache, block_forward, greedy_match, to_blocks
 
 
 @functools.partial(bounded_jit, static_argnums=(2, 3))
@@ -26,7 +26,7 @@ def accepted_drafts(params: DSparkParams, target: ModelParams, cfg: ModelConfig,
     equal the labels, up to the first miss): on the target's greedy continuations, what decoding does."""
     g = dcfg.block_size
     logits, _ = block_forward(params, target, cfg, dcfg, blocks.window, blocks.anchor_pos, blocks.tokens[:, :g])
-    match = (jnp.argmax(logits, axis=-1) == blocks.tokens[:, 1:]) & blocks.valid
+    match = greedy_match(jnp.argmax(logits, axis=-1), blocks)
     return jnp.sum(jnp.cumprod(match, axis=1), axis=1).astype(jnp.int32)
 
 
@@ -52,18 +52,14 @@ def decoding_anchors(params: DSparkParams, target: ModelParams, cfg: ModelConfig
     total = len(cache.anchors)  # an upper bound for the progress bar: every anchor once
     while len(frontier):
         visited.append(frontier)
-        steps = np.empty(len(frontier), np.int64)
-        for start in range(0, len(frontier), batch):
-            chunk = frontier[start : start + batch]
-            pad = batch - len(chunk)
-            host = cache.blocks(np.concatenate([chunk, np.full(pad, chunk[0])]), cfg.sliding_window, dcfg.block_size)
-            a = np.asarray(jax.device_get(accepted_drafts(params, target, cfg, dcfg, to_blocks(host))))
-            steps[start : start + len(chunk)] = np.minimum(a[: len(chunk)], depth - 1) + 1
-        frontier = frontier + steps
+        accepted = np.concatenate([
+            np.asarray(jax.device_get(accepted_drafts(params, target, cfg, dcfg, to_blocks(host))))[:n]
+            for n, host in cache.batches(frontier, batch, cfg.sliding_window, dcfg.block_size)])
+        frontier = frontier + np.minimum(accepted, depth - 1) + 1
         keep = frontier <= limit
         frontier, limit = frontier[keep], limit[keep]
         if progress is not None:
-            progress(sum(len(v) for v in visited), total)
+            progress(sum(map(len, visited)), total)
     rows = np.sort(np.concatenate(visited))
     if progress is not None:
         progress(len(rows), len(rows))
