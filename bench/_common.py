@@ -11,7 +11,7 @@ import argparse
 import json
 import os
 import platform
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -97,6 +97,34 @@ def write_json(path: str | os.PathLike | None, result: Any, console: Console | N
         json.dump(result, f, indent=2)
     if console is not None:
         console.print(f"wrote {path}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole generations, one prompt at a time
+# ---------------------------------------------------------------------------------------------
+
+
+def prompt_rounds(methods: Iterable[str], prompts: Sequence[Any], call: Callable[[str, Any], Mapping[str, Any]],
+                  repeats: int) -> tuple[dict[str, list[Any]], dict[str, float], dict[str, Any]]:
+    """Every method once on every prompt (compiles; its records kept), then `repeats` timed rounds, each
+    going over the prompts with every method round-robin on each, under a `measure.Watch`. `call(method,
+    prompt)` -> a `harness.eval.run_batch` record ("seconds", "stats"); one method must be "ar".
+    -> (the first pass's records per method, seconds per method: the median over rounds summed over the
+    prompts, the verdict with "ar"'s rounds as the reference)."""
+    import numpy as np
+
+    from jaxspec.core import measure
+
+    methods = list(methods)
+    first = {m: [call(m, p) for p in prompts] for m in methods}
+    seconds = {m: np.zeros((repeats, len(prompts))) for m in methods}
+    with measure.Watch() as watch:
+        for r in range(repeats):
+            for i, p in enumerate(prompts):
+                for m in methods:
+                    seconds[m][r, i] = call(m, p)["seconds"]
+    total = {m: float(np.median(seconds[m], axis=0).sum()) for m in methods}
+    return first, total, watch.verdict(measure.Timing(tuple(seconds["ar"].sum(axis=1))))
 
 
 # ---------------------------------------------------------------------------------------------

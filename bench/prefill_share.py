@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from _common import console
+from _common import console, prompt_rounds
 
 from jaxspec.core import measure
 
@@ -60,15 +60,8 @@ def main() -> None:
             spec, n, draft = methods[method]
             return run_batch(ck.params, ck.cfg, spec, [p], n, longest_prompt=longest, pad_batch_to=1, draft=draft)
 
-        taus = {m: [call(m, p)["stats"]["mean_accepted_length"] for p in ps] for m in methods}  # compiles too
-        seconds = {m: np.zeros((args.repeats, len(ps))) for m in methods}
-        with measure.Watch() as watch:
-            for r in range(args.repeats):
-                for i, p in enumerate(ps):
-                    for m in methods:
-                        seconds[m][r, i] = call(m, p)["seconds"]
-        total = {m: float(np.median(seconds[m], axis=0).sum()) for m in methods}
-        verdict = watch.verdict(measure.Timing(tuple(seconds["ar"].sum(axis=1))))
+        first, total, verdict = prompt_rounds(methods, ps, call, args.repeats)
+        taus = {m: [r["stats"]["mean_accepted_length"] for r in first[m]] for m in methods}
         generated = args.new_tokens * len(ps)
         prefill = total["prefill+1"]
         rows = {m: {"tokens_per_s": generated / total[m], "x_ar": total["ar"] / total[m],

@@ -22,7 +22,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-from _common import console  # noqa: E402
+from _common import console, prompt_rounds  # noqa: E402
 
 from jaxspec.core import measure  # noqa: E402
 
@@ -65,15 +65,8 @@ def main() -> None:
             return run_batch(ck.params, ck.cfg, methods[method], [p], args.new_tokens, longest_prompt=longest,
                              pad_batch_to=1, draft=ck.draft)
 
-        stats = {m: [call(m, p)["stats"] for p in ps] for m in methods}  # compiles too
-        seconds = {m: np.zeros((args.repeats, len(ps))) for m in methods}
-        with measure.Watch() as watch:
-            for r in range(args.repeats):
-                for i, p in enumerate(ps):
-                    for m in methods:
-                        seconds[m][r, i] = call(m, p)["seconds"]
-        total = {m: float(np.median(seconds[m], axis=0).sum()) for m in methods}
-        verdict = watch.verdict(measure.Timing(tuple(seconds["ar"].sum(axis=1))))
+        first, total, verdict = prompt_rounds(methods, ps, call, args.repeats)
+        stats = {m: [r["stats"] for r in first[m]] for m in methods}
         rows = {m: {"x_ar": total["ar"] / total[m],
                     "tau": float(np.mean([s["mean_accepted_length"] for s in stats[m]])) if m != "ar" else 1.0,
                     "verified": float(np.mean([s["mean_verified"] for s in stats[m]])) if m != "ar" else 1.0}
