@@ -1,17 +1,19 @@
-"""The CPU's three routed-expert paths side by side: union (each selected expert once, on all N
-tokens, read in place from its own leaf), gathered (each assignment's weights copied, then
-contracted) and dense (every expert on every token), at the token counts of a decode step and a
-tree verify, on every MoE layer of a model at once.
+"""The CPU's routed-expert paths side by side: union (each selected expert once, on all N tokens,
+read in place from its own leaf), blocked (each expert on the rows that selected it, a few rows at a
+time, read in place), gathered (each assignment's weights copied, then contracted) and dense (every
+expert on every token), at the token counts of a decode step, a tree verify and a prefill chunk, on
+every MoE layer of a model at once.
 
-    python bench/experts_cpu.py [--checkpoint PATH | --preset tiny] [--tokens 1 2 3 4 5 6 8 12 16]
+    python bench/experts_cpu.py [--checkpoint PATH | --preset tiny] [--tokens 1 2 4 5 8 16 32 64 256]
                                 [--rounds 15] [--json PATH]
 
 One jitted function per (path, N) runs the routed experts of all layers in turn on N tokens (the
 router of each layer picks the experts; all layers' weights are read, as in a forward pass, so they
 do not sit in cache between calls). The functions are timed round-robin, `rounds` x 3 calls each,
 so a change in machine load hits every path alike; the table gives the median ms per call and the
-path `jaxspec.layers.moe.cpu_experts_path` picks (union up to 64 experts; beyond, gathered while
-the assignments N*k are at most 1.5x the experts, else dense): the measurement behind that rule.
+path `jaxspec.layers.moe.cpu_experts_path` picks (up to 64 experts: union while the assignments N*k
+fit in the experts, blocked beyond; with more experts gathered while N*k is at most 1.5x the experts,
+else dense): the measurement behind that rule.
 """
 
 from __future__ import annotations
@@ -27,9 +29,18 @@ from _common import check_positive, console, machine_facts, machine_header, pars
 from rich.table import Table
 
 import jaxspec as js
-from jaxspec.layers.moe import cpu_experts_path, dense_experts, gathered_experts, route, union_experts, unstack_experts
+from jaxspec.layers.moe import (
+    blocked_experts,
+    cpu_experts_path,
+    dense_experts,
+    gathered_experts,
+    route,
+    stack_experts,
+    union_experts,
+    unstack_experts,
+)
 
-PATHS = {"union": union_experts, "gathered": gathered_experts, "dense": dense_experts}
+PATHS = {"union": union_experts, "blocked": blocked_experts, "gathered": gathered_experts, "dense": dense_experts}
 
 
 def load(args) -> tuple[js.ModelConfig, Any]:
@@ -45,8 +56,10 @@ def load(args) -> tuple[js.ModelConfig, Any]:
 def all_layers(cfg: js.ModelConfig, params, path):
     """x [N, d], ids [N] -> the routed experts of every layer applied in turn (residual-style)."""
     layers = [layer.ffn for layer in params.layers]
-    if path is union_experts:  # its weights as the engine holds them on a CPU (model.network.cpu_layout)
-        layers = [ffn.replace(experts=unstack_experts(ffn.experts)) for ffn in layers]
+    # the weights as the engine holds them on a CPU: per-expert leaves for the paths that read them in
+    # place (model.network.cpu_layout), stacked for the others
+    layout = unstack_experts if path in (union_experts, blocked_experts) else stack_experts
+    layers = [ffn.replace(experts=layout(ffn.experts)) for ffn in layers]
 
     def run(layers, x, ids):
         for ffn in layers:
@@ -60,7 +73,7 @@ def all_layers(cfg: js.ModelConfig, params, path):
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = parser(__doc__)
     p.add_argument("--checkpoint", metavar="PATH", help="a trained checkpoint instead of --preset")
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 8, 12, 16])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 5, 8, 16, 32, 64, 256])
     p.add_argument("--rounds", type=int, default=15)
     args = p.parse_args(argv)
     check_positive(p, args, ["tokens", "rounds"])
@@ -85,14 +98,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 times[key].append(time.perf_counter() - start)
     k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
     table = Table(title=f"routed experts of {len(params.layers)} layers, {e} experts, k = {k} (ms per call)")
-    for col in ("tokens N", "N*k / E", "union", "gathered", "dense", "engine's CPU path"):
+    for col in ("tokens N", "N*k / E", *PATHS, "engine's CPU path"):
         table.add_column(col, justify="right")
     rows = []
     for n in args.tokens:
-        u, g, d = (1e3 * float(np.median(times[(name, n)])) for name in PATHS)
+        ms = {name: 1e3 * float(np.median(times[(name, n)])) for name in PATHS}
         chosen = cpu_experts_path(n * k, e, k)
-        rows.append({"tokens": n, "union_ms": u, "gathered_ms": g, "dense_ms": d, "engine_path": chosen})
-        table.add_row(str(n), f"{n * k / e:.2f}", f"{u:.3f}", f"{g:.3f}", f"{d:.3f}", chosen)
+        rows.append({"tokens": n, **{f"{name}_ms": v for name, v in ms.items()}, "engine_path": chosen})
+        table.add_row(str(n), f"{n * k / e:.2f}", *(f"{v:.3f}" for v in ms.values()), chosen)
     con.print(table)
     result = {"facts": facts, "checkpoint": args.checkpoint, "preset": None if args.checkpoint else args.preset,
               "rounds": args.rounds, "rows": rows}

@@ -14,9 +14,8 @@ continuation token by token, so no variant changes what the experts are routed o
   no routed       the routed experts replaced by half their input (the router goes with them)
   no MoE          the whole MoE (routed and shared experts) replaced the same way
   no head         the final norm and vocabulary projection replaced by a sum over the streams
-  experts at C    each selected routed expert run on at most C of the rows that chose it, the rest
-                  dropped: what a verify would cost if the union path's rows were cut to C
-                  (`--capacity`, default 4; an upper bound on any exact compaction)
+  union experts   the routed experts by the union path at every size (each selected expert on all
+                  rows; the engine's path before the blocked one): the same outputs, another cost
 
 Round-robin over --rounds rounds on one pinned core, with a verdict (`jaxspec.core.measure`); the table
 gives the median ms per call and, for each removed part, what it cost (whole less the variant).
@@ -35,38 +34,7 @@ from _common import check_positive, console, cycle_of, write_json
 from jaxspec.core import measure
 
 
-def capacity_experts(capacity: int):
-    """A stand-in for `moe.union_experts`: each selected expert on its first `capacity` rows only."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxspec.layers import moe
-    from jaxspec.ops import quant
-
-    def run(experts, cfg, x, indices, weights):  # x: [N, d]
-        n, d = x.shape
-        num = moe.num_experts_of(experts)
-        combine = jnp.concatenate([moe._combine(indices, weights, num), jnp.zeros((1, num), jnp.float32)])
-        chose = jnp.any(indices[:, :, None] == jnp.arange(num)[None, None, :], axis=1)  # [N, E]
-        padded = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])
-        out = jnp.zeros((n, d), jnp.float32)
-        for e in range(num):
-            def one(acc, e=e):
-                rows = jnp.nonzero(chose[:, e], size=capacity, fill_value=n)[0]  # [C], n = a zero row
-                w1, w3, w2 = (moe._expert(w, e) for w in (experts.w1, experts.w3, experts.w2))
-                xe = padded[rows]
-                hidden = moe.clamped_swiglu(quant.matmul(xe, w1), quant.matmul(xe, w3), cfg.swiglu_limit)
-                hidden = hidden * combine[rows, e][:, None].astype(x.dtype)
-                y = jnp.matmul(hidden, quant.dequantize(w2), preferred_element_type=jnp.float32)
-                return acc.at[rows].add(y, mode="drop")
-
-            out = jax.lax.cond(jnp.any(chose[:, e]), one, lambda acc: acc, out)
-        return out
-
-    return run
-
-
-def variants(capacity: int) -> dict[str, Any]:
+def variants() -> dict[str, Any]:
     """name -> a context manager that swaps the part out while the programs are traced."""
     import jax.numpy as jnp
 
@@ -74,7 +42,6 @@ def variants(capacity: int) -> dict[str, Any]:
     from jaxspec.model import network
 
     attention = network.attention
-    stand_in = capacity_experts(capacity)
     return {
         "whole": contextlib.nullcontext,
         "no attention": lambda: mock.patch.object(
@@ -83,7 +50,7 @@ def variants(capacity: int) -> dict[str, Any]:
         "no MoE": lambda: mock.patch.object(network, "moe", lambda p, cfg, x, ids: x * 0.5),
         "no head": lambda: mock.patch.object(
             network, "head_logits", lambda params, cfg, streams, final=None: jnp.sum(streams, axis=2)[..., :2]),
-        f"experts at {capacity}": lambda: mock.patch.dict(moe.CPU_PATHS, {"union": stand_in}),
+        "union experts": lambda: mock.patch.object(moe, "cpu_experts_path", lambda assignments, e, k: "union"),
     }
 
 
@@ -96,10 +63,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--capacity", type=int, default=4)
     p.add_argument("--core", type=int, default=None, help="pin to this core (default: the last allowed)")
     args = p.parse_args(argv)
-    check_positive(p, args, ("verify_tokens", "prompt_len", "calls", "rounds", "capacity"))
+    check_positive(p, args, ("verify_tokens", "prompt_len", "calls", "rounds"))
     pinned = measure.pin(args.core)
     import jax
     import jax.numpy as jnp
@@ -152,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     programs += [(f"verify {t}", verify_body(t), (jnp.int32(0), jnp.zeros((1, t)))) for t in args.verify_tokens]
     calls = {}
     with con.status("compiling..."):
-        for name, swap in variants(args.capacity).items():
+        for name, swap in variants().items():
             for program, body, carry in programs:
                 with swap():
                     fn = jax.jit(lambda m, c, body=body: jax.lax.fori_loop(0, args.calls, lambda i, c: body(m, c), c),
@@ -168,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for program, _, _ in programs:
         table.add_column(program, justify="right")
     rows = []
-    for name in variants(args.capacity):
+    for name in variants():
         cells = []
         for program, _, _ in programs:
             value, whole = ms[(name, program)], ms[("whole", program)]
@@ -178,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     con.print(table)
     con.print(measure.verdict_line(verdict))
     result = {"checkpoint": args.checkpoint, "draft": args.draft, "prompt_len": args.prompt_len,
-              "calls": args.calls, "rounds": args.rounds, "capacity": args.capacity, "rows": rows,
+              "calls": args.calls, "rounds": args.rounds, "rows": rows,
               "verdict": verdict, "pinned": pinned, "jax_version": jax.__version__}
     write_json(args.json, result, con)
     return result

@@ -1,5 +1,5 @@
-"""Routed experts: the sparse paths (gathered, grouped) equal the dense reference, and a device
-runs only the assignments of the experts it holds."""
+"""Routed experts: the sparse paths (union, blocked, gathered, grouped) equal the dense reference, and
+a device runs only the assignments of the experts it holds."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from jaxspec.layers.moe import (
+    blocked_experts,
     cpu_experts_path,
     dense_experts,
+    expert_block,
     gathered_experts,
     grouped_experts,
     moe,
@@ -36,11 +38,12 @@ def test_sparse_experts_equal_the_dense_reference(test_params, test_cfg, layer, 
     ids = jax.random.randint(jax.random.key(tokens + 1), (tokens,), 0, cfg.vocab_size)
     indices, weights = route(p, cfg, x, ids)
     want = dense_experts(p.experts, cfg, x, indices, weights)
-    for path in (gathered_experts, grouped_experts, union_experts, sparse_experts):
+    for path in (gathered_experts, grouped_experts, union_experts, blocked_experts, sparse_experts):
         assert _rel_err(path(p.experts, cfg, x, indices, weights), want) <= 1e-6, path.__name__
     unstacked = unstack_experts(p.experts)
     assert isinstance(unstacked.w1, tuple) and len(unstacked.w1) == cfg.n_routed_experts
-    for path in (union_experts, sparse_experts):  # per-expert leaves (model.cpu_layout): the same values
+    # per-expert leaves (model.cpu_layout): the same values
+    for path in (union_experts, blocked_experts, sparse_experts):
         np.testing.assert_array_equal(path(unstacked, cfg, x, indices, weights),
                                       path(p.experts, cfg, x, indices, weights), err_msg=path.__name__)
     np.testing.assert_array_equal(stack_experts(unstacked).w2, p.experts.w2)
@@ -61,14 +64,41 @@ def test_sparse_experts_skip_assignments_held_elsewhere(test_params, test_cfg):
     local = jnp.where(indices >= 2, indices - 2, 2)
     want = dense_experts(p.experts, cfg, x, indices, jnp.where(indices >= 2, weights, 0.0))
     assert (np.asarray(local) == 2).any() and (np.asarray(local) < 2).any()
-    for path in (gathered_experts, grouped_experts, union_experts):
+    for path in (gathered_experts, grouped_experts, union_experts, blocked_experts):
         assert _rel_err(path(held, cfg, x, local, weights), want) <= 1e-6, path.__name__
+
+
+@pytest.mark.parametrize("tokens", [5, 41])
+def test_blocked_experts_run_an_expert_over_many_blocks(test_params, test_cfg, tokens):
+    """Every token on the same two experts: each runs ceil(N / B) blocks, the last one partial, and the
+    other experts none. Values and gradients (x and the routing weights) equal the dense path's."""
+    p, cfg = test_params.layers[2].ffn, test_cfg
+    x = jax.random.normal(jax.random.key(1), (tokens, cfg.hidden_size))
+    indices = jnp.tile(jnp.array([[3, 0]], jnp.int32), (tokens, 1))
+    weights = jax.random.uniform(jax.random.key(2), (tokens, 2))
+    block = expert_block(2 * tokens, cfg.n_routed_experts)
+    assert tokens % block and tokens > block  # several blocks per expert, the last one partial
+    assert _rel_err(blocked_experts(p.experts, cfg, x, indices, weights),
+                    dense_experts(p.experts, cfg, x, indices, weights)) <= 1e-6
+
+    def grads(path):
+        return jax.grad(lambda x, w: jnp.sum(path(p.experts, cfg, x, indices, w) ** 2), argnums=(0, 1))(x, weights)
+
+    for got, want in zip(grads(blocked_experts), grads(dense_experts), strict=True):
+        assert _rel_err(got, want) <= 1e-5
+
+
+def test_expert_block_sizes():
+    # a quarter of the mean rows per expert, as a power of two in [4, 16]
+    assert [expert_block(a, 8) for a in (2, 16, 32, 64, 128, 256, 512, 4096)] == [4, 4, 4, 4, 4, 8, 16, 16]
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 64])
 def test_cpu_path_reads_only_the_selected_experts(tokens):
-    """With at most UNION_MAX_EXPERTS experts the CPU runs the union path at every token count: no dot
-    over the whole [E, d, I] stack, one conditional per expert, read off the lowered program."""
+    """With at most UNION_MAX_EXPERTS experts the CPU reads each expert's own weights, never a dot over
+    the whole [E, d, I] stack: a decode step (N*k <= E) by a conditional per expert (the union path),
+    a verify or prefill chunk by one switch over the experts inside a loop over row blocks (the
+    blocked path); three dots per expert either way, read off the lowered program."""
     from jaxspec.core.config import ModelConfig
     from jaxspec.core.gpu_export import expert_stack_dots
     from jaxspec.layers.moe import MLPParams
@@ -81,12 +111,18 @@ def test_cpu_path_reads_only_the_selected_experts(tokens):
     args = (experts, s((tokens, d), jnp.float32), s((tokens, k), jnp.int32), s((tokens, k), jnp.float32))
     text = jax.jit(lambda ex, x, idx, w: sparse_experts(ex, cfg, x, idx, w)).lower(*args).as_text()
     assert not expert_stack_dots(text, e, d, i)
-    assert text.count("stablehlo.case") >= e  # a conditional per expert (platform_dependent adds its own)
+    assert text.count("stablehlo.dot_general") >= 3 * e
+    if tokens * k <= e:
+        assert text.count("stablehlo.case") >= e  # a conditional per expert (platform_dependent adds its own)
+        assert "stablehlo.while" not in text
+    else:
+        assert "stablehlo.while" in text and "stablehlo.case" in text
 
 
 def test_cpu_path_rules():
     assert cpu_experts_path(4, 4, 4) == "dense"  # k = E: nothing to skip
-    assert cpu_experts_path(2, 8, 2) == cpu_experts_path(512, 8, 2) == cpu_experts_path(16, 64, 6) == "union"
+    assert cpu_experts_path(2, 8, 2) == cpu_experts_path(8, 8, 2) == cpu_experts_path(60, 64, 6) == "union"
+    assert cpu_experts_path(10, 8, 2) == cpu_experts_path(512, 8, 2) == cpu_experts_path(66, 64, 6) == "blocked"
     # many experts (a branch each would bloat the program): gathered up to 1.5 E assignments, then dense
     assert cpu_experts_path(384, 256, 8) == "gathered" and cpu_experts_path(392, 256, 8) == "dense"
 

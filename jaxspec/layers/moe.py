@@ -227,7 +227,7 @@ def union_experts(
     0); the others are skipped by a `lax.cond` -> [N, d] fp32. Each branch's weights are a static
     slice that XLA's CPU dot reads in place, so a step reads the union of the selected experts once
     (the floor) where the gathered path copies every assignment's expert first and the dense path
-    reads all E. At few tokens per expert the N-row matmul costs what a 1-row one does (memory-bound).
+    reads all E. The path for a few tokens (a decode step), where N*k <= E experts run at most.
     Stacked weights work too, but a static slice of them is copied first (`unstack_experts`)."""
     n, d = x.shape
     num_experts = num_experts_of(experts)
@@ -245,6 +245,68 @@ def union_experts(
     return out
 
 
+def expert_block(assignments: int, num_experts: int) -> int:
+    """Rows per block of `blocked_experts`: a quarter of the mean assignments per expert as a power of
+    two, clamped to [4, 16]. Smaller blocks waste fewer padded rows in each expert's last block;
+    larger ones read each expert's weights fewer times (bench/experts_cpu.py measured 4 / 8 / 16 best
+    at 2 / 16 / 256 assignments per expert)."""
+    quarter = max(1, assignments // (4 * num_experts))
+    return min(16, max(4, 1 << (quarter.bit_length() - 1)))
+
+
+def blocked_experts(
+    experts: MLPParams, cfg: ModelConfig, x: jax.Array, indices: jax.Array, weights: jax.Array
+) -> jax.Array:
+    """Each expert on the rows that selected it, B rows at a time -> [N, d] fp32 (B: `expert_block`).
+
+    The assignments are sorted by expert; a scan of static length ceil(N*k / B) + E walks the blocks
+    (each expert's last block may be partial, blocks past the end do nothing) and a `lax.switch`
+    runs the block's expert on its B rows, reading the expert's weights in place, as the union path
+    does. Where the union path multiplies every selected expert by all N rows (E/k times the rows a
+    token needs once every expert is selected), this does the N*k rows plus at most E partial blocks:
+    the path for verifies and prefill chunks, where most experts are selected. Static shapes only, so
+    it differentiates. Assignments of experts not on this device sort last, outside every block."""
+    n, d = x.shape
+    num_experts = num_experts_of(experts)
+    flat, order, token, group_sizes = _sorted_assignments(indices, num_experts)
+    block = expert_block(flat.size, num_experts)
+
+    def padded(v: jax.Array) -> jax.Array:  # a block starting at an expert's last rows stays in range
+        return jnp.concatenate([v, jnp.zeros((block, *v.shape[1:]), v.dtype)])
+
+    rows = padded(x[token])  # [N*k + B, d] in expert order
+    scale = padded(jnp.where(flat[order] < num_experts, weights.reshape(-1)[order], 0.0))
+    tokens = padded(token)
+    starts = jnp.cumsum(group_sizes) - group_sizes  # [E] first sorted row of each expert
+    blocks_of = (group_sizes + block - 1) // block
+    first_block = jnp.cumsum(blocks_of) - blocks_of  # [E]
+
+    def expert_fn(e: int):
+        def run(r, s):  # r: [B, d], s: [B] routing weight (0: padding)
+            w1, w3, w2 = (_expert(w, e) for w in (experts.w1, experts.w3, experts.w2))
+            hidden = clamped_swiglu(quant.matmul(r, w1), quant.matmul(r, w3), cfg.swiglu_limit)
+            hidden = hidden * s[:, None].astype(x.dtype)
+            return jnp.matmul(hidden, quant.dequantize(w2), preferred_element_type=jnp.float32)
+        return run
+
+    branches = [expert_fn(e) for e in range(num_experts)]
+    branches.append(lambda r, s: jnp.zeros((block, d), jnp.float32))  # past the last block
+
+    def step(out, b):
+        e = jnp.sum(b >= first_block + blocks_of)  # the expert whose blocks hold b (E: none)
+        held = jnp.minimum(e, num_experts - 1)
+        i = b - first_block[held]
+        start = starts[held] + i * block
+        valid = i * block + jnp.arange(block) < group_sizes[held]
+        s = jnp.where(valid, jax.lax.dynamic_slice_in_dim(scale, start, block), 0.0)
+        y = jax.lax.switch(e, branches, jax.lax.dynamic_slice_in_dim(rows, start, block), s)
+        return out.at[jax.lax.dynamic_slice_in_dim(tokens, start, block)].add(y), None
+
+    num_blocks = -(-flat.size // block) + num_experts
+    out, _ = jax.lax.scan(step, jnp.zeros((n, d), jnp.float32), jnp.arange(num_blocks))
+    return out
+
+
 def _combine(indices: jax.Array, weights: jax.Array, num_experts: int) -> jax.Array:
     """[N, k] assignments -> [N, E] fp32 routing weight of each expert (0: not selected; indices >= E,
     held elsewhere, dropped)."""
@@ -254,20 +316,22 @@ def _combine(indices: jax.Array, weights: jax.Array, num_experts: int) -> jax.Ar
 
 
 def cpu_experts_path(assignments: int, num_experts: int, top_k: int) -> str:
-    """The CPU's path for `assignments` (N*k) over `num_experts` held here: "union" (each selected
-    expert once, in place) up to UNION_MAX_EXPERTS experts, at every N: on real text the tokens of a
-    verify share experts, and where all E are selected the E branches cost what one fused call over
-    all E does (docs/results.md, "Routed experts on the CPU"); "dense" when each token takes every
-    expert held (k >= E: nothing to skip). With more experts than that: "gathered" while
-    N*k <= 1.5 E, else "dense" (bench/experts_cpu.py)."""
+    """The CPU's path for `assignments` (N*k) over `num_experts` held here, up to UNION_MAX_EXPERTS
+    experts: "union" (each selected expert once, on all N rows, in place) while the assignments fit
+    in the experts (a decode step: at most N*k experts run, each on a few rows), "blocked" (each
+    expert on its own rows, B at a time) beyond (verifies, prefill chunks: union would run most
+    experts on every row); "dense" when each token takes every expert held (k >= E: nothing to
+    skip). With more experts (a branch each would bloat the program): "gathered" while N*k <= 1.5 E,
+    else "dense" (bench/experts_cpu.py, docs/results.md "Routed experts on the CPU")."""
     if top_k >= num_experts:
         return "dense"
     if num_experts <= UNION_MAX_EXPERTS:
-        return "union"
+        return "union" if assignments <= num_experts else "blocked"
     return "gathered" if 2 * assignments <= 3 * num_experts else "dense"
 
 
-CPU_PATHS = {"union": union_experts, "gathered": gathered_experts, "dense": dense_experts}
+CPU_PATHS = {"union": union_experts, "blocked": blocked_experts, "gathered": gathered_experts,
+             "dense": dense_experts}
 
 
 def sparse_experts(
@@ -279,11 +343,11 @@ def sparse_experts(
     the program is lowered for CUDA, the interpreter elsewhere, as every kernel): it reads each selected
     expert once; XLA's GPU backend would run `ragged_dot` as every expert on every row unless cuDNN's
     ragged-dot fusion is on. "xla": the jnp path chosen from the static sizes (`cpu_experts_path`): the
-    union path reads each selected expert in place, the gathered path copies each assignment's weights,
-    the dense one multiplies every token by every expert; which costs least depends on the assignments
-    per expert (docs/results.md, "Routed experts on the CPU"). XLA's CPU backend runs `ragged_dot` as
-    every group on every row, and `ragged_dot` has no sharding rule under an explicit mesh, so no path
-    uses it.
+    union path reads each selected expert in place on all rows, the blocked one each expert in place on
+    its own rows, the gathered path copies each assignment's weights, the dense one multiplies every
+    token by every expert; which costs least depends on the assignments per expert (docs/results.md,
+    "Routed experts on the CPU"). XLA's CPU backend runs `ragged_dot` as every group on every row, and
+    `ragged_dot` has no sharding rule under an explicit mesh, so no path uses it.
 
     Takes any slice of the experts (and of their hidden width) with indices relative to the slice,
     which is how `sharding.active.routed_experts` runs it per device before summing the outputs.
@@ -291,7 +355,8 @@ def sparse_experts(
     if cfg.kernels == "pallas":
         return kernel_experts(stack_experts(experts), cfg, x, indices, weights)
     path = CPU_PATHS[cpu_experts_path(indices.size, num_experts_of(experts), indices.shape[1])]
-    return path(experts if path is union_experts else stack_experts(experts), cfg, x, indices, weights)
+    in_place = path is union_experts or path is blocked_experts  # read per-expert leaves in place
+    return path(experts if in_place else stack_experts(experts), cfg, x, indices, weights)
 
 
 def moe(p: MoEParams, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array) -> jax.Array:
