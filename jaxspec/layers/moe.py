@@ -220,6 +220,15 @@ def stack_experts(experts: MLPParams) -> MLPParams:
     return MLPParams(quant.stack(experts.w1), quant.stack(experts.w3), quant.stack(experts.w2))
 
 
+def _expert_on_rows(experts: MLPParams, cfg: ModelConfig, e: int, rows: jax.Array, scale: jax.Array) -> jax.Array:
+    """Expert `e` (its own weights, read in place) on `rows` [R, d], each output row scaled by its
+    routing weight `scale` [R] (0: a row that did not select it) -> [R, d] fp32."""
+    w1, w3, w2 = (_expert(w, e) for w in (experts.w1, experts.w3, experts.w2))
+    hidden = clamped_swiglu(quant.matmul(rows, w1), quant.matmul(rows, w3), cfg.swiglu_limit)
+    hidden = hidden * scale[:, None].astype(rows.dtype)
+    return jnp.matmul(hidden, quant.dequantize(w2), preferred_element_type=jnp.float32)
+
+
 def union_experts(
     experts: MLPParams, cfg: ModelConfig, x: jax.Array, indices: jax.Array, weights: jax.Array
 ) -> jax.Array:
@@ -236,10 +245,7 @@ def union_experts(
     out = jnp.zeros((n, d), jnp.float32)
     for e in range(num_experts):
         def run(acc, e=e):
-            w1, w3, w2 = (_expert(w, e) for w in (experts.w1, experts.w3, experts.w2))
-            hidden = clamped_swiglu(quant.matmul(x, w1), quant.matmul(x, w3), cfg.swiglu_limit)
-            hidden = hidden * combine[:, e : e + 1].astype(x.dtype)
-            return acc + jnp.matmul(hidden, quant.dequantize(w2), preferred_element_type=jnp.float32)
+            return acc + _expert_on_rows(experts, cfg, e, x, combine[:, e])
 
         out = jax.lax.cond(used[e], run, lambda acc: acc, out)
     return out
@@ -248,8 +254,8 @@ def union_experts(
 def expert_block(assignments: int, num_experts: int) -> int:
     """Rows per block of `blocked_experts`: a quarter of the mean assignments per expert as a power of
     two, clamped to [4, 16]. Smaller blocks waste fewer padded rows in each expert's last block;
-    larger ones read each expert's weights fewer times (bench/experts_cpu.py measured 4 / 8 / 16 best
-    at 2 / 16 / 256 assignments per expert)."""
+    larger ones read each expert's weights fewer times (the sweep behind the rule: `bench/experts_cpu.py
+    --blocks`, docs/speed.md "Routed experts by row blocks")."""
     quarter = max(1, assignments // (4 * num_experts))
     return min(16, max(4, 1 << (quarter.bit_length() - 1)))
 
@@ -281,15 +287,7 @@ def blocked_experts(
     blocks_of = (group_sizes + block - 1) // block
     first_block = jnp.cumsum(blocks_of) - blocks_of  # [E]
 
-    def expert_fn(e: int):
-        def run(r, s):  # r: [B, d], s: [B] routing weight (0: padding)
-            w1, w3, w2 = (_expert(w, e) for w in (experts.w1, experts.w3, experts.w2))
-            hidden = clamped_swiglu(quant.matmul(r, w1), quant.matmul(r, w3), cfg.swiglu_limit)
-            hidden = hidden * s[:, None].astype(x.dtype)
-            return jnp.matmul(hidden, quant.dequantize(w2), preferred_element_type=jnp.float32)
-        return run
-
-    branches = [expert_fn(e) for e in range(num_experts)]
+    branches = [functools.partial(_expert_on_rows, experts, cfg, e) for e in range(num_experts)]
     branches.append(lambda r, s: jnp.zeros((block, d), jnp.float32))  # past the last block
 
     def step(out, b):
@@ -332,6 +330,7 @@ def cpu_experts_path(assignments: int, num_experts: int, top_k: int) -> str:
 
 CPU_PATHS = {"union": union_experts, "blocked": blocked_experts, "gathered": gathered_experts,
              "dense": dense_experts}
+IN_PLACE_PATHS = frozenset({"union", "blocked"})  # the paths that read per-expert leaves (`unstack_experts`)
 
 
 def sparse_experts(
@@ -354,9 +353,9 @@ def sparse_experts(
     """
     if cfg.kernels == "pallas":
         return kernel_experts(stack_experts(experts), cfg, x, indices, weights)
-    path = CPU_PATHS[cpu_experts_path(indices.size, num_experts_of(experts), indices.shape[1])]
-    in_place = path is union_experts or path is blocked_experts  # read per-expert leaves in place
-    return path(experts if in_place else stack_experts(experts), cfg, x, indices, weights)
+    name = cpu_experts_path(indices.size, num_experts_of(experts), indices.shape[1])
+    held = experts if name in IN_PLACE_PATHS else stack_experts(experts)
+    return CPU_PATHS[name](held, cfg, x, indices, weights)
 
 
 def moe(p: MoEParams, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array) -> jax.Array:
