@@ -252,3 +252,49 @@ def test_shipped_dspark_draft_loads_and_its_greedy_chain_is_generate():
     out = js.speculative_generate(ck.params, ck.cfg, prompt, "s7_k1_d8", max_new_tokens=16, draft=ck.draft)
     assert out.tokens[0, : int(out.lengths[0])].tolist() == want.tokens[0, : int(want.lengths[0])].tolist()
     assert out.stats["cycles"] < 16  # it drafts tokens the target accepts
+
+
+def test_train_dspark_command_trains_resumes_and_fine_tunes(small, tmp_path, capsys):
+    """`jaxspec train-dspark` end to end on a saved checkpoint: it ships a drafter whose greedy chain is
+    `generate`'s output, a rerun with more steps resumes from the kept rows and states, and `--init` /
+    `--decoding-anchors` fine-tune the shipped drafter where its chain starts its cycles."""
+    import json
+
+    from jaxspec.checkpoint import load_checkpoint, save_checkpoint
+    from jaxspec.cli import main
+    from jaxspec.training import distill
+
+    cfg, target, _ = small
+    ckpt, data = tmp_path / "ckpt", tmp_path / "data"
+    save_checkpoint(ckpt, cfg, target)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, cfg.vocab_size, 6).tolist() for _ in range(8)]
+    distill.generate_data(target, cfg, prompts, data, max_new_tokens=18, chunk_size=4, temperatures=(0.0,))
+    sizes = ["--block-size", "4", "--markov-rank", "8", "--target-layers", "0,1"]
+    common = ["--checkpoint", str(ckpt), "--data", str(data), "--blocks", "8", "--eval-every", "2",
+              "--eval-blocks", "8", "--cache-batch", "4", "--eval-fraction", "0.25", "--warmup", "0"]
+    run = ["train-dspark", *common, *sizes, "--run-dir", str(tmp_path / "run")]
+    assert main([*run, "--steps", "2"]) == 0
+    info = json.loads((ckpt / "drafts" / "dspark" / "draft.json").read_text())
+    assert info["final"] and info["step"] == 2 and set(info["why"]) >= {"block_size", "markov_rank"}
+    assert main([*run, "--steps", "3"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "target rows from" in out and "resumed at step 2" in out
+    shipped = load_checkpoint(ckpt, draft="dspark", dtype="float32")
+    assert shipped.draft.drafter.config.block_size == 4 and shipped.draft.drafter.config.target_layers == (0, 1)
+    want = js.generate(target, cfg, prompts[:2], max_new_tokens=10)
+    got = js.speculative_generate(shipped.params, shipped.cfg, prompts[:2], "s3_k1_d4", max_new_tokens=10,
+                                  draft=shipped.draft)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+
+    tune = ["train-dspark", *common, "--run-dir", str(tmp_path / "ft"), "--draft-name", "ft", "--steps", "1",
+            "--init", "dspark", "--decoding-anchors", "dspark", "--decoding-depth", "4"]
+    assert main(tune) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "draft 'dspark'" in out  # the target and the drafter to fine-tune came in one load
+    assert "decoding anchors of dspark" in out
+    ft = load_checkpoint(ckpt, draft="ft", dtype="float32").draft
+    assert ft.drafter.config == shipped.draft.drafter.config  # --init keeps the drafter's sizes
+    with pytest.raises(SystemExit) as e:
+        main([*tune, "--init", "nope"])
+    assert "--init 'nope': not target / random nor a draft of" in str(e.value.code)

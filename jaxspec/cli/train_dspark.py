@@ -104,11 +104,18 @@ def run(args: argparse.Namespace, console: Console) -> int:
         raise FileNotFoundError(f"no distillation data folder {args.data!r}; run `jaxspec distill-data` first")
     if not 0 < args.decoding_share <= 1:
         raise ValueError(f"--decoding-share must be in (0, 1], got {args.decoding_share}")
+    named = {flag: name for flag, name in (("--init", args.init), ("--decoding-anchors", args.decoding_anchors))
+             if name not in (None, "target", "random")}
+    for flag, name in named.items():
+        _check_draft_name(args.checkpoint, name, flag)
+    # the drafts named here come with the target in one load: one of them as the draft, two as a DraftSet
+    args.draft = None if not named else next(iter(named.values())) if len(set(named.values())) == 1 else "all"
     model = load_model(args, console)
+    console.print(model.description)
     cfg, target = model.cfg, model.params
     init = args.init
-    if init not in ("target", "random"):
-        init, dcfg = _dspark_draft(args.checkpoint, init, "--init")
+    if "--init" in named:
+        init, dcfg = _dspark_draft(model.draft, init, "--init")
     else:
         layers = tuple(args.target_layers) if args.target_layers else tuple(range(cfg.num_layers - 3, cfg.num_layers))
         dcfg = DSparkConfig(block_size=args.block_size, noise_token_id=args.noise_token, target_layers=layers,
@@ -126,7 +133,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     args.resume_hint = f"the target's rows and train states are kept in {run_dir}: rerun the same command to continue"
     train_cache, eval_cache = _caches(args, console, target, cfg, dcfg, run_dir)
     if args.decoding_anchors is not None:
-        rows = _decoding_rows(args, console, target, cfg, train_cache, run_dir)
+        rows = _decoding_rows(args, console, target, cfg, model.draft, train_cache, run_dir)
         console.print(f"{len(rows)} decoding anchors of {args.decoding_anchors} (chain D = {args.decoding_depth}, "
                       f"{len(train_cache.anchors) / len(rows):.2f} tokens a cycle), {args.decoding_share:.0%} of the "
                       "sampled anchors")
@@ -155,22 +162,28 @@ def run(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _dspark_draft(checkpoint, name, flag):
-    """(params, config) of the checkpoint's DSpark draft `name`."""
-    from jaxspec.checkpoint import load_checkpoint
+def _check_draft_name(checkpoint, name, flag):
+    """A one-line error, before anything loads, unless `name` is one of the checkpoint's drafts."""
     from jaxspec.checkpoint.drafts import draft_names
 
     if name not in draft_names(checkpoint):
         raise ValueError(f"{flag} {name!r}: not target / random nor a draft of {checkpoint} "
                          f"({', '.join(draft_names(checkpoint)) or 'none'})")
-    draft = load_checkpoint(checkpoint, draft=name, dtype="float32").draft
+
+
+def _dspark_draft(loaded, name, flag):
+    """(params as stored, config) of the DSpark draft `name` among the loaded draft(s)."""
+    from jaxspec.model.network import standard_layout
+    from jaxspec.speculation.drafter import DraftSet
+
+    draft = loaded[name] if isinstance(loaded, DraftSet) else loaded
     config = getattr(draft.drafter, "config", None)
     if config is None or not hasattr(config, "block_size"):
         raise ValueError(f"{flag} {name!r} is not a DSpark draft")
-    return draft.params, config
+    return standard_layout(draft.params), config  # the CPU's per-expert leaves back to the stored stacking
 
 
-def _decoding_rows(args, console, target, cfg, train_cache, run_dir):
+def _decoding_rows(args, console, target, cfg, model_draft, train_cache, run_dir):
     """The training anchors where --decoding-anchors' chain starts its cycles (cached in run_dir)."""
     import numpy as np
 
@@ -180,7 +193,7 @@ def _decoding_rows(args, console, target, cfg, train_cache, run_dir):
                                  f"{len(train_cache.tokens)}.npy")  # the rows count names the cache it indexes
     if os.path.isfile(path):
         return np.load(path)
-    params, dcfg = _dspark_draft(args.checkpoint, args.decoding_anchors, "--decoding-anchors")
+    params, dcfg = _dspark_draft(model_draft, args.decoding_anchors, "--decoding-anchors")
     bar, on_batch = step_progress(console, "decoding anchors")
     with bar:
         rows = decoding_anchors(params, target, cfg, dcfg, train_cache, args.decoding_depth, progress=on_batch)
