@@ -37,7 +37,7 @@ from jaxspec.model import network as model_lib
 from jaxspec.model import state as state_lib
 from jaxspec.model.network import ModelParams, MTPParams
 from jaxspec.speculation.generate import generate
-from jaxspec.training.optim import Schedule, StepClock, adamw, restore_state, save_state, state_manager
+from jaxspec.training.optim import Schedule, StepClock, adamw, resume_from, save_state, state_manager
 from jaxspec.training.plots import plot_distill_history
 from jaxspec.training.train import export_checkpoint
 
@@ -365,16 +365,7 @@ def distill_loop(
         raise ValueError("the checkpoint has no MTP block to train")
     os.makedirs(run_dir, exist_ok=True)
     mgr = state_manager(run_dir)
-    ds = init_distill_state(params, dc, cfg, fresh)
-    history: list[dict[str, Any]] = []
-    elapsed0 = 0.0
-    if resume:
-        restored = restore_state(mgr, ds)
-        if restored is not None:
-            ds, meta = restored
-            history, elapsed0 = list(meta.get("history", [])), float(meta.get("elapsed_s", 0.0))
-            log(f"resumed at step {int(ds.step)} ({elapsed0 / 60:.1f} min trained)")
-    ds = jax.device_put(ds, jax.devices()[0])
+    ds, history, elapsed0 = resume_from(mgr, init_distill_state(params, dc, cfg, fresh), resume, log)
     clock = StepClock(dc, elapsed0, time_budget_s, on_step)
 
     def checkpoint(final: bool) -> None:

@@ -55,7 +55,7 @@ from jaxspec.model import state as state_lib
 from jaxspec.model.dspark import DSparkParams
 from jaxspec.model.network import ModelParams
 from jaxspec.ops.norms import rms_norm
-from jaxspec.training.optim import Schedule, StepClock, adamw, restore_state, save_state, state_manager
+from jaxspec.training.optim import Schedule, StepClock, adamw, resume_from, save_state, state_manager
 
 # ---- the training forward (the inference forward, batched over anchors) ----------------------------
 
@@ -412,16 +412,7 @@ def train_loop(
         start = init_from_target(target, cfg, dcfg, key)
     else:
         start = dspark_model.init_dspark_params(cfg, dcfg, key)
-    ts = init_train_state(start, tc)
-    history: list[dict[str, Any]] = []
-    elapsed0 = 0.0
-    if resume:
-        restored = restore_state(mgr, ts)
-        if restored is not None:
-            ts, meta = restored
-            history, elapsed0 = list(meta.get("history", [])), float(meta.get("elapsed_s", 0.0))
-            log(f"resumed at step {int(ts.step)} ({elapsed0 / 60:.1f} min trained)")
-    ts = jax.device_put(ts, jax.devices()[0])  # committed like a step's outputs: one compile, not two
+    ts, history, elapsed0 = resume_from(mgr, init_train_state(start, tc), resume, log)
     clock = StepClock(tc, elapsed0, time_budget_s, on_step)
 
     def checkpoint(final: bool) -> None:

@@ -93,6 +93,22 @@ def restore_state(mgr: Any, template: Any) -> tuple[Any, dict[str, Any]] | None:
     return out["state"], out["meta"]
 
 
+def resume_from(mgr: Any, state: Any, resume: bool, log: Callable[[str], None]) -> tuple[Any, list[Any], float]:
+    """-> (state, history, seconds trained) to start a step loop from: the manager's latest saved state
+    and its metadata when `resume` and it holds one (logged), else `state` from scratch. Either way the
+    state is committed to one device, as a step's outputs are, so a resumed run reuses the compiled step."""
+    history: list[dict[str, Any]] = []
+    elapsed0 = 0.0
+    restored = restore_state(mgr, state) if resume else None
+    if restored is not None:
+        state, meta = restored
+        history, elapsed0 = list(meta.get("history", [])), float(meta.get("elapsed_s", 0.0))
+        log(f"resumed at step {int(state.step)} ({elapsed0 / 60:.1f} min trained)")
+    elif resume:
+        log(f"no train state in {mgr.directory}; starting fresh")
+    return jax.device_put(state, jax.devices()[0]), history, elapsed0
+
+
 # ---- the clock of a step loop ---------------------------------------------------------------------
 
 

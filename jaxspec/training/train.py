@@ -38,7 +38,7 @@ from jaxspec.core.programs import bounded_jit
 from jaxspec.model import network as model_lib
 from jaxspec.model import state as state_lib
 from jaxspec.model.network import ModelParams
-from jaxspec.training.optim import Schedule, StepClock, adamw, learning_rate, restore_state, save_state, state_manager
+from jaxspec.training.optim import Schedule, StepClock, adamw, learning_rate, resume_from, save_state, state_manager
 
 __all__ = ["OptConfig", "learning_rate", "train_loop", "init_train_state", "make_train_step", "make_eval_step"]
 
@@ -350,20 +350,7 @@ def train_loop(
     save_every = save_every or eval_every
     os.makedirs(run_dir, exist_ok=True)
     mgr = state_manager(run_dir)
-    ts = init_train_state(cfg, opt, jax.random.key(seed))
-    history: list[dict[str, Any]] = []
-    elapsed0 = 0.0
-    if resume:
-        restored = restore_state(mgr, ts)
-        if restored is None:
-            log(f"no checkpoint in {run_dir}/ckpt; starting fresh")
-        else:
-            ts, meta = restored
-            history = list(meta.get("history", []))
-            elapsed0 = float(meta.get("elapsed_s", 0.0))
-            log(f"resumed at step {int(ts.step)} ({elapsed0 / 60:.1f} min trained)")
-    # Fresh and restored states alike committed to one device, so a resume reuses the compiled step.
-    ts = jax.device_put(ts, jax.devices()[0])
+    ts, history, elapsed0 = resume_from(mgr, init_train_state(cfg, opt, jax.random.key(seed)), resume, log)
     step_fn = make_train_step(cfg, opt)
     eval_fn = make_eval_step(cfg)
     clock = StepClock(opt, elapsed0, time_budget_s, on_step)
