@@ -298,3 +298,6 @@ def test_train_dspark_command_trains_resumes_and_fine_tunes(small, tmp_path, cap
     with pytest.raises(SystemExit) as e:
         main([*tune, "--init", "nope"])
     assert "--init 'nope': not target / random nor a draft of" in str(e.value.code)
+    with pytest.raises(SystemExit) as e:
+        main([*tune, "--checkpoint", str(tmp_path / "missing")])
+    assert "checkpoint folder" in str(e.value.code) and "does not exist" in str(e.value.code)

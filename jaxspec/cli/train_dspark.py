@@ -163,10 +163,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
 
 def _check_draft_name(checkpoint, name, flag):
-    """A one-line error, before anything loads, unless `name` is one of the checkpoint's drafts."""
+    """A one-line error, before anything loads, unless `name` is one of the checkpoint's drafts (a
+    missing folder is left to the load, whose error names it)."""
     from jaxspec.checkpoint.drafts import draft_names
 
-    if name not in draft_names(checkpoint):
+    if os.path.isdir(os.path.expanduser(checkpoint)) and name not in draft_names(os.path.expanduser(checkpoint)):
         raise ValueError(f"{flag} {name!r}: not target / random nor a draft of {checkpoint} "
                          f"({', '.join(draft_names(checkpoint)) or 'none'})")
 
