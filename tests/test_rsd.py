@@ -1,5 +1,8 @@
-"""Sampled drafts verified by the residual rule (chains) and recursive rejection (RSD-S, trees):
-the emitted tokens follow the target's processed distribution exactly; wrong variants are caught.
+"""Sampled drafts verified by the two exact rules, "block" (block verification for chains, its
+traversal form for trees) and "residual" (the token rule for chains, recursive rejection RSD-S for
+trees): the emitted tokens follow the target's processed distribution exactly; wrong variants are
+caught; the block rule accepts at least as much as the token rule in expectation, and reduces to the
+known rules where theory says it must.
 
 Level 1, the rule on synthetic Markov models (fp32, vocabulary 8): the target's next-token logits
 depend on (position, previous token), the draft's are a noisy copy. Each of 20k rows drafts a
@@ -9,13 +12,15 @@ continued past the cycle with exact target draws; the first 3 tokens must then f
 joint law p0(t1) p1(t2 | t1) p2(t3 | t2) (chi-square, cells with expected count < 5 pooled). Two
 models (seeds) x chain / K = 2 / K = 4 x T = 0.6, 1.0 x top-p 1.0, 0.9 (with `JAXSPEC_LONG_TESTS=1`;
 CI runs one model). Wrong variants (no residual update; kept children not a prefix of the sampling
-order) must fail the same check.
+order; for the block rule, a rejected subtree that leaves its parent's target measure as it was) must fail
+the same check.
 
 Level 2, `speculative_generate(accept="residual")` end to end over 12,288 prompts (the harness of
 test_sampling.py), zero recompiles across settings, greedy under the residual program == generate.
 """
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -31,9 +36,11 @@ from jaxspec.speculation.generate import speculative_compile_count
 from jaxspec.speculation.sampled import SampledDraft, make_sampled_draft, prior_log_values, sampled_children
 from jaxspec.speculation.tree import Tree
 from jaxspec.speculation.verify import (
+    chain_block_accept,
     chain_residual_accept,
     recursive_rejection_accept,
-    residual_tree_accept,
+    sampled_accept,
+    traversal_accept,
 )
 
 VOCAB = 8
@@ -77,10 +84,17 @@ def _step_without_residual(p, q, x, coin, try_it):
 
 
 _EXACT_STEP = verify._residual_step
+_EXACT_SIBLING = verify._sibling_rejected
 
 
-@functools.partial(jax.jit, static_argnums=(5, 6, 8))
-def _rows(target, draft, parent, rank, depth, n, chain, sampling, variant):
+def _sibling_without_residual(t, q, x):
+    """The deliberately wrong traversal: a rejected subtree leaves its parent's target measure as it was."""
+    _, q_next = _EXACT_SIBLING(t, q, x)
+    return t, q_next
+
+
+@functools.partial(jax.jit, static_argnums=(5, 6, 8, 9))
+def _rows(target, draft, parent, rank, depth, n, chain, sampling, variant, rule):
     """n rows: draft the tree level by level with `sampled_children`, accept, continue past the cycle
     with exact target draws -> ([n, 3] tokens, accepted [n]). Wrong variants: "non_prefix", the kept
     children are draws 2..K+1, not a prefix of the sampling order; "no_residual", a rejection leaves
@@ -104,20 +118,24 @@ def _rows(target, draft, parent, rank, depth, n, chain, sampling, variant):
         q = jnp.where(mine[None, :, None], logq[:, parent], q)
     t_logits = target[jnp.minimum(depth, MAX_DEPTH)[None, :], tokens]  # [n, D, V]
     parent_a, rank_a = (jnp.broadcast_to(x, (n, d)) for x in (parent, rank))
-    if chain:  # nodes 0..3 in order: the loop's K = 1 rule
+    if chain and variant == "exact":  # nodes 0..3 in order: the loop's K = 1 rule
         max_depth, nodes = 3, 4
         chain_tree = Tree(tokens[:, :nodes], parent_a[:, :nodes], jnp.broadcast_to(depth[:nodes], (n, nodes)),
                           rank_a[:, :nodes], jnp.zeros((n, nodes)), jnp.ones((n, nodes)), q[:, :nodes])
-        acc = residual_tree_accept(chain_tree, t_logits[:, :nodes], max_depth, 1, sampling,
-                                   node_keys(sampling.key, cycle, nodes))
+        acc = sampled_accept(chain_tree, t_logits[:, :nodes], max_depth, 1, sampling,
+                             node_keys(sampling.key, cycle, nodes), rule)
     else:
         logp = processed_logprobs(t_logits, sampling.temperature, sampling.top_k, sampling.top_p)
-        verify._residual_step = _step_without_residual if variant == "no_residual" else _EXACT_STEP
+        wrong = variant == "no_residual"
+        verify._residual_step = _step_without_residual if wrong else _EXACT_STEP
+        verify._sibling_rejected = _sibling_without_residual if wrong else _EXACT_SIBLING
+        tree_rule = traversal_accept if rule == "block" else recursive_rejection_accept
         try:  # the swap lasts this trace only (variant is static: its own compiled program)
-            acc = recursive_rejection_accept(tokens, parent_a, rank_a, jnp.exp(q), jnp.exp(logp),
-                                             node_keys(sampling.key, cycle, d), MAX_DEPTH, TREE_K)
+            acc = tree_rule(tokens, parent_a, rank_a, jnp.exp(q), jnp.exp(logp),
+                            node_keys(sampling.key, cycle, d), MAX_DEPTH, TREE_K)
         finally:
             verify._residual_step = _EXACT_STEP
+            verify._sibling_rejected = _EXACT_SIBLING
     path = jnp.take_along_axis(tokens, acc.path_nodes, axis=1)
     a = acc.num_accepted[:, None]
     slot = jnp.arange(MAX_DEPTH + 1)[None, :]
@@ -131,13 +149,13 @@ def _rows(target, draft, parent, rank, depth, n, chain, sampling, variant):
     return out, acc.num_accepted
 
 
-def check_rule(tree, setting, variant="exact", seed=0, n=N):
+def check_rule(tree, setting, variant="exact", seed=0, n=N, rule="residual"):
     """-> (p-value of the first 3 tokens against the target's joint law, mean accepted drafts)."""
     temperature, top_p = SETTINGS[setting]
     target, draft = markov_model(seed)
     sampling = Sampling.create(temperature, top_p=top_p, key=jax.random.key(seed + 1))
     parent, rank, depth = (jnp.asarray(x) for x in padded_tree(tree))
-    out, accepted = _rows(target, draft, parent, rank, depth, n, tree == "chain", sampling, variant)
+    out, accepted = _rows(target, draft, parent, rank, depth, n, tree == "chain", sampling, variant, rule)
     p = reference_probs(target[:NUM_EMITTED], temperature, None, top_p)  # [3, V(prev), V], the numpy law
     joint = p[0, 3][:, None, None] * p[1][:, :, None] * p[2][None, :, :]
     cells = np.ravel_multi_index(tuple(np.asarray(out).T), (VOCAB,) * NUM_EMITTED)
@@ -145,25 +163,32 @@ def check_rule(tree, setting, variant="exact", seed=0, n=N):
 
 
 GRID = [(t, s) for t in TREES for s in SETTINGS]
+RULES = ("block", "residual")
 
 
+@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("tree,setting", GRID)
-def test_residual_rules_are_exact(tree, setting):
-    p, accepted = check_rule(tree, setting)
+def test_sampled_rules_are_exact(tree, setting, rule):
+    p, accepted = check_rule(tree, setting, rule=rule)
     assert p > ALPHA, (p, accepted)
     assert accepted > 0.8, accepted  # deep paths are exercised, not only the bonus
 
 
 @pytest.mark.long
+@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("tree,setting", GRID)
-def test_residual_rules_are_exact_second_model(tree, setting):
-    p, accepted = check_rule(tree, setting, seed=5)
+def test_sampled_rules_are_exact_second_model(tree, setting, rule):
+    p, accepted = check_rule(tree, setting, seed=5, rule=rule)
     assert p > ALPHA, (p, accepted)
 
 
-@pytest.mark.parametrize("tree,variant", [("k2", "no_residual"), ("k4", "no_residual"), ("k2", "non_prefix")])
-def test_wrong_variants_are_caught(tree, variant):
-    p, accepted = check_rule(tree, "t1", variant)
+WRONG = [("k2", "no_residual", r) for r in RULES] + [("k2", "non_prefix", r) for r in RULES] + [
+    ("k4", "no_residual", "residual"), ("chain", "no_residual", "block")]
+
+
+@pytest.mark.parametrize("tree,variant,rule", WRONG)
+def test_wrong_variants_are_caught(tree, variant, rule):
+    p, accepted = check_rule(tree, "t1", variant, rule=rule)
     assert p < ALPHA, (p, accepted)
 
 
@@ -182,6 +207,99 @@ def test_rsd_tree_of_one_child_is_the_chain_rule():
     np.testing.assert_array_equal(tree.num_accepted, chain.num_accepted)
     assert 0 < float(jnp.mean(chain.num_accepted)) < steps
     assert np.mean(np.asarray(tree.bonus) == np.asarray(chain.bonus)) > 0.99  # float ties of the residual aside
+
+
+def exact_chain_tau(setting, seed=0):
+    """-> (token rule, block rule) expected accepted drafts of test_rsd's 3-draft chain, by enumerating every
+    drafted chain of the Markov model (float64 numpy, independent of jaxspec): the token rule accepts x_i
+    with prod_{j<=i} min(1, r_j); block verification reaches prefix i unless every h_j, j >= i, fails."""
+    temperature, top_p = SETTINGS[setting]
+    target, draft = markov_model(seed)
+    p = reference_probs(target, temperature, None, top_p)  # [depth, V(prev), V]
+    q = reference_probs(draft, temperature, None, top_p)
+    token = block = 0.0
+    for chain in np.ndindex(*(VOCAB,) * MAX_DEPTH):
+        prev = (3,) + chain  # the root token, then x_1..x_3
+        prob = np.prod([q[i, prev[i], chain[i]] for i in range(MAX_DEPTH)])
+        if prob == 0:
+            continue
+        r = [p[i, prev[i], chain[i]] / q[i, prev[i], chain[i]] for i in range(MAX_DEPTH)]
+        token += prob * sum(np.prod(np.minimum(1.0, r[: i + 1])) for i in range(MAX_DEPTH))
+        w, h = 1.0, []
+        for i in range(MAX_DEPTH):
+            w = min(1.0, w * r[i])
+            if i + 1 < MAX_DEPTH:
+                z = np.maximum(w * p[i + 1, chain[i]] - q[i + 1, chain[i]], 0.0).sum()
+                h.append(z / (z + 1.0 - w) if z + 1.0 - w > 0 else 1.0)
+            else:
+                h.append(w)
+        block += prob * sum(1.0 - np.prod([1.0 - x for x in h[i:]]) for i in range(MAX_DEPTH))
+    return token, block
+
+
+@pytest.mark.parametrize("setting", ["t1", "t0.6_p0.9"])
+def test_block_rule_accepts_more_in_expectation(setting):
+    """Sun et al.'s Theorem 2 (block verification is optimal among chain verifiers, so never below the token
+    rule in expectation), on the exact expectations; and the loop's two rules measure those expectations."""
+    for seed in (0, 5):
+        token, block = exact_chain_tau(setting, seed)
+        assert block > token * 1.02, (seed, token, block)
+    token, block = exact_chain_tau(setting)
+    for rule, exact in (("block", block), ("residual", token)):
+        _, measured = check_rule("chain", setting, rule=rule)
+        assert abs(measured - exact) < 0.04, (rule, measured, exact)  # ~5 standard errors at 20k rows
+
+
+def _random_case(n, nodes, seed):
+    rng = np.random.default_rng(seed)
+    logp = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(n, nodes, VOCAB)) * 1.5, jnp.float32), -1)
+    logq = jax.nn.log_softmax(logp + jnp.asarray(rng.normal(size=logp.shape), jnp.float32), -1)
+    keys = node_keys(jax.random.key(seed + 4), jnp.zeros((n,), jnp.int32), nodes)
+    return logp, logq, keys
+
+
+def _assert_same(a, b):
+    np.testing.assert_array_equal(a.num_accepted, b.num_accepted)
+    np.testing.assert_array_equal(a.path_nodes, b.path_nodes)
+    assert np.mean(np.asarray(a.bonus) == np.asarray(b.bonus)) > 0.99  # float ties of the residual aside
+
+
+def test_block_rules_reduce_to_the_known_rules():
+    """With the same coins and noises: a one-draft chain under block verification is the token rule; a
+    chain through the traversal is `chain_block_accept`; a tree of depth 1 through the traversal is
+    recursive rejection (the weights there are the token rule's ratios)."""
+    n = 512
+    logp, logq, keys = _random_case(n, 2, 0)
+    tokens = jax.random.categorical(jax.random.key(1), logq, axis=-1).astype(jnp.int32)  # x_1 ~ q_1
+    tokens = tokens.at[:, 0].set(0)
+    one = jax.jit(chain_block_accept)(tokens, logq[:, :1], logp, keys)
+    _assert_same(one, jax.jit(chain_residual_accept)(tokens, logq[:, :1], logp, keys))
+    assert 0 < float(jnp.mean(one.num_accepted)) < 1
+
+    steps = 3
+    logp, logq, keys = _random_case(n, steps + 1, 1)
+    draws = jax.random.categorical(jax.random.key(2), logq, axis=-1).astype(jnp.int32)
+    tokens = jnp.concatenate([jnp.zeros((n, 1), jnp.int32), draws[:, :steps]], axis=1)  # x_j ~ q_j = logq[:, j-1]
+    q_nodes = jnp.concatenate([jnp.zeros_like(logq[:, :1]), logq[:, :steps]], axis=1)  # node j drawn from q_j
+    parent = jnp.broadcast_to(jnp.maximum(jnp.arange(steps + 1) - 1, 0), (n, steps + 1))
+    chain = jax.jit(chain_block_accept)(tokens, logq[:, :steps], logp, keys)
+    tree = jax.jit(traversal_accept, static_argnums=(6, 7))(
+        tokens, parent, jnp.zeros_like(parent), jnp.exp(q_nodes), jnp.exp(logp), keys, steps, 1)
+    _assert_same(tree, chain)
+    assert 0 < float(jnp.mean(chain.num_accepted)) < steps
+
+    k = 3  # a star: the root with 3 children drawn without replacement
+    logp, logq, keys = _random_case(n, k + 1, 2)
+    q_root = jnp.broadcast_to(logq[:, :1], (n, k + 1, VOCAB))
+    gumbel = jax.random.gumbel(jax.random.key(3), (n, VOCAB))
+    order = jnp.argsort(-(logq[:, 0] + gumbel), axis=-1)[:, :k].astype(jnp.int32)
+    tokens = jnp.concatenate([jnp.zeros((n, 1), jnp.int32), order], axis=1)
+    parent = jnp.zeros((n, k + 1), jnp.int32)
+    rank = jnp.concatenate([jnp.zeros((n, 1), jnp.int32), jnp.broadcast_to(jnp.arange(k), (n, k))], axis=1)
+    args = (tokens, parent, rank, jnp.exp(q_root), jnp.exp(logp), keys, 1, k)
+    star = jax.jit(traversal_accept, static_argnums=(6, 7))(*args)
+    _assert_same(star, jax.jit(recursive_rejection_accept, static_argnums=(6, 7))(*args))
+    assert set(np.unique(np.asarray(star.last_node)).tolist()) == {0, 1, 2, 3}
 
 
 def test_values_keep_prefixes_and_reject_bad_tables(test_params, test_cfg):
@@ -229,3 +347,15 @@ def test_residual_loop_compiles_once_and_greedy_is_generate(confident_params, te
     assert first.stats["mean_accepted_length"] > 1.2 and again.stats["cycles"] > 0
     ref = js.generate(confident_params, test_cfg, prompts, max_new_tokens=8)
     np.testing.assert_array_equal(greedy.tokens, ref.tokens)
+
+
+def test_uncalibrated_tree_warns_once_named(test_params, test_cfg):
+    """`cfg, params, tok = load_checkpoint(...)` drops the checkpoint's draft and its calibration: a tree run
+    without draft= ranks by raw draft probabilities, and says so (before any compile; the empty prompt then
+    fails). A chain, whose ranking does not matter, and a run given its draft stay silent."""
+    with pytest.warns(UserWarning, match=r"s3_k2_d6: no draft= given.*draft=ckpt\.draft"), pytest.raises(ValueError):
+        js.speculative_generate(test_params, test_cfg, [[]], "s3_k2_d6")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="prompt"):
+            js.speculative_generate(test_params, test_cfg, [[]], "s3_k1_d4")

@@ -4,7 +4,7 @@ prefix of its sampling order, and the output still follows the target exactly.
 
 CI: the synthetic Markov models of test_rsd.py (vocabulary 8, fp32) drafted by the engine's own
 `sampled_children` in the engine's beam (s3_k2_d5: 10 candidates, 4 kept), pruned by `prune_to_budget`,
-accepted by `residual_tree_accept`; 20k rows against the target's joint law of the first 3 tokens.
+accepted by `sampled_accept`; 20k rows against the target's joint law of the first 3 tokens.
 A value that reads the child's own q(x) (forbidden) fails the same check. Long: the same through
 `speculative_generate` on the test model, and the shapes of the real draft.
 """
@@ -25,7 +25,7 @@ from jaxspec.model.sampling import Sampling, node_keys, processed_logprobs
 from jaxspec.speculation.sampled import make_sampled_draft, residual_table
 from jaxspec.speculation.tree import Expander, grow_beam, prune_to_budget
 from jaxspec.speculation.values import DEPTH_EDGES, NUM_RANKS, PROB_EDGES, Calibration, ValueMap
-from jaxspec.speculation.verify import residual_tree_accept
+from jaxspec.speculation.verify import sampled_accept
 from jaxspec.testing import mtp_prefill, mtp_tree
 
 SHAPE = (len(DEPTH_EDGES) + 1, NUM_RANKS, len(PROB_EDGES) + 1)
@@ -79,8 +79,8 @@ class _Forbidden(Expander):
         return (token, parent, value, rank, feature, confidence), logq
 
 
-@functools.partial(jax.jit, static_argnums=(2, 4))
-def _synthetic_cycle(target, draft, n, sampling, values, own_prob):
+@functools.partial(jax.jit, static_argnums=(2, 4, 6))
+def _synthetic_cycle(target, draft, n, sampling, values, own_prob, rule):
     """n rows of one cycle: the engine's beam (`tree.grow_beam`) over the Markov draft with sampled
     children, pruned, accepted, continued with exact target draws -> (first 3 tokens [n, 3], accepted [n], tree)."""
     s_steps, k = SPEC.num_steps, SPEC.topk
@@ -91,7 +91,7 @@ def _synthetic_cycle(target, draft, n, sampling, values, own_prob):
     pool = grow_beam(SPEC, expander, root, lambda tok, parent, step, carry: (draft[step - 1][tok], None, carry), None)
     tree = prune_to_budget(pool, root, SPEC.num_draft_tokens)
     keys = node_keys(sampling.key, cycle, SPEC.num_draft_tokens)
-    acc = residual_tree_accept(tree, target[tree.depth, tree.tokens], s_steps, k, sampling, keys)
+    acc = sampled_accept(tree, target[tree.depth, tree.tokens], s_steps, k, sampling, keys, rule)
     path = jnp.take_along_axis(tree.tokens, acc.path_nodes, axis=1)
     slot = jnp.arange(s_steps + 1)[None, :]
     drafted = jnp.concatenate([path[:, 1:], jnp.zeros((n, 1), jnp.int32)], axis=1)
@@ -104,11 +104,11 @@ def _synthetic_cycle(target, draft, n, sampling, values, own_prob):
     return out, acc.num_accepted, tree
 
 
-def check_synthetic(temperature, variant="exact", n=20_480, seed=0):
+def check_synthetic(temperature, variant="exact", n=20_480, seed=0, rule="block"):
     target, draft = markov_model(seed)
     sampling = Sampling.create(temperature, key=jax.random.key(seed + 1))
     out, accepted, tree = _synthetic_cycle(target, draft, n, sampling, calibration_with([step_map(1.0)]),
-                                           jnp.asarray(variant == "own_prob"))
+                                           jnp.asarray(variant == "own_prob"), rule)
     p = np.exp(np.asarray(processed_logprobs(target[:NUM_EMITTED], jnp.float32(temperature), jnp.int32(0),
                                              jnp.float32(1.0)), np.float64))
     p /= p.sum(-1, keepdims=True)
@@ -126,9 +126,10 @@ def assert_prefixes(parent, rank):
             assert sorted(r[kids].tolist()) == list(range(len(kids))), (p, r)  # a prefix of the sampling order
 
 
+@pytest.mark.parametrize("rule", ["block", "residual"])
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_value_driven_shapes_sample_the_target(temperature):
-    p, accepted, tree = check_synthetic(temperature)
+def test_value_driven_shapes_sample_the_target(temperature, rule):
+    p, accepted, tree = check_synthetic(temperature, rule=rule)
     parent, rank = np.asarray(tree.parent), np.asarray(tree.rank)
     shapes = {tuple(a) + tuple(b) for a, b in zip(parent, rank, strict=True)}
     assert len(shapes) >= 4, shapes  # the value reads the draft: the shape varies per row

@@ -34,7 +34,7 @@ from jaxspec.speculation.drafter import Drafter, Exposed
 from jaxspec.speculation.plan import TreePlan, build_plan, verify_context
 from jaxspec.speculation.policy import Policy
 from jaxspec.speculation.tree import Tree, shrink
-from jaxspec.speculation.verify import Acceptance, greedy_accept, residual_tree_accept, target_accept
+from jaxspec.speculation.verify import Acceptance, greedy_accept, sampled_accept, target_accept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +134,7 @@ def accept_stage(sp: Speculator, tree: Tree, logits: jax.Array, sampling: Sampli
     keys = node_keys(sampling.key, cycle, tree.tokens.shape[1])
     if sp.policy.rule == "target":
         return target_accept(tree.tokens, tree.parent, logits, s, sampling, keys)
-    return residual_tree_accept(tree, logits, s, sp.spec.topk, sampling, keys)
+    return sampled_accept(tree, logits, s, sp.spec.topk, sampling, keys, sp.policy.rule)
 
 
 def commit_stage(sp: Speculator, models: Models, state: SpecState, tree: Tree, verify_out: ForwardOutput,

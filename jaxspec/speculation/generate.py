@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -204,12 +205,14 @@ def speculative_generate(
     values to rank by (a `Calibration`, or its file / checkpoint folder), overriding the draft's own.
     spec="auto": the spec `jaxspec tune` chose for this batch size (`tuning`: a `Tuning`, its file or
     folder; default the draft's own), with a DraftSet the draft and spec chosen among all of them; where
-    it chose no speculation this is `generate`. accept: "residual" (sampled drafts, the default at temperature > 0) or
-    "target" (top-K drafts), `speculation/policy.py`. stream: as `generate`'s, once per cycle.
+    it chose no speculation this is `generate`. accept: "block" (sampled drafts verified sequence by
+    sequence, the default at temperature > 0), "residual" (the same drafts token by token) or "target" (top-K
+    drafts), `speculation/policy.py`. stream: as `generate`'s, once per cycle.
     """
     opts = DecodeOptions.create(cfg, max_new_tokens, temperature, top_k, top_p, eos_id, rng, mesh)
     check_params(params, cfg)
     num_prompts = len(prompts) if isinstance(prompts, (list, tuple)) else int(np.shape(prompts)[0])
+    no_draft = draft is None and calibration is None
     if isinstance(draft, DraftSet):
         draft, spec = _from_set(draft, spec, tuning, max(num_prompts, 1))
     else:
@@ -223,6 +226,8 @@ def speculative_generate(
                         prompt_lengths, stream=stream)
     spec = _check_spec(cfg, spec, draft)
     spec, values = resolve_scores(spec, calibration_of(draft, calibration, spec, cfg))
+    if no_draft and values is None and spec.topk > 1:
+        _warn_uncalibrated(spec)
     sp = Speculator(cfg, spec, draft.drafter, Policy.choose(accept, float(opts.sampling.temperature), values))
     extra = spec.num_steps + 1  # a cycle may overshoot max_new_tokens by up to S + 1 slots
     batch = pad_batch(prepare_prompts(cfg, prompts, opts.max_new_tokens, prompt_lengths, overshoot=extra), opts.mesh)
@@ -240,6 +245,16 @@ def speculative_generate(
     per_sequence = {k: np.asarray(v)[:n] for k, v in dataclasses.asdict(stats).items()}
     return GenerateOutput(tokens=tokens, lengths=lengths,
                           stats=summarize_stats(per_sequence, spec.name, int(steps), scores=spec.scores))
+
+
+def _warn_uncalibrated(spec: SpecConfig) -> None:
+    """A tree ranked by raw draft probabilities is the trap of `cfg, params, tok = load_checkpoint(...)`:
+    the checkpoint's calibration travels with its draft, which that unpacking drops (measured: a K = 2
+    tree then accepts less than the chain). Python shows the warning once per calling line."""
+    warnings.warn(
+        f"{spec.name}: no draft= given, so this tree ranks its nodes by raw draft probabilities (uncalibrated); "
+        "pass draft=ckpt.draft (ckpt = load_checkpoint(path)) to rank them by the checkpoint's calibration",
+        UserWarning, stacklevel=3)
 
 
 def draft_of(params: ModelParams, cfg: ModelConfig, draft: Draft | None) -> Draft:

@@ -4,9 +4,12 @@
 - "greedy": temperature 0, top-K children, the argmax walk (bit-identical to `generate`).
 - "target": top-K drafts accepted by the target-only rule (`verify.greedy_accept` over independent
   target draws): exact for any draft fixed before the draws.
-- "residual": at temperature > 0 children are *sampled* from the draft (`speculation/sampled.py`) and
-  verified by the residual rule (chains) or recursive rejection without replacement (trees); the same
-  program walks the argmax at temperature 0.
+- "block" (the default at temperature > 0): children *sampled* from the draft (`speculation/sampled.py`),
+  verified sequence by sequence: block verification for chains, its tree form (a post-order traversal)
+  for trees. It accepts at least as much as "residual" in expectation.
+- "residual": the same sampled children verified token by token: the residual rule (chains) or
+  recursive rejection without replacement (trees).
+Both sampled rules walk the argmax at temperature 0 in the same program.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from jaxspec.speculation.sampled import make_sampled_draft
 from jaxspec.speculation.tree import Expander
 from jaxspec.speculation.values import CONTEXT_CAP, Calibration, context_bins
 
-ACCEPT_RULES = ("residual", "target")
+ACCEPT_RULES = ("block", "residual", "target")
+SAMPLED = ("block", "residual")  # the rules whose children are drawn from the draft
 RULES = ("greedy", *ACCEPT_RULES)
 
 
@@ -38,12 +42,12 @@ class Policy:
 
     @classmethod
     def choose(cls, accept: str | None, temperature: float, values: Calibration | None = None) -> Policy:
-        """The policy of a run: `accept` checked (None = "residual" when sampling); temperature 0 with
+        """The policy of a run: `accept` checked (None = "block" when sampling); temperature 0 with
         top-K drafts is the greedy walk."""
         if accept is not None and accept not in ACCEPT_RULES:
             raise ValueError(f"accept must be None or one of {ACCEPT_RULES}, got {accept!r}")
         if accept is None:
-            accept = "residual" if temperature > 0 else "target"
+            accept = "block" if temperature > 0 else "target"
         rule = "greedy" if accept == "target" and temperature == 0 else accept
         return cls(rule, values)
 
@@ -59,7 +63,7 @@ class Policy:
     def expander(self, spec: SpecConfig, sampling: Sampling, cycle: jax.Array, context: jax.Array | None) -> Expander:
         """How this cycle's expanded slots get children (`cycle` [B] int32 folds the draft keys)."""
         sampler = None
-        if self.rule == "residual":
+        if self.rule in SAMPLED:
             residual = self.values.residual if self.values is not None else ()  # calibrated, else the prior
             sampler = make_sampled_draft(spec, sampling, cycle, None, residual)
         temperature = jnp.float32(0.0) if self.rule == "greedy" else sampling.temperature

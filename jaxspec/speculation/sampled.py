@@ -8,7 +8,7 @@ min(1, p(x)/q(x)) and resample the residual on rejection, which accepts with 1 -
 Each expanded slot draws its K children without replacement by Gumbel-top-K over its processed
 draft log-probabilities (temperature, top-k, top-p exactly as the target's, `processed_logprobs`):
 the order of the perturbed scores is the sampling order, so rank r is the (r+1)-th draw. The slot's
-log q is kept for the verifier (`verify.residual_tree_accept`).
+log q is kept for the verifier (`verify.sampled_accept`).
 
 Which candidates are expanded and kept follows their *value*: the parent's value plus an estimate
 of log P(child of rank r at depth d accepted | parent reached) (`log_value` [S, K]), never the

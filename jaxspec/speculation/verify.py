@@ -12,11 +12,14 @@ y_current and emits y at the node where it stops. Each emitted token is then a d
 at the node it follows: the tree is fixed before the draws, the draws are independent, and a reached
 node's draw was never looked at before. No thresholds, no relaxed matching.
 
-`chain_residual_accept` is the rule for sampled (not top-K) chain drafts (Leviathan et al. 2023): accept with
-probability min(1, p/q), emit from the residual on rejection. `residual_tree_accept` is the loop's rule for
-sampled drafts (`speculation/sampled.py`): the chain rule for K = 1, recursive rejection sampling without
-replacement (RSD-S, Jeon et al. 2024) for trees (docs/sampling.md). `greedy_accept` over independent target
-draws (`model.sampling.gumbel_choice`) stays the rule for top-K drafts and the reference.
+Sampled (not top-K) drafts (`speculation/sampled.py`) have two exact rules, `sampled_accept` picks by name:
+"block" (the default at T > 0), block verification for chains (Sun et al. 2025: the longest prefix accepted by
+a sequence-level rule, `chain_block_accept`) and its tree form (`traversal_accept`: a post-order traversal of
+sequence-level weights); "residual", the token rule for chains (Leviathan et al. 2023: accept with probability
+min(1, p/q), emit from the residual on rejection, `chain_residual_accept`) and recursive rejection sampling
+without replacement for trees (RSD-S, Jeon et al. 2024, `recursive_rejection_accept`). docs/sampling.md.
+`greedy_accept` over independent target draws (`model.sampling.gumbel_choice`) stays the rule for top-K drafts
+and the reference.
 """
 
 from __future__ import annotations
@@ -132,6 +135,64 @@ def chain_residual_accept(
     )
 
 
+def chain_block_accept(
+    tokens: jax.Array,  # [B, S+1] root, then the drafted chain x_1..x_S
+    draft_logprobs: jax.Array,  # [B, S, V] log q_j: the distribution x_j was sampled from
+    target_logprobs: jax.Array,  # [B, S+1, V] log p_j: processed target after the root and each x_j
+    keys: jax.Array,  # [B, S+1] typed keys, independent per (sequence, cycle, node)
+) -> Acceptance:
+    """Block verification (Sun et al., ICLR 2025): the longest prefix is accepted by a sequence-level rule,
+    not token by token (docs/sampling.md §4 gives the proof).
+
+    With r_i = p_{i-1}(x_i) / q_i(x_i), the running weight w_0 = 1, w_i = min(1, w_{i-1} r_i) and the
+    residual masses z_i = sum_v max(w_i p_i(v) - q_{i+1}(v), 0), prefix i is accepted with probability
+    h_i = z_i / (z_i + 1 - w_i) (i < S) or h_S = w_S; the accepted length is the largest i whose coin
+    u_i < h_i (0 if none), and the bonus is a draw from p_S after a full accept, else from
+    norm(max(w_tau p_tau - q_{tau+1}, 0)). The same coins and noises as `chain_residual_accept`, one more
+    [B, S, V] pass; the weights are a running minimum in log space, w_i = exp(c_i - max_{j<=i} c_j) with
+    c the cumulative sum of log r (no sequential loop).
+    """
+    b, d = tokens.shape
+    steps = d - 1
+    if draft_logprobs.shape[:2] != (b, steps) or target_logprobs.shape[:2] != (b, d):
+        raise ValueError(
+            f"chain shapes disagree: tokens {tokens.shape} needs draft_logprobs [B={b}, S={steps}, V] and "
+            f"target_logprobs [B={b}, S+1={d}, V], got {draft_logprobs.shape} and {target_logprobs.shape}"
+        )
+    coins, noise = _coins_and_noise(keys, target_logprobs.shape[-1])
+    drafts = tokens[:, 1:, None]
+    log_p_x = jnp.take_along_axis(target_logprobs[:, :-1], drafts, axis=2)[..., 0]  # [B, S]
+    log_q_x = jnp.take_along_axis(draft_logprobs, drafts, axis=2)[..., 0]
+    # a token outside q's support was not drawn from q: its prefix weight is 0 (never happens for a draw)
+    log_r = jnp.where(log_q_x > -jnp.inf, log_p_x - log_q_x, -jnp.inf)
+    c = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), jnp.cumsum(log_r, axis=1)], axis=1)  # [B, S+1]
+    weight = jnp.exp(c - jax.lax.cummax(c, axis=1))  # [B, S+1]: w_0 = 1, w_i = min(1, w_{i-1} r_i)
+    residual = jnp.maximum(weight[:, :steps, None] * jnp.exp(target_logprobs[:, :steps])
+                           - jnp.exp(draft_logprobs), 0.0)  # [B, S, V]
+    mass = jnp.sum(residual, axis=-1)  # [B, S] z_0..z_{S-1}
+    denom = mass + 1.0 - weight[:, :steps]
+    # w_i = 1 with z_i = 0 means p_i = q_{i+1}: every later weight is 1 too, so the coin there never matters
+    h = jnp.where(denom > 0, mass / jnp.where(denom > 0, denom, 1.0), 1.0)  # [B, S]
+    h = jnp.concatenate([h[:, 1:], weight[:, steps:]], axis=1)  # [B, S]: h_1..h_{S-1}, h_S = w_S
+    index = jnp.arange(1, d, dtype=jnp.int32)[None, :]
+    num_accepted = jnp.max(jnp.where(coins[:, 1:] < h, index, 0), axis=1).astype(jnp.int32)
+    last = num_accepted[:, None, None]
+    p_last = jnp.exp(jnp.take_along_axis(target_logprobs, last, axis=1)[:, 0])  # [B, V]
+    res_last = jnp.take_along_axis(residual, jnp.minimum(last, steps - 1), axis=1)[:, 0]
+    # a zero residual has probability 0 of being reached (h = 1 before it); p keeps the draw finite
+    res_last = jnp.where(jnp.sum(res_last, -1, keepdims=True) > 0, res_last, p_last)
+    dist = jnp.where(num_accepted[:, None] < steps, res_last, p_last)
+    bonus = jnp.argmax(jnp.log(dist) + jnp.take_along_axis(noise, last, axis=1)[:, 0], axis=-1).astype(jnp.int32)
+    nodes = jnp.arange(d, dtype=jnp.int32)[None, :]
+    return Acceptance(
+        path_mask=nodes <= num_accepted[:, None],
+        num_accepted=num_accepted,
+        last_node=num_accepted,
+        bonus=bonus,
+        path_nodes=jnp.minimum(nodes, num_accepted[:, None]),
+    )
+
+
 def _coins_and_noise(keys: jax.Array, vocab: int) -> tuple[jax.Array, jax.Array]:
     """keys [B, D] -> (uniform coins [B, D], Gumbel noise [B, D, V]): a node's coin decides whether it is
     accepted, its noise draws the token emitted where the walk stops at it."""
@@ -212,25 +273,144 @@ def recursive_rejection_accept(
     return Acceptance(path_mask, num_accepted, current, bonus, jnp.stack(path_nodes, axis=1))
 
 
-def residual_tree_accept(
+def _post_order_first(candidate, parent, rank, max_depth):
+    """-> [B] int32 the first node in post-order (children in rank order, a node after its subtree) among
+    `candidate` [B, D] bool (the root, last in post-order, must be one). Post-order is the lexicographic
+    order of the rank paths padded past a node's depth with a rank larger than any, compared pairwise."""
+    b, d = parent.shape
+    nodes = jnp.arange(d, dtype=jnp.int32)
+    big = jnp.int32(rank.shape[1] + 1)
+    current = jnp.broadcast_to(nodes, (b, d))
+    ups = []
+    for _ in range(max_depth):
+        ups.append(jnp.where(current == 0, -1, jnp.take_along_axis(rank, current, axis=1)))
+        current = jnp.take_along_axis(parent, current, axis=1)
+    ups = jnp.stack(ups, axis=-1)  # [B, D, S]: own rank, parent's, ... (-1 once the root is passed)
+    depth = jnp.sum(ups >= 0, axis=-1)  # [B, D]
+    k = jnp.arange(max_depth)[None, None, :]
+    index = jnp.clip(depth[..., None] - 1 - k, 0, max_depth - 1)  # depth k + 1 reads ups at depth - 1 - k
+    path = jnp.where(k < depth[..., None], jnp.take_along_axis(ups, index, axis=-1), big)  # [B, D, S]
+    differ = path[:, :, None, :] != path[:, None, :, :]  # [B, D(u), D(v), S]
+    first = jnp.argmax(differ, axis=-1)[..., None]
+    before = jnp.take_along_axis(path[:, :, None, :].repeat(d, 2), first, -1)[..., 0] < \
+        jnp.take_along_axis(path[:, None, :, :].repeat(d, 1), first, -1)[..., 0]  # [B, u, v]: u precedes v
+    earlier = jnp.any(before & candidate[:, :, None], axis=1)  # [B, v]: some candidate precedes v
+    return jnp.argmax(candidate & ~earlier, axis=1).astype(jnp.int32)
+
+
+def _sibling_rejected(t, q, x):
+    """What a node's target measure t [B, V] and draft q [B, V] become once its child x [B, 1] (drawn from
+    q) and that child's subtree were rejected: t <- max(t - q, 0) / (1 - sum min(q, t)) (the part of t the
+    child could not cover, given that it did not), q <- q without x, renormalised."""
+    overlap = jnp.sum(jnp.minimum(q, t), axis=-1, keepdims=True)
+    # 1 - overlap = 0: the child is always accepted (q <= t), so what follows is never reached
+    t_next = jnp.maximum(t - q, 0.0) / jnp.where(overlap < 1.0, 1.0 - overlap, 1.0)
+    q_rest = jnp.where(jnp.arange(q.shape[-1])[None, :] == x, 0.0, q)
+    mass = jnp.sum(q_rest, -1, keepdims=True)
+    return t_next, q_rest / jnp.where(mass > 0, mass, 1.0)
+
+
+def traversal_accept(
+    tokens: jax.Array,  # [B, D] node tokens; siblings drawn from their parent's q without replacement
+    parent: jax.Array,  # [B, D]
+    rank: jax.Array,  # [B, D] sampling order among siblings; the kept siblings are ranks 0..m-1
+    draft_probs: jax.Array,  # [B, D, V] q each node was drawn from (siblings share it; root unused)
+    target_probs: jax.Array,  # [B, D, V] processed target after each node
+    keys: jax.Array,  # [B, D] typed keys, independent per (sequence, cycle, node)
+    max_depth: int,
+    topk: int,
+) -> Acceptance:
+    """Sequence-level verification of a sampled tree (block verification's tree form, in the spirit of
+    Weng et al.'s Traversal Verification; docs/sampling.md §4 derives it and proves it exact).
+
+    Every node n gets a weight w_n (root 1) and a target measure T, first w_n p_n; its children, in
+    sampling order, each take the weight min(1, T(x)/q(x)) from the T and q of that moment, after which
+    T <- max(T - q, 0) / (1 - sum min(q, T)) and q <- q without x, renormalised. What is left once every
+    child has had its turn, a_n = sum T, is the chance that n itself is accepted when all its subtrees
+    were rejected, and norm(T) is the law of the bonus there. The accepted node is the first node in
+    post-order (a node after its subtree, siblings in rank order) whose coin u_n < a_n; a leaf has a_n =
+    w_n, the root a = 1. On a chain this is `chain_block_accept`; at depth 1 recursive rejection. The
+    weights are a function of the draft and the target alone (D sequential [B, V] steps of K siblings);
+    only the coins decide where the traversal stops."""
+    b, d = tokens.shape
+    vocab = target_probs.shape[-1]
+    nodes = jnp.arange(d, dtype=jnp.int32)
+    batch = jnp.arange(b)
+    coins, noise = _coins_and_noise(keys, vocab)
+    is_child = (parent[:, None, :] == nodes[None, :, None]) & (nodes[None, None, :] != nodes[None, :, None])
+    slots = [is_child & (rank[:, None, :] == j) for j in range(topk)]  # [B, D(node), D(child)] per rank
+    child = jnp.stack([jnp.argmax(s, axis=-1) for s in slots], axis=-1).astype(jnp.int32)  # [B, D, K]
+    exists = jnp.stack([jnp.any(s, axis=-1) for s in slots], axis=-1)  # [B, D, K]
+
+    def node_step(i, carry):
+        weight, left, rest = carry  # [B, D] weights, [B, D] a_n, [B, D, V] the final T of each node
+        t = weight[:, i, None] * target_probs[:, i]  # [B, V]
+        q = draft_probs[batch, child[:, i, 0]]
+        for j in range(topk):
+            c = child[:, i, j]
+            x = tokens[batch, c][:, None]
+            qx = jnp.take_along_axis(q, x, axis=1)[:, 0]
+            tx = jnp.take_along_axis(t, x, axis=1)[:, 0]
+            has = exists[:, i, j] & (qx > 0)  # beyond q's support: not a draw (and no later sibling is)
+            w_c = jnp.minimum(1.0, tx / jnp.where(has, qx, 1.0))
+            weight = weight.at[batch, c].set(jnp.where(has, w_c, weight[batch, c]))
+            t_next, q_next = _sibling_rejected(t, q, x)
+            t = jnp.where(has[:, None], t_next, t)
+            q = jnp.where(has[:, None], q_next, q)
+        left = left.at[:, i].set(jnp.sum(t, axis=-1))
+        rest = rest.at[:, i].set(t)
+        return weight, left, rest
+
+    weight = jnp.zeros((b, d), jnp.float32).at[:, 0].set(1.0)
+    init = (weight, jnp.zeros((b, d), jnp.float32), jnp.zeros((b, d, vocab), jnp.float32))
+    weight, left, rest = jax.lax.fori_loop(0, d, node_step, init)
+    candidate = (coins < left) | (nodes[None, :] == 0)
+    last = _post_order_first(candidate, parent, rank, max_depth)
+    # its path: ancestors at depth 0..S (the last node repeats past its depth)
+    up = [last]
+    for _ in range(max_depth):
+        up.append(parent[batch, up[-1]])
+    up = jnp.stack(up[::-1], axis=1)  # [B, S+1]: the ancestors S, S-1, ..., 0 steps up (0s above the root)
+    depth = jnp.sum(up != 0, axis=1)  # [B] the accepted node's depth
+    k = jnp.arange(max_depth + 1)[None, :]
+    path_nodes = jnp.take_along_axis(up, jnp.clip(max_depth - depth[:, None] + k, 0, max_depth), axis=1)
+    path_nodes = jnp.where(k <= depth[:, None], path_nodes, last[:, None]).astype(jnp.int32)
+    path_mask = jnp.any(path_nodes[:, :, None] == nodes[None, None, :], axis=1)
+    dist = rest[batch, last]
+    dist = jnp.where(jnp.sum(dist, -1, keepdims=True) > 0, dist, target_probs[batch, last])
+    bonus = jnp.argmax(jnp.log(dist) + noise[batch, last], axis=-1).astype(jnp.int32)
+    return Acceptance(path_mask, depth.astype(jnp.int32), last, bonus, path_nodes)
+
+
+# the sampled-draft rules: (chain rule, tree rule) by name
+SAMPLED_RULES = {
+    "block": (chain_block_accept, traversal_accept),
+    "residual": (chain_residual_accept, recursive_rejection_accept),
+}
+
+
+def sampled_accept(
     tree: Tree,  # a sampled draft (`speculation/sampled.py`): tree.q holds log q each node was drawn from
     logits: jax.Array,  # [B, D, V] target logits at every node
     max_depth: int,
     topk: int,
     sampling: Sampling,
     keys: jax.Array,  # [B, D] typed keys, independent per (sequence, cycle, node)
+    rule: str,
 ) -> Acceptance:
-    """Exact sampling of a sampled draft: the chain residual rule for K = 1, recursive rejection (RSD-S)
-    for trees; the argmax walk at temperature 0 (the same program)."""
+    """Exact sampling of a sampled draft by `rule` (static): "block", block verification for K = 1 and its
+    tree form (`traversal_accept`) for trees; "residual", the token rule for K = 1 and recursive rejection
+    (RSD-S) for trees. The argmax walk at temperature 0 (the same program)."""
+    if rule not in SAMPLED_RULES:
+        raise ValueError(f"rule must be one of {tuple(SAMPLED_RULES)}, got {rule!r}")
+    chain_rule, tree_rule = SAMPLED_RULES[rule]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def sampled():
         logp = processed_logprobs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
         if topk == 1:  # a chain: nodes 0..S in order
-            return chain_residual_accept(tree.tokens, tree.q[:, 1:], logp, keys)
-        return recursive_rejection_accept(
-            tree.tokens, tree.parent, tree.rank, jnp.exp(tree.q), jnp.exp(logp), keys, max_depth, topk
-        )
+            return chain_rule(tree.tokens, tree.q[:, 1:], logp, keys)
+        return tree_rule(tree.tokens, tree.parent, tree.rank, jnp.exp(tree.q), jnp.exp(logp), keys, max_depth, topk)
 
     return jax.lax.cond(sampling.temperature > 0, sampled,
                         lambda: greedy_accept(tree.tokens, tree.parent, greedy, max_depth))
