@@ -1,8 +1,9 @@
-"""Accepted length (tau) of speculative sampling: the residual / recursive-rejection rule on sampled
-drafts beside the target-only rule on top-K drafts, held-out prompts (docs/sampling.md).
+"""Accepted length (tau) of speculative sampling: the block rule (block verification / its traversal form)
+and the residual rule (token rule / recursive rejection) on sampled drafts beside the target-only rule on
+top-K drafts, held-out prompts (docs/sampling.md).
 
     python bench/rsd_tau.py --checkpoint checkpoints/tiny-v4 --specs s7_k1_d8,s4_k2_d8 \\
-        --temperatures 0.6,1.0 --top-ps 1.0,0.9 --rules residual,target [--prompts 32] [--new-tokens 96]
+        --temperatures 0.6,1.0 --top-ps 1.0,0.9 --rules block,residual,target [--prompts 32] [--new-tokens 96]
         [--batch 64] [--out results/rsd/tau.jsonl]
     python bench/rsd_tau.py --checkpoint ... --speed s7_k1_d8 --temperatures 0.6 --batch 1 --prompts 8
     python bench/rsd_tau.py --plot results/rsd/tau.jsonl        # tau vs D figure beside the file
@@ -145,7 +146,8 @@ def plot(path: Path) -> Path:
     settings = sorted({(r["temperature"], r["top_p"]) for r in records})
     fig, axes = plt.subplots(1, len(settings), figsize=(4.2 * len(settings), 3.6), squeeze=False, sharey=True)
     for ax, (t, p) in zip(axes[0], settings, strict=True):
-        for rule, style in (("residual", "-"), ("target", "--")):
+        styles = {"block": "-", "residual": ":", "target": "--"}
+        for rule, style in ((r, styles.get(r, "-.")) for r in sorted({r["rule"] for r in records})):
             for kind, marker in (("chain", "o"), ("tree", "s")):
                 pts = {}
                 for r in records:
@@ -171,7 +173,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default="checkpoints/tiny-v4")
     p.add_argument("--specs", default="s7_k1_d8,s4_k2_d8,s3_k4_d8")
-    p.add_argument("--rules", default="residual,target")
+    p.add_argument("--rules", default="block,residual,target")
     p.add_argument("--temperatures", default="0.6,1.0")
     p.add_argument("--top-ps", default="1.0,0.9")
     p.add_argument("--prompts", type=int, default=32, help="per dataset")

@@ -252,9 +252,9 @@ def main() -> None:
     result: dict = {"devices": len(jax.devices()), "meshes": {}}
     t0 = time.perf_counter()
     ref = js.generate(params, CFG, PROMPTS, max_new_tokens=NEW_TOKENS)
-    # accept="residual" (sampled drafts, recursive rejection) for greedy too: its greedy branch is the argmax walk,
+    # accept="block" (sampled drafts, the default at T > 0) for greedy too: its greedy branch is the argmax walk,
     # and the sampled runs below reuse the program.
-    ref_spec = js.speculative_generate(params, CFG, PROMPTS, SPEC, max_new_tokens=NEW_TOKENS, accept="residual")
+    ref_spec = js.speculative_generate(params, CFG, PROMPTS, SPEC, max_new_tokens=NEW_TOKENS, accept="block")
     # Sampling settings are traced: these reuse the greedy programs.
     sampled = dict(max_new_tokens=NEW_TOKENS, temperature=1.0, rng=jax.random.key(7))
     ref_sampled = js.generate(params, CFG, PROMPTS, **sampled)
@@ -271,7 +271,7 @@ def main() -> None:
         placed = js.shard_params(params, CFG, mesh)
         gen = js.generate(placed, CFG, PROMPTS, max_new_tokens=NEW_TOKENS, mesh=mesh)
         spec = js.speculative_generate(placed, CFG, PROMPTS, SPEC, max_new_tokens=NEW_TOKENS, mesh=mesh,
-                                       accept="residual")
+                                       accept="block")
         gen_sampled = js.generate(placed, CFG, PROMPTS, **sampled, mesh=mesh)
         spec_sampled = js.speculative_generate(placed, CFG, PROMPTS, SPEC, **sampled, mesh=mesh)
         # The compiled speculative loop (already compiled by the call above: a cache hit).
@@ -279,7 +279,7 @@ def main() -> None:
         max_len = length_bucket(
             batch.tokens.shape[1] + NEW_TOKENS + SPEC.num_steps + 1, CFG.max_position_embeddings, minimum=64
         )
-        sp = mtp_speculator(CFG, SPEC, "residual")
+        sp = mtp_speculator(CFG, SPEC, "block")
         args = (mtp_models(placed), sp, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
                 LoopShape(NEW_TOKENS, max_len), jnp.int32(-1),
                 Sampling(jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0), jax.random.key(0)), np.int32(0))

@@ -96,12 +96,12 @@ def test_grouped_matmul_at_v4_flash_expert_shapes_lowers_to_triton(fmt):
 
 def _cycle_args(cfg, batch, spec, sampling):
     """(speculator, models, state, sampling, active) of one cycle of the MTP draft, abstract; sampled
-    children under the residual rule when `sampling`, else the greedy walk."""
+    children under the block rule (the default at T > 0) when `sampling`, else the greedy walk."""
     params = jax.eval_shape(lambda: js.init_params(cfg, jax.random.key(0)))
     tokens, lengths = S((batch, 16), I32), S((batch,), I32)
     state = jax.eval_shape(lambda p, t, n: mtp_prefill(p, cfg, t, n, 256, spec=spec), params, tokens, lengths)
     settings = jax.eval_shape(lambda: Sampling.create(0.7 if sampling else 0.0, top_k=20 if sampling else None))
-    sp = mtp_speculator(cfg, spec, "residual" if sampling else "greedy")
+    sp = mtp_speculator(cfg, spec, "block" if sampling else "greedy")
     return (sp, mtp_models(params), state, settings, S((batch,), jnp.bool_))
 
 
