@@ -22,6 +22,7 @@ from test_sampling import ALPHA, assert_samples_the_target, check_end_to_end, ch
 
 import jaxspec as js
 from jaxspec.model.sampling import Sampling, node_keys, processed_logprobs
+from jaxspec.speculation.policy import Policy
 from jaxspec.speculation.sampled import make_sampled_draft, residual_table
 from jaxspec.speculation.tree import Expander, grow_beam, prune_to_budget
 from jaxspec.speculation.values import DEPTH_EDGES, NUM_RANKS, PROB_EDGES, Calibration, ValueMap
@@ -42,14 +43,14 @@ def branchy_map(temperature=1.0):
     return ValueMap("residual", temperature, tuple(table.ravel().tolist()), (0,) * table.size)
 
 
-def step_map(temperature):
+def step_map(temperature, mode="residual"):
     """Unsure parent (processed top-1 < 0.4): both children worth keeping; sure: only the first."""
     unsure = np.asarray([0.0, *PROB_EDGES]) < 0.4  # [P], by each bin's lower edge
     table = np.empty(SHAPE)
     table[:, 0] = np.where(unsure, 0.6, 0.95)
     table[:, 1] = np.where(unsure, 0.5, 0.03)
     table[:, 2:] = 0.01
-    return ValueMap("residual", temperature, tuple(table.ravel().tolist()), (0,) * table.size)
+    return ValueMap(mode, temperature, tuple(table.ravel().tolist()), (0,) * table.size)
 
 
 ROOTS = (3, 0)  # the Markov draft is sure after 3 (top-1 0.59 at T = 1, 0.82 at 0.6), unsure after 0 (0.28, 0.38)
@@ -57,7 +58,9 @@ ROOTS = (3, 0)  # the Markov draft is sure after 3 (top-1 0.59 at T = 1, 0.82 at
 
 def calibration_with(maps):
     flat = ValueMap("greedy", 0.0, (0.5,) * int(np.prod(SHAPE)), (0,) * int(np.prod(SHAPE)))
-    return Calibration("test", flat, (), residual=tuple(sorted(maps, key=lambda m: m.temperature)))
+    by_mode = {mode: tuple(sorted((m for m in maps if m.mode == mode), key=lambda m: m.temperature))
+               for mode in ("residual", "block")}
+    return Calibration("test", flat, (), residual=by_mode["residual"], block=by_mode["block"])
 
 
 SPEC = js.SpecConfig.parse("s3_k2_d5")
@@ -85,7 +88,7 @@ def _synthetic_cycle(target, draft, n, sampling, values, own_prob, rule):
     children, pruned, accepted, continued with exact target draws -> (first 3 tokens [n, 3], accepted [n], tree)."""
     s_steps, k = SPEC.num_steps, SPEC.topk
     cycle = jnp.zeros((n,), jnp.int32)
-    sampler = make_sampled_draft(SPEC, sampling, cycle, None, values.residual)
+    sampler = make_sampled_draft(SPEC, sampling, cycle, None, Policy(rule, values).sampled_maps())
     root = jnp.asarray(ROOTS, jnp.int32)[jnp.arange(n) % len(ROOTS)]
     expander = _Forbidden(sampling.temperature, None, sampler, k, values, own_prob=own_prob)
     pool = grow_beam(SPEC, expander, root, lambda tok, parent, step, carry: (draft[step - 1][tok], None, carry), None)
@@ -107,7 +110,9 @@ def _synthetic_cycle(target, draft, n, sampling, values, own_prob, rule):
 def check_synthetic(temperature, variant="exact", n=20_480, seed=0, rule="block"):
     target, draft = markov_model(seed)
     sampling = Sampling.create(temperature, key=jax.random.key(seed + 1))
-    out, accepted, tree = _synthetic_cycle(target, draft, n, sampling, calibration_with([step_map(1.0)]),
+    # each rule reads its own maps: the step table under both modes
+    values = calibration_with([step_map(1.0), step_map(1.0, "block")])
+    out, accepted, tree = _synthetic_cycle(target, draft, n, sampling, values,
                                            jnp.asarray(variant == "own_prob"), rule)
     p = np.exp(np.asarray(processed_logprobs(target[:NUM_EMITTED], jnp.float32(temperature), jnp.int32(0),
                                              jnp.float32(1.0)), np.float64))
@@ -182,10 +187,15 @@ def test_residual_table_is_monotone_and_nearest_in_temperature():
 
 
 def test_residual_maps_round_trip_json():
-    cal = calibration_with([branchy_map(1.0), branchy_map(0.6)])
+    cal = calibration_with([branchy_map(1.0), branchy_map(0.6), step_map(1.0, "block")])
     back = Calibration.from_json(cal.to_json())
     assert [m.temperature for m in back.residual] == [0.6, 1.0] and back.sampling == ()
-    assert back.residual == cal.residual and back.greedy == cal.greedy
+    assert back.residual == cal.residual and back.greedy == cal.greedy and back.block == cal.block
+    # each sampled rule reads its own maps; the block rule falls back to the residual maps, else the prior
+    assert Policy("block", back).sampled_maps() == back.block
+    assert Policy("residual", back).sampled_maps() == back.residual
+    assert Policy("block", dataclasses.replace(back, block=())).sampled_maps() == back.residual
+    assert Policy("block", None).sampled_maps() == ()
     no_residual = dataclasses.replace(cal, residual=())
     assert Calibration.from_json(no_residual.to_json()).residual == ()
 
@@ -214,3 +224,42 @@ def test_residual_collection_labels_one_accepted_rank_at_most(confident_params, 
     per_node = label.reshape(-1, 2).sum(1)  # ranks 0, 1 of one node are adjacent
     assert np.all(per_node <= 1 + 1e-6) and np.array_equal(rank.reshape(-1, 2), np.tile([0, 1], (per_node.size, 1)))
     assert label[rank == 0].mean() > 2 * label[rank == 1].mean(), (label[rank == 0], label[rank == 1])
+
+
+def test_block_replay_values_match_their_formulas():
+    """`calibrate_block.replay_values` against closed forms (float64 numpy): with parent weight w and target
+    T = w p, the rank-0 child passes with E min(1, T(x)/q(x)) = sum min(q, T), the rank-1 child with
+    sum_v (q - T)+(v) sum_{x != v} min(q(x) / (1 - q(v)), (T - q)+(x) / (1 - sum min(q, T)))."""
+    from jaxspec.harness.calibrate_block import replay_values
+
+    rng = np.random.default_rng(0)
+    n, vocab = 6, 8
+    logq = np.log(rng.dirichlet(np.ones(vocab), n))
+    p = rng.dirichlet(np.ones(vocab) * 0.7, n)
+    w = np.asarray([1.0, 0.8, 0.5, 0.3, 0.9, 0.05])
+    got = np.asarray(replay_values(jnp.asarray(logq, jnp.float32), jnp.asarray(p, jnp.float32),
+                                   jnp.asarray(w, jnp.float32), jax.random.key(0), 2, 40_000))
+    q, t = np.exp(logq), w[:, None] * p
+    rank0 = np.minimum(q, t).sum(1)
+    rest = np.maximum(t - q, 0.0) / (1.0 - rank0)[:, None]
+    rank1 = np.asarray([sum(max(q[i, v] - t[i, v], 0.0) * sum(
+        min(q[i, x] / (1.0 - q[i, v]), rest[i, x]) for x in range(vocab) if x != v) for v in range(vocab))
+        for i in range(n)])
+    np.testing.assert_allclose(got[:, 0], rank0, atol=0.01)
+    np.testing.assert_allclose(got[:, 1], rank1, atol=0.01)
+    assert np.all(got.sum(1) <= w + 0.01)  # the children never pass more often than their parent
+
+
+def test_block_collection_weighs_labels_by_the_parent(confident_params, test_cfg):
+    """`collect_block` on the test model: labels are shares of the parent's weight in [0, 1], a node's
+    ranks sum to at most 1, and the fitted block map reads the weights (a ratio of expectations)."""
+    from jaxspec.harness.calibrate_block import collect_block, fit_block
+
+    samples = collect_block(confident_params, test_cfg, [[5, 6, 7, 8, 9, 10, 11], [3, 4]], 1.0, cycles=3,
+                            batch_size=2, num_steps=3, topk=2, replays=4)
+    label, rank, weight = samples["label"], samples["rank"], samples["weight"]
+    assert label.size and np.all((label >= 0) & (label <= 1 + 1e-5)) and np.all((weight > 0) & (weight <= 1))
+    assert np.all(label.reshape(-1, 2).sum(1) <= 1 + 1e-5)
+    assert label[rank == 0].mean() > 2 * label[rank == 1].mean()
+    fitted = fit_block(samples, 1.0)
+    assert fitted.mode == "block" and all(0 < x < 1 for x in fitted.table)

@@ -60,11 +60,20 @@ class Policy:
         capped = jnp.sum(stats.depth_hits[:, :CONTEXT_CAP], axis=1)  # sum of min(accepted, 8) per cycle
         return context_bins(capped, stats.cycles)
 
+    def sampled_maps(self) -> tuple:
+        """The calibration's value maps for this sampled rule (block maps under "block", falling back to the
+        residual maps where a calibration has none), or () for the prior."""
+        if self.values is None:
+            return ()
+        if self.rule == "block" and self.values.block:
+            return self.values.block
+        return self.values.residual
+
     def expander(self, spec: SpecConfig, sampling: Sampling, cycle: jax.Array, context: jax.Array | None) -> Expander:
         """How this cycle's expanded slots get children (`cycle` [B] int32 folds the draft keys)."""
         sampler = None
         if self.rule in SAMPLED:
-            residual = self.values.residual if self.values is not None else ()  # calibrated, else the prior
+            residual = self.sampled_maps()
             sampler = make_sampled_draft(spec, sampling, cycle, None, residual)
         temperature = jnp.float32(0.0) if self.rule == "greedy" else sampling.temperature
         return Expander(temperature, context, sampler, spec.topk, self.values, source=spec.values)

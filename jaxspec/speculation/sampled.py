@@ -18,7 +18,8 @@ that falls with the rank and ignores the token gives exactly that (ties go to th
 lower pool index). `log_value` is the hook for a calibrated estimate; `prior_log_values` is the
 default.
 
-With a calibration's residual maps (`Calibration.residual`, one per temperature) the value also reads
+With a calibration's residual maps (`Calibration.residual`, one per temperature; `Calibration.block` under
+the block rule, `policy.Policy.sampled_maps`) the value also reads
 the parent's processed draft distribution: log f(depth, rank, top-1 of the parent's q), a table
 [S, K, prob bins] (`residual_table`). It is known before the parent's children are drawn, so a node's
 kept children stay a prefix of its sampling order whose length does not depend on their own tokens
@@ -75,7 +76,7 @@ def draft_keys(
 
 
 def residual_table(
-    maps: tuple[ValueMap, ...],  # "residual" maps, one per fitted temperature
+    maps: tuple[ValueMap, ...],  # "residual" or "block" maps, one per fitted temperature
     spec: SpecConfig,
     temperature: jax.Array,  # [] traced: the map nearest in temperature is used
 ) -> jax.Array:
@@ -95,10 +96,10 @@ def make_sampled_draft(
     sampling: Sampling,
     cycle: jax.Array,  # [B] int32
     log_value: jax.Array | None = None,  # [S, K]; None = prior_log_values(spec)
-    residual: tuple[ValueMap, ...] = (),  # a calibration's residual maps; () = rank/depth values only
+    residual: tuple[ValueMap, ...] = (),  # a calibration's maps for the rule (residual or block); () = the prior
 ) -> SampledDraft:
-    if any(m.mode != "residual" for m in residual):
-        raise ValueError(f"residual must hold 'residual' maps, got modes {[m.mode for m in residual]}")
+    if len({m.mode for m in residual}) > 1 or any(m.mode not in ("residual", "block") for m in residual):
+        raise ValueError(f"residual must hold 'residual' or 'block' maps of one mode, got {[m.mode for m in residual]}")
     if log_value is None:
         log_value = jnp.asarray(prior_log_values(spec))
     if log_value.shape != (spec.num_steps, spec.topk):

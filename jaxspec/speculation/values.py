@@ -58,14 +58,16 @@ CONTEXT_CAP = 8  # a cycle counts min(accepted, 8) towards its sequence's contex
 CONTEXT_EDGES = (3.5, 5.5)  # context bins of the mean: < 3.5, 3.5-5.5, >= 5.5
 CONTEXT_START = 4.5  # the mean assumed before a sequence's first cycle (the middle bin)
 CONFIDENCE_EDGES = (0.1, 0.2, 0.35, 0.5, 0.65, 0.8, 0.9)  # 8 bins of sigma(c), the second axis of "both" maps
+SAMPLED_MODES = ("sampling", "residual", "block")  # the maps fitted per sampling temperature
 
 
 @dataclasses.dataclass(frozen=True)
 class ValueMap:
     """P(accepted | parent accepted) per (depth bin, rank bin, probability bin), flattened."""
 
-    # "greedy" (feature: own draft prob), "sampling" (feature: parent's top-1 draft prob), or "residual"
-    # (the recursive-rejection event of sampled drafts; feature: parent's processed top-1 draft prob)
+    # "greedy" (feature: own draft prob), "sampling" (feature: parent's top-1 draft prob), "residual"
+    # (the recursive-rejection event of sampled drafts; feature: parent's processed top-1 draft prob) or
+    # "block" (the same drafts under the block rule: P(the path passes the child) / P(it passes the parent))
     mode: str
     temperature: float  # 0 for greedy
     table: tuple[float, ...]  # [depth bins, NUM_RANKS, prob bins(, confidence bins)] row-major
@@ -97,12 +99,14 @@ class Calibration:
     meta: tuple[tuple[str, str], ...] = ()  # provenance (datasets, prompts, spec, ...) as strings
     greedy_by_context: tuple[ValueMap, ...] = ()  # one greedy map per context bin (CONTEXT_EDGES), or none
     residual: tuple[ValueMap, ...] = ()  # sampled drafts' values (speculation/sampled.py), ascending temperature
+    # the same under the block rule (harness/calibrate_block.py): what a child adds to P(the path passes it)
+    block: tuple[ValueMap, ...] = ()
     feature: str = "draft"  # what the maps read: "draft" probability, "confidence" or "both" (tree.Expander)
 
     def __post_init__(self):
         two = self.feature == "both"
         if any(m.two_features != two for m in (self.greedy, *self.greedy_by_context)) or any(
-            m.two_features for m in (*self.sampling, *self.residual)
+            m.two_features for m in (*self.sampling, *self.residual, *self.block)
         ):
             raise ValueError(f"a {self.feature!r} calibration's greedy maps must {'' if two else 'not '}have the "
                              "confidence axis, its sampling and residual maps never")
@@ -114,7 +118,7 @@ class Calibration:
             "prob_edges": list(PROB_EDGES),
             "depth_edges": list(DEPTH_EDGES),
             "num_ranks": NUM_RANKS,
-            "maps": [dataclasses.asdict(m) for m in (self.greedy, *self.sampling, *self.residual)],
+            "maps": [dataclasses.asdict(m) for m in (self.greedy, *self.sampling, *self.residual, *self.block)],
             "meta": dict(self.meta),
             **({"feature": self.feature} if self.feature != "draft" else {}),
             **({"confidence_edges": list(CONFIDENCE_EDGES)} if self.feature == "both" else {}),
@@ -152,8 +156,8 @@ class Calibration:
             by_context = [] if context is None else [value_map(m) for m in context["maps"]]
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{source} has a missing or malformed field: {e}") from None
-        if not maps or maps[0].mode != "greedy" or any(m.mode not in ("sampling", "residual") for m in maps[1:]):
-            raise ValueError(f"{source} must hold the greedy map first, then sampling (and residual) maps")
+        if not maps or maps[0].mode != "greedy" or any(m.mode not in SAMPLED_MODES for m in maps[1:]):
+            raise ValueError(f"{source} must hold the greedy map first, then sampling (residual, block) maps")
         if context is not None and (
             (context.get("cap"), tuple(context.get("edges", ()))) != (CONTEXT_CAP, CONTEXT_EDGES)
             or len(by_context) != len(CONTEXT_EDGES) + 1 or any(m.mode != "greedy" for m in by_context)
@@ -165,9 +169,10 @@ class Calibration:
                or not all(0.0 < x < 1.0 for x in m.table) for m in (*maps, *by_context)):
             raise ValueError(f"{source}: every greedy map needs {greedy_size} values in (0, 1), every other map {size}")
         by_mode = {mode: tuple(sorted((m for m in maps[1:] if m.mode == mode), key=lambda m: m.temperature))
-                   for mode in ("sampling", "residual")}
+                   for mode in SAMPLED_MODES}
         return cls(fingerprint=fingerprint, greedy=maps[0], sampling=by_mode["sampling"], meta=meta,
-                   greedy_by_context=tuple(by_context), residual=by_mode["residual"], feature=feature)
+                   greedy_by_context=tuple(by_context), residual=by_mode["residual"], block=by_mode["block"],
+                   feature=feature)
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -384,16 +389,19 @@ def _monotone_2d(value: np.ndarray, weight: np.ndarray, along_confidence: bool, 
 
 
 def fit_map(mode: str, temperature: float, depth: Sequence[int], rank: Sequence[int], prob: Sequence[float],
-            label: Sequence[float], confidence: Sequence[float] | None = None) -> ValueMap:
+            label: Sequence[float], confidence: Sequence[float] | None = None,
+            weight: Sequence[float] | None = None) -> ValueMap:
     """Binned, smoothed and monotone fit of E[label | depth, rank, prob]; `prob` is the node's own
     draft probability (greedy) or its parent's top-1 draft probability (sampling). With `confidence`
     (greedy only: sigma(c) of the node's slot), of E[label | depth, rank, prob, confidence] (a "both"
     calibration's map, `prob` its `both_first_feature`): nondecreasing in `prob`, and for rank 0 in the
     confidence too.
     Later ranks are left free along the confidence: a confident top child leaves its siblings less to be
-    right about, yet marks a slot the drafter reads well, and the data decide which wins."""
-    if mode not in ("greedy", "sampling", "residual"):
-        raise ValueError(f"mode must be 'greedy', 'sampling' or 'residual', got {mode!r}")
+    right about, yet marks a slot the drafter reads well, and the data decide which wins.
+    `weight` (one per sample): a cell's value is then sum(weight * label) / sum(weight), a ratio of
+    expectations (block maps: a child's P(the path passes it) over its parent's)."""
+    if mode not in ("greedy", *SAMPLED_MODES):
+        raise ValueError(f"mode must be one of {('greedy', *SAMPLED_MODES)}, got {mode!r}")
     if confidence is not None and mode != "greedy":
         raise ValueError("only greedy maps read the confidence feature")
     depth, rank, prob, label = (np.asarray(x) for x in (depth, rank, prob, label))
@@ -407,8 +415,11 @@ def fit_map(mode: str, temperature: float, depth: Sequence[int], rank: Sequence[
         shape = (*shape, len(CONFIDENCE_EDGES) + 1)
     cells = int(np.prod(shape))
     index = bin_indices(depth, rank, prob, confidence)
-    n = np.bincount(index, minlength=cells).reshape(shape).astype(np.float64)
-    s = np.bincount(index, weights=label.astype(np.float64), minlength=cells).reshape(shape)
+    w = np.ones(depth.shape) if weight is None else np.asarray(weight, np.float64)
+    if w.shape != depth.shape:
+        raise ValueError(f"weight needs one value per sample ({depth.shape}), got {w.shape}")
+    n = np.bincount(index, weights=w, minlength=cells).reshape(shape)
+    s = np.bincount(index, weights=w * label.astype(np.float64), minlength=cells).reshape(shape)
     # Backoff: a cell borrows strength from the same (rank, prob) cell pooled over depths, which
     # borrows from its rank's overall mean.
     other = tuple(a for a in range(n.ndim) if a != 1)
@@ -419,9 +430,9 @@ def fit_map(mode: str, temperature: float, depth: Sequence[int], rank: Sequence[
     pool = (pool_s + PRIOR_STRENGTH * rank_prior) / (pool_n + PRIOR_STRENGTH)
     value = (s + PRIOR_STRENGTH * pool[None]) / (n + PRIOR_STRENGTH)
     weight = n + PRIOR_STRENGTH
-    # Residual maps stay unconstrained in the feature: under recursive rejection rank 0 is U-shaped and
-    # rank 1 peaks in the parent's top-1 probability (docs/sampling_values.md); only smoothed.
-    for d in range(shape[0] if mode != "residual" else 0):
+    # Residual and block maps stay unconstrained in the feature: under recursive rejection rank 0 is U-shaped
+    # and rank 1 peaks in the parent's top-1 probability (docs/sampling_values.md); only smoothed.
+    for d in range(shape[0] if mode in ("greedy", "sampling") else 0):
         for r in range(shape[1]):
             increasing = mode == "greedy" or r == 0
             row, w = value[d, r], weight[d, r]
@@ -430,8 +441,9 @@ def fit_map(mode: str, temperature: float, depth: Sequence[int], rank: Sequence[
             else:
                 value[d, r] = _pav(row, w) if increasing else -_pav(-row, w)
     value = np.clip(value, *VALUE_RANGE)
+    counts = np.bincount(index, minlength=cells)
     return ValueMap(mode, float(temperature), tuple(float(x) for x in value.ravel()),
-                    tuple(int(x) for x in n.ravel()))
+                    tuple(int(x) for x in counts))
 
 
 def predict(value_map: ValueMap, depth: np.ndarray, rank: np.ndarray, prob: np.ndarray,
