@@ -25,6 +25,7 @@ def main() -> None:
     p.add_argument("--checkpoint", default="checkpoints/tiny-v4")
     p.add_argument("--prompts", type=int, default=32, help="train-split prompts per dataset")
     p.add_argument("--temperatures", default="1.0,0.6")
+    p.add_argument("--steps", type=int, default=10, help="chain depth drafted per cycle")
     p.add_argument("--out", default=None, help="calibration file (default: the checkpoint's calibration.json)")
     args = p.parse_args()
     m = load_model(argparse.Namespace(checkpoint=args.checkpoint, preset=None), None, need_tokenizer="x")
@@ -34,7 +35,7 @@ def main() -> None:
     maps = []
     for t in (float(x) for x in args.temperatures.split(",")):
         t0 = time.time()
-        s = collect_block(m.params, m.cfg, train, t, cycles=12, batch_size=48, num_steps=10, topk=4, replays=8,
+        s = collect_block(m.params, m.cfg, train, t, cycles=12, batch_size=48, num_steps=args.steps, topk=4, replays=8,
                           draft=m.draft)
         fitted = fit_block(s, t)
         maps.append(fitted)
@@ -50,7 +51,7 @@ def main() -> None:
     out = with_block(shipped, maps)
     meta = dict(out.meta)
     meta["block_values"] = (f"experiments/block/values_fit.py: train-split prompts {args.prompts} per dataset, "
-                            f"T {args.temperatures}, s10_k1 chains under the block rule, 12 cycles, 8 replays")
+                            f"T {args.temperatures}, s{args.steps}_k1 chains under the block rule, 12 cycles, 8 replays")
     out = out.__class__(**{**out.__dict__, "meta": tuple(sorted(meta.items()))})
     print(out.save(args.out or args.checkpoint))
 
