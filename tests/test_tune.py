@@ -279,3 +279,32 @@ def test_a_candidate_far_behind_ar_is_not_measured_at_larger_buckets(agreeing_pa
     assert measured == [(b, everything) for b in (1, 4, 16)]
     with pytest.raises(ValueError, match="prune_below"):
         tune(agreeing_params, test_cfg, {"a": PROMPTS}, prune_below=1.5, **args)
+
+
+def test_tune_measures_sampled_decoding_under_a_rule(agreeing_params, test_cfg, tmp_path):
+    """`tune(sampling=Sampled(...))`: AR and the candidate sample at the settings (the rule's tau is a sampled
+    one: > 1 on the agreeing draft), the tuning records them and round-trips them; the CLI's flags are checked
+    (--top-p / --accept without --temperature are errors)."""
+    import argparse
+
+    from jaxspec.cli.common import sampling_from_args
+    from jaxspec.harness.eval import Sampled
+
+    sampled = Sampled(1.0, top_p=0.9, accept="residual", seed=3)
+    tuning = tune(agreeing_params, test_cfg, {"a": PROMPTS[:2]}, batch_sizes=(2,), candidates=("s2_k1_d3",),
+                  max_new_tokens=8, repeats=1, retries=0, progress=False, allow_loaded=True, sampling=sampled)
+    assert tuning.sampling == {"temperature": 1.0, "top_p": 0.9, "accept": "residual", "seed": 3}
+    spec = next(m for m in tuning.measurements if m["spec"] == "s2_k1_d3")
+    assert 1.0 < spec["tau"] <= 3.0
+    back = load_tuning(tuning.save(tmp_path / "tune.json"))
+    assert back.sampling == tuning.sampling and back.choices == tuning.choices
+
+    def args(**kw):
+        return argparse.Namespace(**{"temperature": 0.0, "top_p": None, "accept": None, "seed": 0, **kw})
+
+    assert sampling_from_args(args()) is None
+    assert sampling_from_args(args(temperature=0.6)) == Sampled(0.6)
+    with pytest.raises(ValueError, match="need --temperature"):
+        sampling_from_args(args(accept="block"))
+    with pytest.raises(ValueError, match="accept must be"):
+        Sampled(0.6, accept="rsd")

@@ -1,4 +1,4 @@
-"""Each exact rule's acceptance at every node of the loop's own sampled chains (docs/sampling.md §6).
+"""Each exact rule's acceptance at every node of the loop's own sampled chains (docs/block_verification.md §6).
 
 The loop runs a sampled sS_k1 chain of the checkpoint's draft under `--rule` (its own K = 1 program, so
 the contexts a node is reached in follow that rule's accepted paths). At every chain node whose parent

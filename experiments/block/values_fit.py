@@ -1,6 +1,6 @@
 """Fit block node values (jaxspec/harness/calibrate_block.py) for the shipped checkpoint on train-split
 prompts at T = 1.0 and 0.6 and write them into its calibration beside the greedy and sampling maps, which
-stay as they are (docs/sampling.md §5).
+stay as they are (docs/block_verification.md §4).
 
     JAXSPEC_DATA=../shared/data python experiments/block/values_fit.py [--prompts 32] [--out FILE]
 """
@@ -51,7 +51,8 @@ def main() -> None:
     out = with_block(shipped, maps)
     meta = dict(out.meta)
     meta["block_values"] = (f"experiments/block/values_fit.py: train-split prompts {args.prompts} per dataset, "
-                            f"T {args.temperatures}, s{args.steps}_k1 chains under the block rule, 12 cycles, 8 replays")
+                            f"T {args.temperatures}, s{args.steps}_k1 chains under the block rule, "
+                            "12 cycles, 8 replays")
     out = out.__class__(**{**out.__dict__, "meta": tuple(sorted(meta.items()))})
     print(out.save(args.out or args.checkpoint))
 

@@ -196,6 +196,27 @@ def pin_from_args(args: argparse.Namespace, console: Console | None = None) -> N
         console.print(f"measuring on core {done.get('core')}, single-threaded XLA (jaxspec.core.measure.pin)")
 
 
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    """--temperature / --top-p / --accept / --seed: measure sampled decoding instead of greedy."""
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature (0: greedy, the default); AR and every spec alike")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling (with --temperature)")
+    p.add_argument("--accept", choices=("block", "residual", "target"), default=None,
+                   help="the exact acceptance rule at temperature > 0 (default: block)")
+    p.add_argument("--seed", type=int, default=0, help="rng seed of every sampled run")
+
+
+def sampling_from_args(args: argparse.Namespace) -> Any:
+    """-> `harness.eval.Sampled`, or None for greedy (--top-p / --accept without --temperature are errors)."""
+    from jaxspec.harness.eval import Sampled
+
+    if args.temperature == 0:
+        if args.top_p is not None or args.accept is not None:
+            raise ValueError("--top-p and --accept need --temperature > 0")
+        return None
+    return Sampled(args.temperature, args.top_p, args.accept, args.seed)
+
+
 def add_mesh_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mesh", default=None, metavar="D,T,E",
                    help="shard over a data,tensor,expert mesh, e.g. 1,8,1 (default: one device)")

@@ -13,12 +13,14 @@ from jaxspec.cli.common import (
     add_data_arguments,
     add_measure_arguments,
     add_mesh_arguments,
+    add_sampling_arguments,
     add_weights_args,
     csv,
     load_model,
     mesh_from_args,
     pin_from_args,
     positive,
+    sampling_from_args,
 )
 
 
@@ -42,6 +44,7 @@ def add_parser(subparsers: Any) -> None:
     add_measure_arguments(p)
     add_weights_args(p, checkpoint=True)
     add_mesh_arguments(p)
+    add_sampling_arguments(p)
     p.add_argument("--resume", action="store_true",
                    help="keep the (dataset, batch) groups --out/runs.jsonl already finished and run the rest "
                         "(the default; kept for old command lines)")
@@ -92,7 +95,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     sweep = SweepConfig(
         datasets=args.datasets, specs=tuple(s for s in args.specs if s != "ar"), batch_sizes=args.batch_sizes,
         num_prompts=args.num_prompts, max_new_tokens=args.new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-        repeats=args.repeats,
+        repeats=args.repeats, sampling=sampling_from_args(args),
     )
     mesh = mesh_from_args(args)
     model = load_model(args, console, need_tokenizer="the sweep", mesh=mesh)

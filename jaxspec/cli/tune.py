@@ -15,12 +15,14 @@ from jaxspec.cli.common import (
     add_draft_argument,
     add_measure_arguments,
     add_mesh_arguments,
+    add_sampling_arguments,
     add_weights_args,
     csv,
     load_model,
     mesh_from_args,
     pin_from_args,
     positive,
+    sampling_from_args,
 )
 
 
@@ -49,6 +51,7 @@ def add_parser(subparsers: Any) -> None:
     add_measure_arguments(p)
     add_weights_args(p, checkpoint=True)
     add_mesh_arguments(p)
+    add_sampling_arguments(p)
     p.add_argument("--projected", default=None, metavar="ACCELERATOR",
                    help="choose with the analytic cost model's projected step times on this accelerator (e.g. "
                    "h200) and the tau measured here, instead of this machine's times")
@@ -113,7 +116,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     tuning = tune(model.params, model.cfg, prompts, args.batch_sizes, args.candidates, args.new_tokens,
                   repeats=args.repeats, allow_loaded=args.allow_loaded, projected=args.projected,
                   projected_cfg=projected_cfg, projected_mesh=projected_mesh, resume=progress,
-                  prune_below=args.prune_below or None, draft=model.draft, devices=mesh)
+                  prune_below=args.prune_below or None, draft=model.draft, devices=mesh,
+                  sampling=sampling_from_args(args))
     out = tuning.save(out)
     console.print(tuning_table(tuning))
     console.print("chosen: " + ", ".join(f"batch {b}: {name}" for b, name in tuning.choices.items()))

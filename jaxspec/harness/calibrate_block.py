@@ -2,7 +2,7 @@
 (`verify.traversal_accept`), fitted per (depth, rank, the parent's processed top-1 draft probability).
 
 Under the block rule the path passes a node n with probability P(n's subtree is tried) * w_n, where w_n
-is n's sequence-level weight (docs/sampling.md §4: a subtree tried with weight w is accepted with
+is n's sequence-level weight (docs/block_verification.md §3: a subtree tried with weight w is accepted with
 probability exactly w, whatever lies below it). Along a chain every node is tried, so P(the path passes
 n) = E[w_n]. A child c_j of rank j (siblings drawn without replacement, tried in sampling order) is tried
 when its earlier siblings' subtrees were all rejected and is then accepted with its own weight, so

@@ -39,6 +39,39 @@ LINEAR_SPECS = ("s4_k1_d5", "s5_k1_d6", "s6_k1_d7", "s7_k1_d8")
 TREE_SPECS = tuple(f"s{s}_k2_d{d}" for s in (3, 4, 5) for d in (5, 6, 7, 8) if s < d)
 
 
+@dataclasses.dataclass(frozen=True)
+class Sampled:
+    """The sampling a sweep or a tune measures at (None there: greedy): temperature / top-p processing,
+    the acceptance rule of the speculative runs (`speculation/policy.py`; None = the default at T > 0,
+    "block") and the seed of every run (the same draws in every timed round)."""
+
+    temperature: float
+    top_p: float | None = None
+    accept: str | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        from jaxspec.speculation.policy import ACCEPT_RULES
+
+        if not self.temperature > 0:
+            raise ValueError(f"a sampled run needs temperature > 0, got {self.temperature}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.accept is not None and self.accept not in ACCEPT_RULES:
+            raise ValueError(f"accept must be one of {ACCEPT_RULES}, got {self.accept!r}")
+
+    def kwargs(self, speculative: bool) -> dict[str, Any]:
+        """The keywords `generate` / `speculative_generate` take for these settings."""
+        out: dict[str, Any] = dict(temperature=self.temperature, top_p=self.top_p, rng=jax.random.key(self.seed))
+        if speculative:
+            out["accept"] = self.accept
+        return out
+
+    def record(self) -> dict[str, Any]:
+        return {"temperature": self.temperature, "top_p": self.top_p, "accept": self.accept or "block",
+                "seed": self.seed}
+
+
 # ---- data-parallel runs ------------------------------------------------------------------------
 
 
@@ -63,11 +96,13 @@ def run_batch(
     pad_batch_to: int | None = None,
     *,
     draft: Draft | None = None,
+    sampling: Sampled | None = None,
 ) -> dict[str, Any]:
-    """Greedy generation of one prompt batch with `generate` / `speculative_generate` (of `draft`: its
-    calibration ranks the trees); -> tokens, lengths, stats, seconds. `devices`: a sequence of devices
-    (default: the local ones) runs one replica of the model per device; a Mesh runs the model sharded
-    over it (params placed there by `shard_params` / `load_checkpoint(mesh=)`, the batch over "data").
+    """Generation of one prompt batch with `generate` / `speculative_generate` (of `draft`: its calibration
+    ranks the trees), greedy or at `sampling`'s settings; -> tokens, lengths, stats, seconds. `devices`: a
+    sequence of devices (default: the local ones) runs one replica of the model per device; a Mesh runs the
+    model sharded over it (params placed there by `shard_params` / `load_checkpoint(mesh=)`, the batch over
+    "data").
 
     Prompts are padded to `longest_prompt` (the longest of a whole dataset) and the batch to
     `pad_batch_to` rows, so every batch of a sweep reuses one compiled program and no timing
@@ -90,9 +125,10 @@ def run_batch(
     kwargs = dict(max_new_tokens=max_new_tokens, eos_id=eos_id, mesh=mesh, prompt_lengths=padded_lengths)
     start = time.perf_counter()
     if spec is None:
-        out = generate(params, cfg, tokens, **kwargs)
+        out = generate(params, cfg, tokens, **kwargs, **(sampling.kwargs(False) if sampling else {}))
     else:
-        out = speculative_generate(params, cfg, tokens, spec, **kwargs, draft=draft)
+        out = speculative_generate(params, cfg, tokens, spec, **kwargs, draft=draft,
+                                   **(sampling.kwargs(True) if sampling else {}))
     seconds = time.perf_counter() - start
     n = len(prompts)
     per_sequence = {k: np.asarray(v)[:n] for k, v in out.stats["per_sequence"].items()}
@@ -119,6 +155,7 @@ def timed_methods(
     describe: Callable[[str], None] | None = None,
     *,
     draft: Draft | None = None,
+    sampling: Sampled | None = None,
 ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     """Every method over every prompt batch, timed as the measurement discipline says (`jaxspec.core.measure`).
 
@@ -130,7 +167,8 @@ def timed_methods(
     the Watch's verdict, with the first method as the reference)."""
     run = {name: functools.partial(run_batch, params, cfg, m[1] if isinstance(m, tuple) else m,
                                    max_new_tokens=max_new_tokens, devices=devices, longest_prompt=longest_prompt,
-                                   pad_batch_to=pad_batch_to, draft=m[0] if isinstance(m, tuple) else draft)
+                                   pad_batch_to=pad_batch_to, draft=m[0] if isinstance(m, tuple) else draft,
+                                   sampling=sampling)
            for name, m in methods.items()}
     first = {}
     for name, call in run.items():
@@ -207,6 +245,7 @@ class SweepConfig:
     max_prompt_tokens: int = 192
     rank_width: int = 4
     repeats: int = 3  # timed rounds per (dataset, batch size) group, every method round-robin (jaxspec.core.measure)
+    sampling: Sampled | None = None  # None: greedy
 
     def __post_init__(self):
         bad = [d for d in self.datasets if d not in EVAL_DATASETS]
@@ -300,7 +339,7 @@ def run_sweep(
                 timed, verdict = timed_methods(
                     params, cfg, methods, batches, sweep.max_new_tokens, sweep.repeats, longest, batch_size, devices,
                     lambda text, name=name, b=batch_size: bar.update(task, description=f"{name} b={b} {text}"),
-                    draft=draft)
+                    draft=draft, sampling=sweep.sampling)
                 for method, spec in methods.items():
                     record = _sweep_record(name, batch_size, spec, len(prompts), sweep, timed[method], verdict,
                                            acceptance, timed["ar"]["tokens_per_s"])
@@ -322,6 +361,7 @@ def _sweep_record(dataset: str, batch_size: int, spec: SpecConfig | None, num_pr
         "max_new_tokens": sweep.max_new_tokens, "tokens_per_s": timed["tokens_per_s"], "seconds": timed["seconds"],
         "generated": timed["generated"], "spread": timed["spread"], "repeats": sweep.repeats,
         "devices": outputs[0]["devices"], "measurement": verdict,
+        **({"sampling": sweep.sampling.record()} if sweep.sampling else {}),
     }
     if spec is None:
         rows = np.concatenate([res["tokens"] for res in outputs])
@@ -381,13 +421,15 @@ def _finished_groups(
     records: list[dict[str, Any]], sweep: SweepConfig, num_prompts: dict[str, int]
 ) -> dict[tuple[str, int], list[dict[str, Any]]]:
     """(dataset, batch size) -> its records, for the groups of `sweep` that hold AR and every spec, run
-    on as many prompts and new tokens as this sweep."""
+    on as many prompts and new tokens, at the same sampling settings, as this sweep."""
     wanted = {"ar", *sweep.specs}
     groups: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
     for r in records:
         if r.get("dataset") not in num_prompts or r.get("batch_size") not in sweep.batch_sizes:
             continue
         if r.get("num_prompts") != num_prompts[r["dataset"]] or r.get("max_new_tokens") != sweep.max_new_tokens:
+            continue
+        if r.get("sampling") != (sweep.sampling.record() if sweep.sampling else None):  # greedy or other settings
             continue
         groups.setdefault((r["dataset"], r["batch_size"]), {})[r["spec"]] = r
     return {key: [g[s] for s in ["ar", *sweep.specs]] for key, g in groups.items() if wanted <= set(g)}

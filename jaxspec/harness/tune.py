@@ -36,7 +36,7 @@ from jaxspec import cost as costmodel
 from jaxspec.core.checks import is_int
 from jaxspec.core.config import ModelConfig
 from jaxspec.core.spec import SpecConfig
-from jaxspec.harness.eval import timed_methods
+from jaxspec.harness.eval import Sampled, timed_methods
 from jaxspec.model.network import ModelParams, check_params
 from jaxspec.speculation.auto import NO_SPECULATION, Tuning, qualified, split_choice
 from jaxspec.speculation.drafter import Draft, DraftSet
@@ -107,6 +107,7 @@ def tune(
     *,
     draft: Draft | DraftSet | None = None,
     devices: Sequence[jax.Device] | jax.sharding.Mesh | None = None,  # as `harness.eval.run_batch` takes them
+    sampling: Sampled | None = None,  # the settings to choose for (rule included); None = greedy
 ) -> Tuning:
     """Time AR and every candidate end to end per batch bucket and dataset; choose per bucket.
 
@@ -137,7 +138,7 @@ def tune(
     rows = {name: _checked_prompts(cfg, p, max_new_tokens + max_steps + 1) for name, p in prompts.items()}
     longest = max(len(p) for ps in rows.values() for p in ps)
     buckets = sorted({batch_bucket(int(b)) for b in batch_sizes})
-    signature = _signature(cfg, rows, list(methods), max_new_tokens, repeats)
+    signature = _signature(cfg, rows, list(methods), max_new_tokens, repeats, sampling)
     finished = _finished_groups(resume, signature)
     if prune_below is not None and not 0 <= prune_below <= 1:
         raise ValueError(f"prune_below must be in [0, 1] or None, got {prune_below!r}")
@@ -151,7 +152,7 @@ def tune(
                 if key not in finished:
                     group = _measure_group(params, cfg, methods, ps, b, max_new_tokens, repeats, retries, longest,
                                            lambda text, k=key: bar.update(task, description=f"{k} {text}"), one_draft,
-                                           devices)
+                                           devices, sampling)
                     if not group["verdict"]["clean"] and not allow_loaded:
                         raise ValueError(f"batch {b}, {name}: the machine stayed loaded over {retries + 1} tries ("
                                          f"{'; '.join(group['verdict']['reasons'])}); tune on a quiet machine "
@@ -178,6 +179,7 @@ def tune(
         projected=None if projected is None else f"{projected}:{(projected_cfg or cfg).num_layers}-layer model",
         groups=tuple(records),
         verdicts=tuple(verdicts),
+        sampling=None if sampling is None else sampling.record(),
     )
 
 
@@ -187,7 +189,7 @@ def _checked_prompts(cfg: ModelConfig, prompts: Sequence[Sequence[int]], room: i
 
 
 def _measure_group(params, cfg, methods, prompts, b, max_new_tokens, repeats, retries, longest, describe, draft,
-                   devices):
+                   devices, sampling=None):
     """AR and every candidate over max(b, MIN_PROMPTS) prompts (cycled if too few) in batches of b, timed
     round-robin; retried while the machine is loaded -> {"records": [...], "verdict": ...}."""
     count = max(b, MIN_PROMPTS)
@@ -195,7 +197,7 @@ def _measure_group(params, cfg, methods, prompts, b, max_new_tokens, repeats, re
     batches = [chosen[i : i + b] for i in range(0, count, b)]
     for attempt in range(retries + 1):
         timed, verdict = timed_methods(params, cfg, methods, batches, max_new_tokens, repeats, longest, b,
-                                       devices, describe, draft=draft)
+                                       devices, describe, draft=draft, sampling=sampling)
         if verdict["clean"]:
             break
         describe(f"loaded ({'; '.join(verdict['reasons'])}): measuring again ({attempt + 1}/{retries})")
@@ -252,10 +254,14 @@ def project_measurements(measurements: list[dict[str, Any]], cfg: ModelConfig, c
         m["projected_tokens_per_s"] = m["batch"] * (1.0 if spec is None else m["tau"]) / seconds
 
 
-def _signature(cfg: ModelConfig, prompts, names: list[str], max_new_tokens: int, repeats: int) -> str:
+def _signature(cfg: ModelConfig, prompts, names: list[str], max_new_tokens: int, repeats: int,
+               sampling: Sampled | None = None) -> str:
     """What a finished group's measurements depend on: a resumed run reuses only matching ones."""
-    what = json.dumps([repr(cfg), prompts, [n for n in names if n != NO_SPECULATION], max_new_tokens, repeats,
-                       [d.device_kind for d in jax.local_devices()]])
+    what = [repr(cfg), prompts, [n for n in names if n != NO_SPECULATION], max_new_tokens, repeats,
+            [d.device_kind for d in jax.local_devices()]]
+    if sampling is not None:  # greedy signatures as before
+        what.append(sampling.record())
+    what = json.dumps(what)
     return hashlib.sha256(what.encode()).hexdigest()[:16]
 
 

@@ -49,6 +49,9 @@ class Tuning:
     projected: str | None = None  # the accelerator the times were projected onto, when not measured
     groups: tuple[dict[str, Any], ...] = ()  # per (bucket, dataset, spec): the timing each pooled row sums
     verdicts: tuple[dict[str, Any], ...] = ()  # per (bucket, dataset): the measurement verdict (jaxspec.core.measure)
+    # the sampling it was measured at ({"temperature", "top_p", "accept", "seed"}, `harness.eval.Sampled`);
+    # None = greedy
+    sampling: dict[str, Any] | None = None
 
     def name_for(self, batch_size: int) -> str:
         """The method chosen for `batch_size` (the nearest calibrated bucket in log scale), as named."""
@@ -88,6 +91,7 @@ class Tuning:
                 projected=data.get("projected"),
                 groups=tuple(data.get("groups", ())),
                 verdicts=tuple(data.get("verdicts", ())),
+                sampling=None if data.get("sampling") is None else dict(data["sampling"]),
             )
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ValueError(f"not a jaxspec tuning file (missing or malformed field: {e})") from e

@@ -142,7 +142,7 @@ def chain_block_accept(
     keys: jax.Array,  # [B, S+1] typed keys, independent per (sequence, cycle, node)
 ) -> Acceptance:
     """Block verification (Sun et al., ICLR 2025): the longest prefix is accepted by a sequence-level rule,
-    not token by token (docs/sampling.md §4 gives the proof).
+    not token by token (docs/block_verification.md gives the proof).
 
     With r_i = p_{i-1}(x_i) / q_i(x_i), the running weight w_0 = 1, w_i = min(1, w_{i-1} r_i) and the
     residual masses z_i = sum_v max(w_i p_i(v) - q_{i+1}(v), 0), prefix i is accepted with probability
@@ -321,7 +321,7 @@ def traversal_accept(
     topk: int,
 ) -> Acceptance:
     """Sequence-level verification of a sampled tree (block verification's tree form, in the spirit of
-    Weng et al.'s Traversal Verification; docs/sampling.md §4 derives it and proves it exact).
+    Weng et al.'s Traversal Verification; docs/block_verification.md derives it and proves it exact).
 
     Every node n gets a weight w_n (root 1) and a target measure T, first w_n p_n; its children, in
     sampling order, each take the weight min(1, T(x)/q(x)) from the T and q of that moment, after which
