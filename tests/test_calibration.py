@@ -248,3 +248,24 @@ def test_calibrated_tree_samples_the_target(calibration, confident_params, test_
 def test_calibrated_deep_trees_sample_the_target_long(calibration, confident_params, test_cfg, spec, setting, n):
     cal = Calibration(draft_fingerprint(confident_params.mtp, test_cfg), calibration.greedy, calibration.sampling)
     _sampling_case(cal, confident_params, test_cfg, spec, setting, n)
+
+
+def test_cli_calibrate_fits_block_values_too(tmp_path):
+    """`jaxspec calibrate` on the shipped checkpoint, tiny settings: the file holds the greedy and sampling maps
+    and the block rule's maps at each temperature, and loads against the draft (docs/block_verification.md)."""
+    import os
+
+    from jaxspec.checkpoint import load_checkpoint
+    from jaxspec.cli import main
+    from jaxspec.speculation.values import load_calibration
+    from jaxspec.training.data import data_available
+
+    if not (os.path.isdir("checkpoints/tiny-v4") and data_available()):
+        pytest.skip("needs the shipped checkpoint and ../shared/data")
+    out = tmp_path / "calibration.json"
+    assert main(["calibrate", "--checkpoint", "checkpoints/tiny-v4", "--datasets", "gsm8k", "--num-prompts", "2",
+                 "--cycles", "2", "--steps", "3", "--topk", "2", "--temperatures", "1.0", "--heldout", "0",
+                 "--batch-size", "2", "--out", str(out)]) == 0
+    ckpt = load_checkpoint("checkpoints/tiny-v4", dtype="float32")
+    cal = load_calibration(out, ckpt.draft.params, ckpt.cfg)
+    assert [m.temperature for m in cal.sampling] == [1.0] and [m.mode for m in cal.block] == ["block"]

@@ -57,6 +57,9 @@ def add_parser(subparsers: Any) -> None:
                    help="held-out (test-split) prompts per dataset to measure calibration error on (0 = none)")
     add_weights_args(p, checkpoint=True)
     add_mesh_arguments(p)
+    p.add_argument("--block-values", action=argparse.BooleanOptionalAction, default=True,
+                   help="also fit the block rule's node values at each --temperatures (sampled trees; "
+                        "docs/block_verification.md; draft-probability calibrations only)")
     p.add_argument("--figure", default=None, help="reliability diagram PNG (held-out; default none)")
     p.add_argument("--out", default=None, help="calibration file (default CHECKPOINT/calibration.json, with --draft "
                    "CHECKPOINT/drafts/NAME/calibration.json; --values confidence / both: calibration_confidence.json / "
@@ -95,6 +98,14 @@ def run(args: argparse.Namespace, console: Console) -> int:
             "cycles": args.cycles, "steps": args.steps, "topk": args.topk,
             "checkpoint": os.path.basename(os.path.normpath(args.checkpoint)), "draft": args.draft or "default"}
     calibration = fit(train, draft_fingerprint(model.draft.params, model.cfg), meta, feature=args.values)
+    if args.block_values and args.values == "draft":
+        from jaxspec.harness.calibrate_block import collect_block, fit_block, with_block
+
+        t0 = time.perf_counter()
+        block = [fit_block(collect_block(model.params, model.cfg, prompts, t, args.cycles, args.batch_size, args.steps,
+                                         args.topk, draft=model.draft), t) for t in temps[1:]]
+        calibration = with_block(calibration, block)
+        console.print(f"block values at T = {', '.join(str(t) for t in temps[1:])} in {time.perf_counter() - t0:.0f} s")
     out = calibration.save(args.out or os.path.join(sidecars, calibration_file(args.values)))
     load_calibration(out, model.draft.params, model.cfg)  # what load_checkpoint will read must parse and match
     console.print(f"saved to {out}")
