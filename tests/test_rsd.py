@@ -334,9 +334,10 @@ def test_speculative_generate_samples_the_target_by_rule(confident_params, test_
     assert result["tau"] > 1.3, result
 
 
-def test_residual_loop_compiles_once_and_greedy_is_generate(confident_params, test_cfg):
+@pytest.mark.parametrize("rule", RULES)
+def test_sampled_loop_compiles_once_and_greedy_is_generate(confident_params, test_cfg, rule):
     prompts = [[5, 6, 7], [9, 8, 7, 6, 5], [4], [3, 3, 3, 3]]
-    kw = dict(max_new_tokens=8, accept="residual")
+    kw = dict(max_new_tokens=8, accept=rule)
     first = js.speculative_generate(confident_params, test_cfg, prompts, "s2_k2_d4", temperature=1.0,
                                     rng=jax.random.key(0), **kw)
     before = speculative_compile_count()
