@@ -44,7 +44,7 @@ RANKS = [
      "jaxspec.training.plots", "jaxspec.cost"),
     ("jaxspec.cost.xla", "jaxspec.harness.eval", "jaxspec.training.train", "jaxspec.training.dspark"),
     ("jaxspec.harness.tune", "jaxspec.training.distill", "jaxspec.training.dspark_anchors", "jaxspec.harness.calibrate",
-     "jaxspec.harness.calibrate_residual"),
+     "jaxspec.harness.calibrate_residual", "jaxspec.harness.calibrate_block"),
     ("jaxspec.cli",),
     ("jaxspec", "jaxspec.__main__"),
 ]

@@ -32,10 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.core.programs import bounded_jit
-from jaxspec.harness.calibrate import chain_cycles_in_slices, chain_speculator
+from jaxspec.harness.calibrate import chain_cycles_in_slices, chain_speculator, sampled_chain_records
 from jaxspec.model.network import Models
-from jaxspec.model.sampling import Sampling, processed_logprobs
-from jaxspec.speculation.cycle import accept_stage, commit_stage, draft_stage, plan_stage, prefill, verify_stage
+from jaxspec.model.sampling import Sampling
 
 NODE_RULES = ("chain", "rrs_with", "rrs_without", "greedy_set", "ot_iid", "ot_without")
 CHAIN_RULES = ("token", "block", "ceiling")
@@ -104,24 +103,16 @@ def _probe_loop(models, sp, prompt_tokens, prompt_lengths, shape, sampling):
     cycles, max_len = shape
     bb = prompt_tokens.shape[0]
     steps = sp.spec.num_steps
-    state = prefill(sp, models, prompt_tokens, prompt_lengths, max_len, sampling)
 
-    def body(state, _):
-        chain = draft_stage(sp, models, state, sampling)
-        out = verify_stage(sp, models, state.target, chain, plan_stage(sp, state.target, chain))
-        acc = accept_stage(sp, chain, out.logits, sampling, state.stats.cycles)
-        state, _ = commit_stage(sp, models, state, chain, out, acc, jnp.ones((bb,), bool))
-        logq = chain.q[:, 1:]
-        logp = processed_logprobs(out.logits, sampling.temperature, sampling.top_k, sampling.top_p)
+    def record(chain, logq, logp, acc, cycle):
         vocab = logq.shape[-1]
         rates = node_rates(jnp.exp(logp[:, :-1]).reshape(-1, vocab), jnp.exp(logq).reshape(-1, vocab))
         rates = {k: v.reshape(bb, steps) for k, v in rates.items()}
         mask = jnp.arange(1, steps + 1)[None, :] <= acc.num_accepted[:, None] + 1  # parent on the path
         reach = chain_reach(chain.tokens, logq, logp)
-        return state, (*(rates[k] for k in NODE_RULES), *(reach[k] for k in CHAIN_RULES), mask, acc.num_accepted)
+        return (*(rates[k] for k in NODE_RULES), *(reach[k] for k in CHAIN_RULES), mask, acc.num_accepted)
 
-    _, records = jax.lax.scan(body, state, None, length=cycles)
-    return records
+    return sampled_chain_records(sp, models, prompt_tokens, prompt_lengths, cycles, max_len, sampling, record)
 
 
 def probe(cfg, params, draft, prompts, temperature, rule, steps, cycles, batch, top_p=None, seed=0) -> dict:

@@ -31,6 +31,7 @@ from jaxspec.speculation.cycle import (
     Speculator,
     accept_stage,
     commit_stage,
+    draft_stage,
     plan_stage,
     prefill,
     verify_stage,
@@ -129,6 +130,34 @@ def _collect_loop(
 
     _, records = jax.lax.scan(body, (state, jnp.zeros((bb,), jnp.int32)), None, length=cycles)
     return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), records)
+
+
+def sampled_chain_records(
+    sp: Speculator,  # an sS_k1 chain under a sampled rule: the loop's own K = 1 program
+    models: Models,
+    prompt_tokens: jax.Array,  # [B, Sb] int32
+    prompt_lengths: jax.Array,  # [B] int32
+    cycles: int,
+    max_len: int,
+    sampling: Sampling,
+    record: Callable[[Tree, jax.Array, jax.Array, Any, jax.Array], Any],
+) -> Any:
+    """Prefill, then `cycles` chain cycles of `sp` as the loop runs them (traced: call it inside a jit);
+    record(chain, log q [B, S, V] each chain token was drawn from, processed target log p [B, S+1, V],
+    the Acceptance, the cycle counter [B]) -> a pytree per cycle, stacked [C, ...]."""
+    bb = prompt_tokens.shape[0]
+    state = prefill(sp, models, prompt_tokens, prompt_lengths, max_len, sampling)
+
+    def body(state, _):
+        cycle = state.stats.cycles
+        chain = draft_stage(sp, models, state, sampling)
+        out = verify_stage(sp, models, state.target, chain, plan_stage(sp, state.target, chain))
+        acc = accept_stage(sp, chain, out.logits, sampling, cycle)
+        state, _ = commit_stage(sp, models, state, chain, out, acc, jnp.ones((bb,), bool))
+        logp = processed_logprobs(out.logits, sampling.temperature, sampling.top_k, sampling.top_p)
+        return state, record(chain, chain.q[:, 1:], logp, acc, cycle)
+
+    return jax.lax.scan(body, state, None, length=cycles)[1]
 
 
 def chain_cycles_in_slices(

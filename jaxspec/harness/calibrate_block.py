@@ -28,18 +28,10 @@ import numpy as np
 
 from jaxspec.core.config import ModelConfig
 from jaxspec.core.programs import bounded_jit
-from jaxspec.harness.calibrate import chain_cycles_in_slices, chain_speculator
+from jaxspec.harness.calibrate import chain_cycles_in_slices, chain_speculator, sampled_chain_records
 from jaxspec.model.network import ModelParams, Models
-from jaxspec.model.sampling import Sampling, processed_logprobs
-from jaxspec.speculation.cycle import (
-    Speculator,
-    accept_stage,
-    commit_stage,
-    draft_stage,
-    plan_stage,
-    prefill,
-    verify_stage,
-)
+from jaxspec.model.sampling import Sampling
+from jaxspec.speculation.cycle import Speculator
 from jaxspec.speculation.drafter import Draft
 from jaxspec.speculation.generate import draft_of
 from jaxspec.speculation.values import Calibration, ValueMap, fit_map
@@ -98,25 +90,16 @@ def _collect_block_loop(
     k, cycles, max_len, replays = shape
     num_steps = sp.spec.num_steps
     bb = prompt_tokens.shape[0]
-    state = prefill(sp, models, prompt_tokens, prompt_lengths, max_len, sampling)
     label_key = jax.random.fold_in(sampling.key, 0xB10C)  # apart from the loop's node keys
 
-    def body(state, _):
-        cycle = state.stats.cycles
-        chain = draft_stage(sp, models, state, sampling)
-        out = verify_stage(sp, models, state.target, chain, plan_stage(sp, state.target, chain))
-        acc = accept_stage(sp, chain, out.logits, sampling, cycle)
-        state, _ = commit_stage(sp, models, state, chain, out, acc, jnp.ones((bb,), bool))
-        logq = chain.q[:, 1:]  # [B, S, V]: what chain token j + 1 was drawn from, i.e. node j's children's q
-        logp = processed_logprobs(out.logits, sampling.temperature, sampling.top_k, sampling.top_p)  # [B, S+1, V]
+    def record(chain, logq, logp, acc, cycle):  # logq [B, S, V]: node j's children's q (chain token j + 1's)
         weight = chain_weights(chain.tokens, logq, logp)  # [B, S] of nodes 0..S-1, the parents
         vocab = logq.shape[-1]
         label = replay_values(logq.reshape(-1, vocab), jnp.exp(logp[:, :-1]).reshape(-1, vocab), weight.reshape(-1),
                               jax.random.fold_in(label_key, cycle[0]), k, replays).reshape(bb, num_steps, k)
-        return state, (label, weight, jnp.exp(jnp.max(logq, -1)))
+        return label, weight, jnp.exp(jnp.max(logq, -1))
 
-    _, records = jax.lax.scan(body, state, None, length=cycles)
-    return records
+    return sampled_chain_records(sp, models, prompt_tokens, prompt_lengths, cycles, max_len, sampling, record)
 
 
 def collect_block(

@@ -26,18 +26,10 @@ import numpy as np
 
 from jaxspec.core.config import ModelConfig
 from jaxspec.core.programs import bounded_jit
-from jaxspec.harness.calibrate import chain_cycles_in_slices, chain_speculator
+from jaxspec.harness.calibrate import chain_cycles_in_slices, chain_speculator, sampled_chain_records
 from jaxspec.model.network import ModelParams, Models
-from jaxspec.model.sampling import Sampling, processed_logprobs
-from jaxspec.speculation.cycle import (
-    Speculator,
-    accept_stage,
-    commit_stage,
-    draft_stage,
-    plan_stage,
-    prefill,
-    verify_stage,
-)
+from jaxspec.model.sampling import Sampling
+from jaxspec.speculation.cycle import Speculator
 from jaxspec.speculation.drafter import Draft
 from jaxspec.speculation.generate import draft_of
 from jaxspec.speculation.values import Calibration, ValueMap, fit_map
@@ -85,17 +77,9 @@ def _collect_residual_loop(
     k, cycles, max_len, replays = shape
     num_steps = sp.spec.num_steps
     bb = prompt_tokens.shape[0]
-    state = prefill(sp, models, prompt_tokens, prompt_lengths, max_len, sampling)
     label_key = jax.random.fold_in(sampling.key, 0x5EED)  # apart from the loop's node keys
 
-    def body(state, _):
-        cycle = state.stats.cycles
-        chain = draft_stage(sp, models, state, sampling)  # each chain token a draw from the draft's processed q
-        out = verify_stage(sp, models, state.target, chain, plan_stage(sp, state.target, chain))
-        acc = accept_stage(sp, chain, out.logits, sampling, cycle)
-        state, _ = commit_stage(sp, models, state, chain, out, acc, jnp.ones((bb,), bool))
-        logq = chain.q[:, 1:]  # [B, S, V] the distribution chain token j was drawn from
-        logp = processed_logprobs(out.logits, sampling.temperature, sampling.top_k, sampling.top_p)  # [B, S+1, V]
+    def record(chain, logq, logp, acc, cycle):  # logq [B, S, V]: the distribution chain token j was drawn from
         vocab = logq.shape[-1]
         label = replay_labels(logq.reshape(-1, vocab), jnp.exp(logp[:, :-1]).reshape(-1, vocab),
                               jax.random.fold_in(label_key, cycle[0]), k, replays).reshape(bb, num_steps, k)
@@ -103,10 +87,9 @@ def _collect_residual_loop(
         top1 = jnp.max(q, -1)  # [B, S]
         entropy = -jnp.sum(jnp.where(q > 0, q * logq, 0.0), -1)
         mask = jnp.arange(1, num_steps + 1)[None, :] <= acc.num_accepted[:, None] + 1  # parent on the path
-        return state, (label, top1, entropy, mask)
+        return label, top1, entropy, mask
 
-    _, records = jax.lax.scan(body, state, None, length=cycles)
-    return records
+    return sampled_chain_records(sp, models, prompt_tokens, prompt_lengths, cycles, max_len, sampling, record)
 
 
 def collect_residual(

@@ -101,6 +101,18 @@ def chain_residual_accept(
     as `generate` processes it. All coins and residual draws are made for every node at once; the
     accepted length is a prefix count, so there is no sequential walk.
     """
+    steps = _check_chain(tokens, draft_logprobs, target_logprobs)
+    coins, noise = _coins_and_noise(keys, target_logprobs.shape[-1])
+    accept = coins[:, 1:] < jnp.exp(_log_ratios(tokens, draft_logprobs, target_logprobs))  # u < p/q
+    num_accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    at = jnp.minimum(num_accepted, steps - 1)[:, None, None]
+    p_at = jnp.exp(jnp.take_along_axis(target_logprobs, at, axis=1)[:, 0])  # [B, V]
+    q_next = jnp.exp(jnp.take_along_axis(draft_logprobs, at, axis=1)[:, 0])
+    return _chain_outcome(num_accepted, jnp.maximum(p_at - q_next, 0.0), target_logprobs, noise)
+
+
+def _check_chain(tokens, draft_logprobs, target_logprobs) -> int:
+    """-> S, the chain's drafts, once the shapes agree."""
     b, d = tokens.shape
     steps = d - 1
     if draft_logprobs.shape[:2] != (b, steps) or target_logprobs.shape[:2] != (b, d):
@@ -108,22 +120,31 @@ def chain_residual_accept(
             f"chain shapes disagree: tokens {tokens.shape} needs draft_logprobs [B={b}, S={steps}, V] and "
             f"target_logprobs [B={b}, S+1={d}, V], got {draft_logprobs.shape} and {target_logprobs.shape}"
         )
-    split = jax.vmap(jax.vmap(jax.random.split))(keys)  # [B, S+1, 2]
-    vocab = target_logprobs.shape[-1]
-    coins = jax.vmap(jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32)))(split[..., 0])  # [B, S+1]
-    noise = jax.vmap(jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32)))(split[..., 1])  # [B, S+1, V]
+    return steps
+
+
+def _log_ratios(tokens, draft_logprobs, target_logprobs):
+    """-> [B, S] log r_j = log p_{j-1}(x_j) - log q_j(x_j); -inf for a token outside q's support (not a draw)."""
     drafts = tokens[:, 1:, None]
-    p_x = jnp.exp(jnp.take_along_axis(target_logprobs[:, :-1], drafts, axis=2)[..., 0])  # [B, S]
-    q_x = jnp.exp(jnp.take_along_axis(draft_logprobs, drafts, axis=2)[..., 0])
-    accept = coins[:, 1:] * q_x < p_x  # u < p/q without dividing
-    num_accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    log_p_x = jnp.take_along_axis(target_logprobs[:, :-1], drafts, axis=2)[..., 0]
+    log_q_x = jnp.take_along_axis(draft_logprobs, drafts, axis=2)[..., 0]
+    return jnp.where(log_q_x > -jnp.inf, log_p_x - log_q_x, -jnp.inf)
+
+
+def _chain_outcome(
+    num_accepted: jax.Array,  # [B] accepted drafts
+    residual: jax.Array,  # [B, V] the (unnormalised) law of the bonus where the chain stopped short
+    target_logprobs: jax.Array,  # [B, S+1, V]
+    noise: jax.Array,  # [B, S+1, V] Gumbel noise per node
+) -> Acceptance:
+    """A chain's accepted prefix and its bonus: a draw from `residual` where it stopped short, from p_S
+    after a full accept, with the noise of the node it stopped at."""
+    d = target_logprobs.shape[1]
     last = num_accepted[:, None, None]
     p_last = jnp.exp(jnp.take_along_axis(target_logprobs, last, axis=1)[:, 0])  # [B, V]
-    q_next = jnp.exp(jnp.take_along_axis(draft_logprobs, jnp.minimum(last, steps - 1), axis=1)[:, 0])
-    residual = jnp.maximum(p_last - q_next, 0.0)
-    # p == q leaves no residual, but then rejection has probability 0: fall back to p to stay finite.
+    # a zero residual has probability 0 of being reached (p == q, or h = 1 before it): p keeps the draw finite
     residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p_last)
-    dist = jnp.where(num_accepted[:, None] < steps, residual, p_last)
+    dist = jnp.where(num_accepted[:, None] < d - 1, residual, p_last)
     bonus = jnp.argmax(jnp.log(dist) + jnp.take_along_axis(noise, last, axis=1)[:, 0], axis=-1).astype(jnp.int32)
     nodes = jnp.arange(d, dtype=jnp.int32)[None, :]
     return Acceptance(
@@ -152,19 +173,10 @@ def chain_block_accept(
     [B, S, V] pass; the weights are a running minimum in log space, w_i = exp(c_i - max_{j<=i} c_j) with
     c the cumulative sum of log r (no sequential loop).
     """
+    steps = _check_chain(tokens, draft_logprobs, target_logprobs)
     b, d = tokens.shape
-    steps = d - 1
-    if draft_logprobs.shape[:2] != (b, steps) or target_logprobs.shape[:2] != (b, d):
-        raise ValueError(
-            f"chain shapes disagree: tokens {tokens.shape} needs draft_logprobs [B={b}, S={steps}, V] and "
-            f"target_logprobs [B={b}, S+1={d}, V], got {draft_logprobs.shape} and {target_logprobs.shape}"
-        )
     coins, noise = _coins_and_noise(keys, target_logprobs.shape[-1])
-    drafts = tokens[:, 1:, None]
-    log_p_x = jnp.take_along_axis(target_logprobs[:, :-1], drafts, axis=2)[..., 0]  # [B, S]
-    log_q_x = jnp.take_along_axis(draft_logprobs, drafts, axis=2)[..., 0]
-    # a token outside q's support was not drawn from q: its prefix weight is 0 (never happens for a draw)
-    log_r = jnp.where(log_q_x > -jnp.inf, log_p_x - log_q_x, -jnp.inf)
+    log_r = _log_ratios(tokens, draft_logprobs, target_logprobs)  # a token outside q's support: weight 0
     c = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), jnp.cumsum(log_r, axis=1)], axis=1)  # [B, S+1]
     weight = jnp.exp(c - jax.lax.cummax(c, axis=1))  # [B, S+1]: w_0 = 1, w_i = min(1, w_{i-1} r_i)
     residual = jnp.maximum(weight[:, :steps, None] * jnp.exp(target_logprobs[:, :steps])
@@ -176,21 +188,8 @@ def chain_block_accept(
     h = jnp.concatenate([h[:, 1:], weight[:, steps:]], axis=1)  # [B, S]: h_1..h_{S-1}, h_S = w_S
     index = jnp.arange(1, d, dtype=jnp.int32)[None, :]
     num_accepted = jnp.max(jnp.where(coins[:, 1:] < h, index, 0), axis=1).astype(jnp.int32)
-    last = num_accepted[:, None, None]
-    p_last = jnp.exp(jnp.take_along_axis(target_logprobs, last, axis=1)[:, 0])  # [B, V]
-    res_last = jnp.take_along_axis(residual, jnp.minimum(last, steps - 1), axis=1)[:, 0]
-    # a zero residual has probability 0 of being reached (h = 1 before it); p keeps the draw finite
-    res_last = jnp.where(jnp.sum(res_last, -1, keepdims=True) > 0, res_last, p_last)
-    dist = jnp.where(num_accepted[:, None] < steps, res_last, p_last)
-    bonus = jnp.argmax(jnp.log(dist) + jnp.take_along_axis(noise, last, axis=1)[:, 0], axis=-1).astype(jnp.int32)
-    nodes = jnp.arange(d, dtype=jnp.int32)[None, :]
-    return Acceptance(
-        path_mask=nodes <= num_accepted[:, None],
-        num_accepted=num_accepted,
-        last_node=num_accepted,
-        bonus=bonus,
-        path_nodes=jnp.minimum(nodes, num_accepted[:, None]),
-    )
+    at = jnp.minimum(num_accepted, steps - 1)[:, None, None]
+    return _chain_outcome(num_accepted, jnp.take_along_axis(residual, at, axis=1)[:, 0], target_logprobs, noise)
 
 
 def _coins_and_noise(keys: jax.Array, vocab: int) -> tuple[jax.Array, jax.Array]:
