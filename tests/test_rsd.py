@@ -7,10 +7,11 @@ known rules where theory says it must.
 Level 1, the rule on synthetic Markov models (fp32, vocabulary 8): the target's next-token logits
 depend on (position, previous token), the draft's are a noisy copy. Each of 20k rows drafts a
 fixed-shape tree by the loop's own `sampled_children` (Gumbel-top-K of the processed draft, the kept
-children a prefix of each node's sampling order), is accepted by `residual_tree_accept`, and is
+children a prefix of each node's sampling order), is accepted by the rule, and is
 continued past the cycle with exact target draws; the first 3 tokens must then follow the target's
 joint law p0(t1) p1(t2 | t1) p2(t3 | t2) (chi-square, cells with expected count < 5 pooled). Two
-models (seeds) x chain / K = 2 / K = 4 x T = 0.6, 1.0 x top-p 1.0, 0.9 (with `JAXSPEC_LONG_TESTS=1`;
+models (seeds) x chain / K = 2 / K = 4 x T = 0.6, 1.0 x top-p 1.0, 0.9, and top-k 4 at T = 1, top-k 5
+with top-p 0.9 at T = 0.6 (the second model with `JAXSPEC_LONG_TESTS=1`;
 CI runs one model). Wrong variants (no residual update; kept children not a prefix of the sampling
 order; for the block rule, a rejected subtree that leaves its parent's target measure as it was) must fail
 the same check.
@@ -52,7 +53,9 @@ TREES = {
     "k2": ([0, 0, 0, 1, 1, 3, 3], [0, 0, 1, 0, 1, 0, 1]),
     "k4": ([0, 0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 2, 3, 0, 1, 2, 3]),
 }
-SETTINGS = {"t0.6": (0.6, None), "t0.6_p0.9": (0.6, 0.9), "t1": (1.0, None), "t1_p0.9": (1.0, 0.9)}
+# (temperature, top-k, top-p): top-k 4 leaves a K = 4 node's later draws outside q's support (skipped)
+SETTINGS = {"t0.6": (0.6, None, None), "t0.6_p0.9": (0.6, None, 0.9), "t1": (1.0, None, None),
+            "t1_p0.9": (1.0, None, 0.9), "t1_k4": (1.0, 4, None), "t0.6_k5_p0.9": (0.6, 5, 0.9)}
 
 
 def markov_model(seed):
@@ -151,12 +154,12 @@ def _rows(target, draft, parent, rank, depth, n, chain, sampling, variant, rule)
 
 def check_rule(tree, setting, variant="exact", seed=0, n=N, rule="residual"):
     """-> (p-value of the first 3 tokens against the target's joint law, mean accepted drafts)."""
-    temperature, top_p = SETTINGS[setting]
+    temperature, top_k, top_p = SETTINGS[setting]
     target, draft = markov_model(seed)
-    sampling = Sampling.create(temperature, top_p=top_p, key=jax.random.key(seed + 1))
+    sampling = Sampling.create(temperature, top_k=top_k, top_p=top_p, key=jax.random.key(seed + 1))
     parent, rank, depth = (jnp.asarray(x) for x in padded_tree(tree))
     out, accepted = _rows(target, draft, parent, rank, depth, n, tree == "chain", sampling, variant, rule)
-    p = reference_probs(target[:NUM_EMITTED], temperature, None, top_p)  # [3, V(prev), V], the numpy law
+    p = reference_probs(target[:NUM_EMITTED], temperature, top_k, top_p)  # [3, V(prev), V], the numpy law
     joint = p[0, 3][:, None, None] * p[1][:, :, None] * p[2][None, :, :]
     cells = np.ravel_multi_index(tuple(np.asarray(out).T), (VOCAB,) * NUM_EMITTED)
     return chi_square_p(cells, joint.reshape(-1)), float(np.mean(accepted))
@@ -213,10 +216,10 @@ def exact_chain_tau(setting, seed=0):
     """-> (token rule, block rule) expected accepted drafts of test_rsd's 3-draft chain, by enumerating every
     drafted chain of the Markov model (float64 numpy, independent of jaxspec): the token rule accepts x_i
     with prod_{j<=i} min(1, r_j); block verification reaches prefix i unless every h_j, j >= i, fails."""
-    temperature, top_p = SETTINGS[setting]
+    temperature, top_k, top_p = SETTINGS[setting]
     target, draft = markov_model(seed)
-    p = reference_probs(target, temperature, None, top_p)  # [depth, V(prev), V]
-    q = reference_probs(draft, temperature, None, top_p)
+    p = reference_probs(target, temperature, top_k, top_p)  # [depth, V(prev), V]
+    q = reference_probs(draft, temperature, top_k, top_p)
     token = block = 0.0
     for chain in np.ndindex(*(VOCAB,) * MAX_DEPTH):
         prev = (3,) + chain  # the root token, then x_1..x_3
