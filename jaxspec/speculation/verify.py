@@ -214,10 +214,15 @@ def _residual_step(p, q, x, coin, try_it):
     mass = jnp.sum(residual, -1, keepdims=True)
     # p == q leaves no residual, but then rejection has probability 0: keep p to stay finite.
     p = jnp.where(rejected, jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p), p)
-    q_rest = jnp.where(jnp.arange(q.shape[1])[None, :] == x[:, None], 0.0, q)
-    rest = jnp.sum(q_rest, -1, keepdims=True)
-    q = jnp.where(rejected, q_rest / jnp.where(rest > 0, rest, 1.0), q)
+    q = jnp.where(rejected, _draft_without(q, x[:, None]), q)
     return ok, p, q
+
+
+def _draft_without(q, x):
+    """q [B, V] with the drawn x [B, 1] removed and renormalised: the law of the next draw without replacement."""
+    rest = jnp.where(jnp.arange(q.shape[-1])[None, :] == x, 0.0, q)
+    mass = jnp.sum(rest, -1, keepdims=True)
+    return rest / jnp.where(mass > 0, mass, 1.0)
 
 
 def recursive_rejection_accept(
@@ -304,9 +309,7 @@ def _sibling_rejected(t, q, x):
     overlap = jnp.sum(jnp.minimum(q, t), axis=-1, keepdims=True)
     # 1 - overlap = 0: the child is always accepted (q <= t), so what follows is never reached
     t_next = jnp.maximum(t - q, 0.0) / jnp.where(overlap < 1.0, 1.0 - overlap, 1.0)
-    q_rest = jnp.where(jnp.arange(q.shape[-1])[None, :] == x, 0.0, q)
-    mass = jnp.sum(q_rest, -1, keepdims=True)
-    return t_next, q_rest / jnp.where(mass > 0, mass, 1.0)
+    return t_next, _draft_without(q, x)
 
 
 def traversal_accept(
