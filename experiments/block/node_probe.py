@@ -35,6 +35,7 @@ from jaxspec.core.programs import bounded_jit
 from jaxspec.harness.calibrate import chain_cycles_in_slices, chain_speculator, sampled_chain_records
 from jaxspec.model.network import Models
 from jaxspec.model.sampling import Sampling
+from jaxspec.speculation.verify import block_terms
 
 NODE_RULES = ("chain", "rrs_with", "rrs_without", "greedy_set", "ot_iid", "ot_without")
 CHAIN_RULES = ("token", "block", "ceiling")
@@ -85,14 +86,9 @@ def node_rates(p, q):
 
 def chain_reach(tokens, logq, logp):
     """tokens [B, S+1], logq [B, S, V], logp [B, S+1, V] -> {rule: [B, S]} exact P(accepted >= d | chain)."""
-    steps = logq.shape[1]
     x = tokens[:, 1:, None]
     log_r = jnp.take_along_axis(logp[:, :-1], x, -1)[..., 0] - jnp.take_along_axis(logq, x, -1)[..., 0]
-    c = jnp.concatenate([jnp.zeros_like(log_r[:, :1]), jnp.cumsum(log_r, 1)], 1)
-    w = jnp.exp(c - jax.lax.cummax(c, axis=1))  # [B, S+1]
-    z = jnp.sum(jnp.maximum(w[:, 1:steps, None] * jnp.exp(logp[:, 1:steps]) - jnp.exp(logq[:, 1:]), 0.0), -1)
-    denom = z + 1.0 - w[:, 1:steps]
-    h = jnp.concatenate([jnp.where(denom > 0, z / jnp.where(denom > 0, denom, 1.0), 1.0), w[:, steps:]], 1)
+    _, h, _ = block_terms(tokens, logq, logp)
     miss = jnp.cumprod((1.0 - h)[:, ::-1], axis=1)[:, ::-1]  # prod_{j >= d} (1 - h_j)
     return {"token": jnp.exp(jnp.cumsum(jnp.minimum(log_r, 0.0), 1)), "block": 1.0 - miss,
             "ceiling": jnp.exp(jnp.minimum(jnp.cumsum(log_r, 1), 0.0))}

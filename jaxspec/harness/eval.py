@@ -122,13 +122,13 @@ def run_batch(
         tokens[i, : len(p)] = p
     padded_lengths[: len(prompts)] = lengths
     mesh = model_mesh if model_mesh is not None else data_mesh(bucket, devices)
-    kwargs = dict(max_new_tokens=max_new_tokens, eos_id=eos_id, mesh=mesh, prompt_lengths=padded_lengths)
+    kwargs = dict(max_new_tokens=max_new_tokens, eos_id=eos_id, mesh=mesh, prompt_lengths=padded_lengths,
+                  **(sampling.kwargs(spec is not None) if sampling else {}))  # the key made outside the timing
     start = time.perf_counter()
     if spec is None:
-        out = generate(params, cfg, tokens, **kwargs, **(sampling.kwargs(False) if sampling else {}))
+        out = generate(params, cfg, tokens, **kwargs)
     else:
-        out = speculative_generate(params, cfg, tokens, spec, **kwargs, draft=draft,
-                                   **(sampling.kwargs(True) if sampling else {}))
+        out = speculative_generate(params, cfg, tokens, spec, **kwargs, draft=draft)
     seconds = time.perf_counter() - start
     n = len(prompts)
     per_sequence = {k: np.asarray(v)[:n] for k, v in out.stats["per_sequence"].items()}

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec.model.sampling import Sampling, gumbel_choice, processed_logprobs
+from jaxspec.speculation.plan import TreePlan, build_plan
 from jaxspec.speculation.tree import Tree
 
 
@@ -174,8 +175,23 @@ def chain_block_accept(
     c the cumulative sum of log r (no sequential loop).
     """
     steps = _check_chain(tokens, draft_logprobs, target_logprobs)
-    b, d = tokens.shape
     coins, noise = _coins_and_noise(keys, target_logprobs.shape[-1])
+    _, h, residual = block_terms(tokens, draft_logprobs, target_logprobs)
+    index = jnp.arange(1, steps + 1, dtype=jnp.int32)[None, :]
+    num_accepted = jnp.max(jnp.where(coins[:, 1:] < h, index, 0), axis=1).astype(jnp.int32)
+    at = jnp.minimum(num_accepted, steps - 1)[:, None, None]
+    return _chain_outcome(num_accepted, jnp.take_along_axis(residual, at, axis=1)[:, 0], target_logprobs, noise)
+
+
+def block_terms(
+    tokens: jax.Array,  # [B, S+1] root, then the drafted chain
+    draft_logprobs: jax.Array,  # [B, S, V] log q_j
+    target_logprobs: jax.Array,  # [B, S+1, V] log p_j
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Block verification's quantities on a drafted chain -> (weights w_0..w_S [B, S+1], h_1..h_S [B, S],
+    residuals max(w_i p_i - q_{i+1}, 0) for i = 0..S-1 [B, S, V]); `chain_block_accept` and the harness's
+    block values and probes read them."""
+    b, steps = draft_logprobs.shape[:2]
     log_r = _log_ratios(tokens, draft_logprobs, target_logprobs)  # a token outside q's support: weight 0
     c = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), jnp.cumsum(log_r, axis=1)], axis=1)  # [B, S+1]
     weight = jnp.exp(c - jax.lax.cummax(c, axis=1))  # [B, S+1]: w_0 = 1, w_i = min(1, w_{i-1} r_i)
@@ -185,11 +201,7 @@ def chain_block_accept(
     denom = mass + 1.0 - weight[:, :steps]
     # w_i = 1 with z_i = 0 means p_i = q_{i+1}: every later weight is 1 too, so the coin there never matters
     h = jnp.where(denom > 0, mass / jnp.where(denom > 0, denom, 1.0), 1.0)  # [B, S]
-    h = jnp.concatenate([h[:, 1:], weight[:, steps:]], axis=1)  # [B, S]: h_1..h_{S-1}, h_S = w_S
-    index = jnp.arange(1, d, dtype=jnp.int32)[None, :]
-    num_accepted = jnp.max(jnp.where(coins[:, 1:] < h, index, 0), axis=1).astype(jnp.int32)
-    at = jnp.minimum(num_accepted, steps - 1)[:, None, None]
-    return _chain_outcome(num_accepted, jnp.take_along_axis(residual, at, axis=1)[:, 0], target_logprobs, noise)
+    return weight, jnp.concatenate([h[:, 1:], weight[:, steps:]], axis=1), residual
 
 
 def _coins_and_noise(keys: jax.Array, vocab: int) -> tuple[jax.Array, jax.Array]:
@@ -277,23 +289,14 @@ def recursive_rejection_accept(
     return Acceptance(path_mask, num_accepted, current, bonus, jnp.stack(path_nodes, axis=1))
 
 
-def _post_order_first(candidate, parent, rank, max_depth):
+def _post_order_first(candidate, plan: TreePlan, rank, max_depth):
     """-> [B] int32 the first node in post-order (children in rank order, a node after its subtree) among
     `candidate` [B, D] bool (the root, last in post-order, must be one). Post-order is the lexicographic
     order of the rank paths padded past a node's depth with a rank larger than any, compared pairwise."""
-    b, d = parent.shape
-    nodes = jnp.arange(d, dtype=jnp.int32)
-    big = jnp.int32(rank.shape[1] + 1)
-    current = jnp.broadcast_to(nodes, (b, d))
-    ups = []
-    for _ in range(max_depth):
-        ups.append(jnp.where(current == 0, -1, jnp.take_along_axis(rank, current, axis=1)))
-        current = jnp.take_along_axis(parent, current, axis=1)
-    ups = jnp.stack(ups, axis=-1)  # [B, D, S]: own rank, parent's, ... (-1 once the root is passed)
-    depth = jnp.sum(ups >= 0, axis=-1)  # [B, D]
-    k = jnp.arange(max_depth)[None, None, :]
-    index = jnp.clip(depth[..., None] - 1 - k, 0, max_depth - 1)  # depth k + 1 reads ups at depth - 1 - k
-    path = jnp.where(k < depth[..., None], jnp.take_along_axis(ups, index, axis=-1), big)  # [B, D, S]
+    d = rank.shape[1]
+    k = jnp.arange(1, max_depth + 1)[None, None, :]
+    ranks = jnp.take_along_axis(rank[:, None, :], plan.ancestor_at_depth[:, :, 1:max_depth + 1], axis=2)
+    path = jnp.where(k <= plan.depth[..., None], ranks, d + 1)  # [B, D, S]: the ranks down to each node
     differ = path[:, :, None, :] != path[:, None, :, :]  # [B, D(u), D(v), S]
     first = jnp.argmax(differ, axis=-1)[..., None]
     before = jnp.take_along_axis(path[:, :, None, :].repeat(d, 2), first, -1)[..., 0] < \
@@ -367,17 +370,13 @@ def traversal_accept(
     init = (weight, jnp.zeros((b, d), jnp.float32), jnp.zeros((b, d, vocab), jnp.float32))
     weight, left, rest = jax.lax.fori_loop(0, d, node_step, init)
     candidate = (coins < left) | (nodes[None, :] == 0)
-    last = _post_order_first(candidate, parent, rank, max_depth)
-    # its path: ancestors at depth 0..S (the last node repeats past its depth)
-    up = [last]
-    for _ in range(max_depth):
-        up.append(parent[batch, up[-1]])
-    up = jnp.stack(up[::-1], axis=1)  # [B, S+1]: the ancestors S, S-1, ..., 0 steps up (0s above the root)
-    depth = jnp.sum(up != 0, axis=1)  # [B] the accepted node's depth
+    plan = build_plan(parent, jnp.zeros((b,), jnp.int32), max_depth)  # ancestors and depths
+    last = _post_order_first(candidate, plan, rank, max_depth)
+    depth = plan.depth[batch, last]  # [B] the accepted node's depth
     k = jnp.arange(max_depth + 1)[None, :]
-    path_nodes = jnp.take_along_axis(up, jnp.clip(max_depth - depth[:, None] + k, 0, max_depth), axis=1)
-    path_nodes = jnp.where(k <= depth[:, None], path_nodes, last[:, None]).astype(jnp.int32)
-    path_mask = jnp.any(path_nodes[:, :, None] == nodes[None, None, :], axis=1)
+    path_nodes = jnp.where(k <= depth[:, None], plan.ancestor_at_depth[batch, last, : max_depth + 1],
+                           last[:, None]).astype(jnp.int32)  # [B, S+1]: the last node repeats past its depth
+    path_mask = plan.ancestor_mask[batch, last]
     dist = rest[batch, last]
     dist = jnp.where(jnp.sum(dist, -1, keepdims=True) > 0, dist, target_probs[batch, last])
     bonus = jnp.argmax(jnp.log(dist) + noise[batch, last], axis=-1).astype(jnp.int32)
