@@ -16,15 +16,14 @@ import pytest
 import jaxspec as js
 from jaxspec.core.dspark import DSparkConfig
 from jaxspec.harness.calibrate import calibration_errors, collect, fit
+from jaxspec.harness.fit_values import fit_map, predict
 from jaxspec.speculation.dspark import dspark_draft
 from jaxspec.speculation.values import (
     CONFIDENCE_EDGES,
     Calibration,
     both_first_feature,
     draft_fingerprint,
-    fit_map,
     node_log_values,
-    predict,
 )
 from jaxspec.testing import agreeing_dspark
 

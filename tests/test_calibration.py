@@ -1,6 +1,6 @@
-"""Calibrated node values (tree/values.py, calibration.py): the fit is monotone and round-trips,
-calibrated and deep trees stay exact (greedy token-identical to `generate`, sampling passes the
-chi-square harness), the loop compiles once, and bad input is one line."""
+"""Calibrated node values (speculation/values.py; harness/calibrate.py, harness/fit_values.py): the fit is
+monotone and round-trips, calibrated and deep trees stay exact (greedy token-identical to `generate`,
+sampling passes the chi-square harness), the loop compiles once, and bad input is one line."""
 
 import json
 import shutil
@@ -16,6 +16,7 @@ import jaxspec as js
 from jaxspec.checkpoint import load_checkpoint, save_checkpoint
 from jaxspec.cli import main
 from jaxspec.harness.calibrate import calibration_errors, chain_with_children, collect, fit
+from jaxspec.harness.fit_values import expected_calibration_error, fit_map, predict
 from jaxspec.model.network import cpu_layout
 from jaxspec.speculation.generate import speculative_compile_count
 from jaxspec.speculation.values import (
@@ -23,11 +24,8 @@ from jaxspec.speculation.values import (
     PROB_EDGES,
     Calibration,
     draft_fingerprint,
-    expected_calibration_error,
-    fit_map,
     load_calibration,
     node_log_values,
-    predict,
     resolve_scores,
 )
 from jaxspec.testing import mtp_models, mtp_prefill, mtp_speculator, mtp_tree

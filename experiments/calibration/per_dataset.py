@@ -9,18 +9,18 @@ import sys
 from tau import DATASETS, heldout_prompts, load_shipped
 
 from jaxspec.harness import calibrate as C
-from jaxspec.speculation import values as V
+from jaxspec.harness.fit_values import predict
 
 
 def main():
     m = load_shipped()
-    cal = V.registered(m.params, m.cfg)
+    cal = m.draft.calibration  # the checkpoint's calibration.json, carried by its draft
     prompts, names = heldout_prompts(m, 16)
     out = {}
     for ds in DATASETS:
         chosen = [p for p, n in zip(prompts, names, strict=True) if n == ds]
         s = C.collect(m.params, m.cfg, chosen, 0.0, cycles=12, batch_size=16, seed=1)
-        pred = V.predict(cal.greedy, s["depth"], s["rank"], s["own_prob"])
+        pred = predict(cal.greedy, s["depth"], s["rank"], s["own_prob"])
         rows = {}
         for rank in (0, 1):
             for lo, hi in ((1, 3), (4, 6), (7, 10)):

@@ -23,7 +23,8 @@ import numpy as np
 import jaxspec as js
 from jaxspec.harness.calibrate import collect
 from jaxspec.harness.eval import encode_prompts
-from jaxspec.speculation.values import both_first_feature, fit_map, predict
+from jaxspec.harness.fit_values import fit_map, predict
+from jaxspec.speculation.values import both_first_feature
 from jaxspec.training.data import HELDOUT_SPLITS, TRAIN_SPLITS, load_dataset
 
 

@@ -13,8 +13,9 @@ import numpy as np
 from rsd_tau import load, measure_tau
 
 from jaxspec.harness.calibrate_residual import with_residual
+from jaxspec.harness.fit_values import fit_map
 from jaxspec.speculation import sampled
-from jaxspec.speculation.values import PROB_EDGES, fit_map, load_calibration
+from jaxspec.speculation.values import PROB_EDGES, load_calibration
 
 
 def entropy_values(sampler, step, logq):  # logq: [B, n, V]

@@ -1,4 +1,5 @@
-"""`jaxspec calibrate`: fit the node values (speculation/values.py) of a checkpoint's draft.
+"""`jaxspec calibrate`: fit the node values (speculation/values.py; the fit: harness/fit_values.py) of a
+checkpoint's draft.
 
 Runs chain speculative cycles on prompts and records, for the top-K children of every chain node
 on or just after the accepted path (= every tree node whose parent is accepted), its features
@@ -23,6 +24,7 @@ import numpy as np
 from jaxspec.core.config import ModelConfig
 from jaxspec.core.programs import bounded_jit
 from jaxspec.core.spec import SpecConfig
+from jaxspec.harness.fit_values import expected_calibration_error, fit_map, predict
 from jaxspec.model.network import ModelParams, Models
 from jaxspec.model.runner import on_mesh
 from jaxspec.model.sampling import Sampling, processed_logprobs
@@ -50,9 +52,6 @@ from jaxspec.speculation.values import (
     both_first_feature,
     context_bins,
     draft_fingerprint,
-    expected_calibration_error,
-    fit_map,
-    predict,
 )
 
 COLLECT_STEPS = 10  # chain depth drafted per cycle (deeper nodes share the last depth bin)

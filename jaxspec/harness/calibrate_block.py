@@ -11,7 +11,7 @@ when its earlier siblings' subtrees were all rejected and is then accepted with 
 
 with T_1 = w_n p_n and the sibling updates of the traversal. The value of rank j under n is the ratio
 E[that] / E[w_n]: a ratio of expectations, so each sample's label is the replayed expectation over
-w_n and the fit weighs it by w_n (`values.fit_map(weight=)`). The chains are the loop's own K = 1 sampled
+w_n and the fit weighs it by w_n (`fit_values.fit_map(weight=)`). The chains are the loop's own K = 1 sampled
 program under the block rule, on train-split prompts; every chain node is a parent (its weight says how
 often the path reaches it), its children are replayed `replays` times by Gumbel-top-K from its q.
 """
@@ -29,24 +29,16 @@ import numpy as np
 from jaxspec.core.config import ModelConfig
 from jaxspec.core.programs import bounded_jit
 from jaxspec.harness.calibrate import chain_cycles_in_slices, chain_speculator, sampled_chain_records
+from jaxspec.harness.fit_values import fit_map
 from jaxspec.model.network import ModelParams, Models
 from jaxspec.model.sampling import Sampling
 from jaxspec.speculation.cycle import Speculator
 from jaxspec.speculation.drafter import Draft
 from jaxspec.speculation.generate import draft_of
-from jaxspec.speculation.values import Calibration, ValueMap, fit_map
-from jaxspec.speculation.verify import _sibling_rejected
+from jaxspec.speculation.values import Calibration, ValueMap
+from jaxspec.speculation.verify import _sibling_rejected, block_terms
 
 FIELDS = ("depth", "rank", "parent_top1", "label", "weight")
-
-
-def chain_weights(tokens, logq, logp):
-    """tokens [B, S+1], logq [B, S, V], logp [B, S+1, V] -> [B, S] the block weights w_0..w_{S-1} of the
-    chain's nodes (w_0 = 1, w_i = min(1, w_{i-1} p_{i-1}(x_i) / q_i(x_i)), `verify.chain_block_accept`)."""
-    x = tokens[:, 1:, None]
-    log_r = jnp.take_along_axis(logp[:, :-1], x, -1)[..., 0] - jnp.take_along_axis(logq, x, -1)[..., 0]
-    c = jnp.concatenate([jnp.zeros_like(log_r[:, :1]), jnp.cumsum(log_r, 1)], 1)
-    return jnp.exp(c - jax.lax.cummax(c, axis=1))[:, :-1]
 
 
 def replay_values(
@@ -93,7 +85,7 @@ def _collect_block_loop(
     label_key = jax.random.fold_in(sampling.key, 0xB10C)  # apart from the loop's node keys
 
     def record(chain, logq, logp, acc, cycle):  # logq [B, S, V]: node j's children's q (chain token j + 1's)
-        weight = chain_weights(chain.tokens, logq, logp)  # [B, S] of nodes 0..S-1, the parents
+        weight = block_terms(chain.tokens, logq, logp)[0][:, :-1]  # [B, S] of nodes 0..S-1, the parents
         vocab = logq.shape[-1]
         label = replay_values(logq.reshape(-1, vocab), jnp.exp(logp[:, :-1]).reshape(-1, vocab), weight.reshape(-1),
                               jax.random.fold_in(label_key, cycle[0]), k, replays).reshape(bb, num_steps, k)

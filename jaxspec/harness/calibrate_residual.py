@@ -27,12 +27,13 @@ import numpy as np
 from jaxspec.core.config import ModelConfig
 from jaxspec.core.programs import bounded_jit
 from jaxspec.harness.calibrate import chain_cycles_in_slices, chain_speculator, sampled_chain_records
+from jaxspec.harness.fit_values import fit_map
 from jaxspec.model.network import ModelParams, Models
 from jaxspec.model.sampling import Sampling
 from jaxspec.speculation.cycle import Speculator
 from jaxspec.speculation.drafter import Draft
 from jaxspec.speculation.generate import draft_of
-from jaxspec.speculation.values import Calibration, ValueMap, fit_map
+from jaxspec.speculation.values import Calibration, ValueMap
 from jaxspec.speculation.verify import _residual_step
 
 FIELDS = ("depth", "rank", "parent_top1", "parent_entropy", "label")
