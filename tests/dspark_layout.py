@@ -1,8 +1,8 @@
 """A DeepSeek-V4-Flash-0731-style folder written by the tests' own code: a tiny V4 target in the
-official names plus a DSpark drafter `mtp.0/1/2.*` as reference/dspark_v4.md §1.4 lists it.
+official names plus a DSpark drafter `mtp.0/1/2.*` as docs/dspark.md ("What a release holds") lists it.
 
 Independent of `jaxspec.checkpoint`'s writer: names, official shapes ([out, in]) and the config are
-spelled here from the reference; the number formats and the file writer are `official_layout`'s.
+spelled here from that description; the number formats and the file writer are `official_layout`'s.
 Stages are full blocks with score-routed MoE (`ffn.gate.bias`, no `tid2eid`); stage 0 adds
 `main_proj` / `main_norm`, the last stage `norm`, `hc_head_*`, the Markov head (`markov_w1` [V, r],
 `markov_w2` [V, r]) and the confidence head (`proj.weight` [1, d + r], no bias). config.json carries

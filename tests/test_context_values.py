@@ -1,4 +1,4 @@
-"""Per-context greedy values (tree/values.py `greedy_by_context`, `context_bins`; generate.py
+"""Per-context greedy values (speculation/values.py `greedy_by_context`, `context_bins`; speculation/policy.py
 `Policy.context`): the bins follow the sequence's own acceptance, each row reads its own map, the maps
 round-trip and a file with other bins is a one-line error, and a deep tree (S >= CONTEXT_CAP) ranked
 by them stays token-identical to `generate` and compiles once."""

@@ -1,5 +1,5 @@
 """The analytic cost model of a DSpark cycle (docs/cost_model.md, "DSpark"): every term of the draft,
-verify and commit against a hand calculation from the released shapes (reference/dspark_v4.md §1.4),
+verify and commit against a hand calculation from the released shapes (docs/dspark.md, "What a release holds"),
 the launch and collective counts, the `rules` layout's split Markov head, XLA's cost analysis of the
 real DSpark stage programs on abstract shapes, and the SGLang check points."""
 

@@ -1,4 +1,4 @@
-"""The routed experts' grouped-matmul kernel (pallas/grouped_matmul.py, `layers.moe.kernel_experts`)
+"""The routed experts' grouped-matmul kernel (ops/pallas/grouped_matmul.py, `layers.moe.kernel_experts`)
 against `dense_experts`, in interpret mode on this CPU: plain, FP8 (128 x 128, float32 and UE8M0
 scales) and FP4 (32 x 1, UE8M0) experts, at 1, 8, 64 and 300 tokens, and experts off this device."""
 

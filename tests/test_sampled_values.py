@@ -1,6 +1,6 @@
 """Sampled-draft values that read the parent's processed draft distribution (Calibration.residual,
-tree/sampled.py): the tree shape then varies per row and cycle, the kept children of every node stay a
-prefix of its sampling order, and the output still follows the target exactly.
+speculation/sampled.py): the tree shape then varies per row and cycle, the kept children of every node
+stay a prefix of its sampling order, and the output still follows the target exactly.
 
 CI: the synthetic Markov models of test_rsd.py (vocabulary 8, fp32) drafted by the engine's own
 `sampled_children` in the engine's beam (s3_k2_d5: 10 candidates, 4 kept), pruned by `prune_to_budget`,

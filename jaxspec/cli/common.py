@@ -326,14 +326,3 @@ def load_model(args: argparse.Namespace, console: Console | None = None, *, need
     return LoadedModel(cfg, params, None,
                        f"preset {preset!r}, [bold yellow]random init[/] (seed {seed}): output is noise",
                        None if params.mtp is None else Draft("default", MTPDrafter(), params.mtp))
-
-
-def hf_tokenizer(path: str) -> Any:
-    """The tokenizer.json of a released checkpoint folder (HF `tokenizers`), or None without one.
-    Its special tokens are the release's own (DeepSeek-V4: bos 0, eos 1, from config.json)."""
-    tok_path = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(tok_path):
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(tok_path)

@@ -39,7 +39,7 @@ def add_parser(subparsers: Any) -> None:
         "distill",
         help="train the MTP draft on the target's continuations, unrolled as it drafts (target frozen)",
         description="Train the checkpoint's MTP block with KL(target || draft) at every draft depth on the "
-        "`jaxspec distill-data` continuations, each depth fed the draft's own streams as draft_tree feeds them; "
+        "`jaxspec distill-data` continuations, each depth fed the draft's own streams as drafting feeds them; "
         "orbax train states in --run-dir (--resume continues); the target + trained draft go to --out.",
     )
     p.add_argument("--checkpoint", required=True, help="checkpoint folder (target + draft to start from)")

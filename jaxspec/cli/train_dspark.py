@@ -144,7 +144,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
     def export(params, record):
         thin = [h for h in record["history"] if "heldout" in h or h["step"] % 10 == 0]
-        info = {"recipe": "dspark (DeepSpec, reference/dspark_v4.md §6)", "dspark_config": dataclasses.asdict(dcfg),
+        info = {"recipe": "dspark (DeepSpec, docs/dspark.md)", "dspark_config": dataclasses.asdict(dcfg),
                 "why": WHY, "init": args.init, "data": os.path.abspath(args.data),
                 "argv": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
                 **record, "history": thin}

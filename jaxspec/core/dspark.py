@@ -1,4 +1,4 @@
-"""DSpark's static config (reference/dspark_v4.md §1.3): the block drafter shipped in V4 checkpoints
+"""DSpark's static config (docs/dspark.md, "What a release holds"): the block drafter shipped in V4 checkpoints
 since June 2026 (`mtp.0/1/2.*` beside the target). Frozen and hashable: a static jit argument."""
 
 from __future__ import annotations

@@ -25,9 +25,9 @@ class SpecConfig:
     linear chain); num_draft_tokens D: tokens the target verifies per cycle, root included.
     scores: what drafting and pruning rank candidates by (speculation/values.py): "calibrated" node values,
     "draft" (raw draft log-probs), or "auto" (calibrated where the params have a calibration).
-    widths: width chosen per cycle (speculation/widths.py): the compiled verify widths, ascending, the last
-    = D; each cycle verifies the nodes whose path value (P(the walk reaches them)) is at least
-    width_threshold, in the smallest width that holds them. () verifies all D every cycle.
+    widths: width chosen per cycle (speculation/cycle.py `choose_width`): the compiled verify widths,
+    ascending, the last = D; each cycle verifies the nodes whose path value (P(the walk reaches them)) is
+    at least width_threshold, in the smallest width that holds them. () verifies all D every cycle.
     values: a node's value feature, "draft" (its draft probability), "confidence" (a drafter's
     confidence head; name suffix "_vc") or "both" (a calibration over the two together; suffix "_vb");
     speculation/tree.py `Expander`.
@@ -77,11 +77,6 @@ class SpecConfig:
     @property
     def max_draft_tokens(self) -> int:
         return 1 + self.topk + (self.num_steps - 1) * self.topk**2
-
-    @property
-    def pool_size(self) -> int:
-        """Candidates drafted per cycle: K at depth 1, K^2 at every deeper step."""
-        return self.topk + (self.num_steps - 1) * self.topk**2
 
     @property
     def name(self) -> str:

@@ -148,7 +148,7 @@ def weight_units(cfg: ModelConfig, mesh: tuple[int, int, int], weights: str = "p
 # (W2 read whole per step, W1 rows gathered) and "dspark.confidence".
 _DSPARK_KV = (".attn.wkv", ".attn.kv_norm")
 # Read by every device in the `even` layout: the engines replicate the Markov head across tensor ranks,
-# so its per-step logits need no all-gather (reference/dspark_v4.md §3); the confidence head is 17 KB.
+# so its per-step logits need no all-gather (docs/cost_model.md, "DSpark"); the confidence head is 17 KB.
 DSPARK_REPLICATED = ("dspark.markov", "dspark.confidence")
 
 

@@ -38,7 +38,7 @@ HARDWARE = {
 # A draft step also launches its MTP input kernels ("mtp_in": embedding gather, hnorm, h_proj, enorm,
 # e_proj) and its selection kernels ("draft_sample": log-softmax max and sum, vocab top-k, scratch kv
 # and position scatters; "draft_expand", every step but the last: top-k of the step's candidates,
-# gathers of the next inputs and streams), counted from speculation/draft.py and layers/mtp.py.
+# gathers of the next inputs and streams), counted from speculation/mtp.py, speculation/tree.py and layers/mtp.py.
 # A DSpark cycle (speculation/dspark.py, model/dspark.py): the block's embedding gather and hc expand
 # ("dspark_in"); per Markov step, "markov": the W1 row gather, the rank-r product with the base-logit add,
 # log-softmax max and sum, the vocab top-k and the confidence head; in the verify one hc-mean per captured

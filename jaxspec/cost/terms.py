@@ -260,7 +260,7 @@ def stage_table(s: Setup, spec: SpecConfig | None, draft: DSparkConfig | None = 
 
 
 def default_dspark(cfg: ModelConfig) -> DSparkConfig:
-    """The DSpark drafter DeepSeek ships for a V4 target (reference/dspark_v4.md §1.3), sized to `cfg`: block
+    """The DSpark drafter DeepSeek ships for a V4 target (docs/dspark.md, "What a release holds"), sized to `cfg`: block
     5, 3 stages, the target's last three layers captured (V4-Flash 40-42, V4-Pro 58-60), Markov rank 256
     (512 at V4-Pro's width; at most the hidden size on toy configs), noise token 128799 (the last id on
     vocabularies smaller than V4's)."""
@@ -302,7 +302,7 @@ def markov_step(s: Setup, draft: DSparkConfig, slots: int, expand: bool) -> Cost
 
 
 def dspark_table(s: Setup, spec: SpecConfig, draft: DSparkConfig) -> dict[str, Costs]:
-    """A DSpark cycle (reference/dspark_v4.md §2-§5, `speculation/dspark.py`), per device:
+    """A DSpark cycle (docs/dspark.md, "How a cycle drafts"; `speculation/dspark.py`), per device:
 
     draft   one pass of the stages over the block [anchor, noise x (gamma-1)], gamma = block_size rows:
             each stage a full V4 block (hyper-connections, attention over its ring's W rows + the gamma block
@@ -341,7 +341,3 @@ def dspark_table(s: Setup, spec: SpecConfig, draft: DSparkConfig) -> dict[str, C
     writes = target_row_bytes(s) * n
     commit = commit + Costs({"state_write": writes}, writes, {}, {}, {}, 0)
     return {"draft": draft_cost, "plan": plan, "verify": verify, "commit": commit}
-
-
-def units_count(cfg: ModelConfig) -> int:
-    return cfg.num_layers + (1 if cfg.has_mtp else 0)

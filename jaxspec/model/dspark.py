@@ -1,4 +1,4 @@
-"""DSpark, DeepSeek's block drafter for V4 (reference/dspark_v4.md §2-§4), at the model level.
+"""DSpark, DeepSeek's block drafter for V4 (docs/dspark.md, "What a release holds"), at the model level.
 
 Context: the target's captured rows (per committed position, the hc-mean of the output streams of
 `dcfg.target_layers`, concatenated: `network.forward(..., capture=...)`) go through main_proj ->

@@ -39,11 +39,6 @@ class PrefillMemory:
     alias_bytes: int  # per device: output bytes that reuse donated argument buffers
     flops_per_chunk: float  # XLA cost analysis of the program (a while loop's body counts once)
 
-    @property
-    def peak_bytes(self) -> int:
-        """Arguments + outputs that are not aliased + temporaries: the device's peak for the prefill."""
-        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
-
 
 def _prefill_fn(cfg: ModelConfig, banded: bool):
     def run(params, state, tokens, lengths):

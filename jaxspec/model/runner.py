@@ -170,11 +170,6 @@ def lower_program(
         return program.lower(*shapes)
 
 
-def sharded_compile_count() -> int:
-    """Sharded programs compiled so far, freed ones included (one per mesh x bucket x config)."""
-    return programs.compile_count(SHARDED)
-
-
 def pad_batch(batch: Any, mesh: jax.sharding.Mesh | None) -> Any:
     """A PromptBatch whose bucket is padded up to a multiple of the mesh's "data" size."""
     if mesh is None:

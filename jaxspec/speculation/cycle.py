@@ -1,4 +1,4 @@
-"""One speculative cycle, defined once (DESIGN.md §4): draft -> verify -> accept -> commit.
+"""One speculative cycle, defined once (docs/tree_verification.md §1): draft -> verify -> accept -> commit.
 
     state (committed target, the drafter's state, the root)
       1 draft    the drafter grows the tree of D nodes (`Drafter.draft`: beam + prune, node values)

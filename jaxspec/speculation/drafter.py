@@ -32,7 +32,7 @@ from jaxspec.speculation.values import Calibration
 
 @struct.dataclass
 class Exposed:
-    """What the target exposes of rows it just committed (DESIGN.md §4): the drafter follows them."""
+    """What the target exposes of rows it just committed (docs/tree_verification.md §1): the drafter follows them."""
 
     tokens: jax.Array  # [B, T] int32 committed tokens
     positions: jax.Array  # [B, T] int32 their absolute positions

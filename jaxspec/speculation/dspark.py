@@ -1,4 +1,4 @@
-"""The DSpark draft (DeepSeek's block drafter, June 2026 on; reference/dspark_v4.md), as a tree drafter.
+"""The DSpark draft (DeepSeek's block drafter, June 2026 on; docs/dspark.md), as a tree drafter.
 
 Its state is one ring of context rows per draft stage, written from the target's captured rows of the
 committed positions only (`model.dspark.commit_context`). A cycle runs the stages once over

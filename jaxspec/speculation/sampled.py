@@ -44,7 +44,8 @@ PRIOR_RANK_ACCEPTANCE = (0.75, 0.12, 0.05, 0.03)
 
 @struct.dataclass
 class SampledDraft:
-    """What `draft_tree` needs to sample children instead of taking the top K."""
+    """What the beam (`tree.grow_beam`, as `Expander.sampler`) needs to sample children instead of taking
+    the top K."""
 
     sampling: Sampling
     keys: jax.Array  # [B, slots] typed keys, one per draft slot (sequence, cycle, slot)

@@ -1,5 +1,5 @@
-"""Train a DSpark block drafter for a frozen target: DeepSpec's recipe (reference/dspark_v4.md §6)
-adapted to V4's drafter (a window of context rows, full V4 blocks as stages).
+"""Train a DSpark block drafter for a frozen target: DeepSpec's recipe (docs/dspark.md, "The drafter trained
+for tiny-v4") adapted to V4's drafter (a window of context rows, full V4 blocks as stages).
 
 Frozen: the target (`ModelParams`; its embedding and head are the drafter's). Trained: everything in
 `DSparkParams` (stages, main_proj / main_norm, hc_head, norm, Markov head, confidence head).
