@@ -12,8 +12,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "jaxspec"
 
 # The rooms of docs/layout.md, lower first: a module imports only modules of its own room or of a room
 # listed before it (`test_rooms_import_only_rooms_below_them`). The top-level package (`jaxspec`,
-# `jaxspec.__main__`) is the API above them all; `jaxspec.testing` (test-only helpers) sits above speculation.
-ROOMS = ["core", "ops", "sharding", "layers", "model", "speculation", "testing", "checkpoint", "cost", "training",
+# `jaxspec.__main__`) is the API above them all; `jaxspec.testing` (test-only helpers) sits above checkpoint
+# (its release-folder writers use the checkpoint's numpy formats).
+ROOMS = ["core", "ops", "sharding", "layers", "model", "speculation", "checkpoint", "testing", "cost", "training",
          "harness", "cli"]
 
 # Within and across the rooms, modules in finer ranks, lower first: a module may import modules of its own
@@ -23,6 +24,7 @@ RANKS = [
     ("jaxspec.core.checks", "jaxspec.core", "jaxspec.model", "jaxspec.training", "jaxspec.harness"),
     # The safetensors reader, the FP8 / FP4 formats and the damaged-file errors need numpy only (the
     # checkpoint package's __init__ is higher, so only checkpoint modules may import them).
+    ("jaxspec.core.v41",),
     ("jaxspec.core.config", "jaxspec.core.spec", "jaxspec.core.dspark", "jaxspec.core.programs", "jaxspec.core.measure",
      "jaxspec.core.gpu_export", "jaxspec.core.stream", "jaxspec.training.tokenizer", "jaxspec.training.data",
      "jaxspec.training.optim", "jaxspec.speculation.auto", "jaxspec.checkpoint.safetensors_io",
@@ -31,6 +33,7 @@ RANKS = [
     ("jaxspec.sharding.active", "jaxspec.sharding"),
     ("jaxspec.ops.pallas",),
     ("jaxspec.layers",),
+    ("jaxspec.model.rings", "jaxspec.model.state_v41", "jaxspec.model.v41"),
     ("jaxspec.model.state", "jaxspec.model.sampling"),
     ("jaxspec.model.network",),
     ("jaxspec.model.prefill", "jaxspec.model.dspark"),
@@ -38,10 +41,10 @@ RANKS = [
     ("jaxspec.speculation",),
     ("jaxspec.speculation.cycle",),
     ("jaxspec.speculation.generate", "jaxspec.speculation.stages"),
-    ("jaxspec.testing",),
     # What runs the model: loading and measuring below, the loops that drive them above.
-    ("jaxspec.checkpoint", "jaxspec.harness.stages", "jaxspec.harness.report", "jaxspec.training.packing",
-     "jaxspec.training.plots", "jaxspec.cost"),
+    ("jaxspec.checkpoint", "jaxspec.harness.stages", "jaxspec.harness.report", "jaxspec.harness.fit_values",
+     "jaxspec.training.packing", "jaxspec.training.plots", "jaxspec.cost"),
+    ("jaxspec.testing",),
     ("jaxspec.cost.xla", "jaxspec.harness.eval", "jaxspec.training.train", "jaxspec.training.dspark"),
     ("jaxspec.harness.tune", "jaxspec.training.distill", "jaxspec.training.dspark_anchors", "jaxspec.harness.calibrate",
      "jaxspec.harness.calibrate_residual", "jaxspec.harness.calibrate_block"),

@@ -12,6 +12,7 @@ import dataclasses
 import os
 from typing import Any
 
+from jaxspec.checkpoint import errors
 from jaxspec.checkpoint.drafts import sidecar_values
 from jaxspec.checkpoint.errors import one_line
 from jaxspec.checkpoint.hf_load import (
@@ -25,7 +26,8 @@ from jaxspec.checkpoint.hf_load import (
 )
 from jaxspec.checkpoint.keys import draft_stages, dspark_key_table
 from jaxspec.checkpoint.native import Checkpoint, leaves_by_path
-from jaxspec.core.config import ModelConfig
+from jaxspec.checkpoint.v41_load import load_v41
+from jaxspec.core.config import ModelConfig, is_v41_config
 from jaxspec.core.dspark import DSparkConfig
 from jaxspec.model.dspark import DSparkParams, abstract_dspark_params
 from jaxspec.model.network import ModelParams
@@ -110,6 +112,14 @@ def load_release(
     `load_checkpoint`'s does."""
     if draft not in ("auto", "dspark", "mtp", "none"):
         raise ValueError(f"draft must be 'auto', 'dspark', 'mtp' or 'none', got {draft!r}")
+    config = _release_config(path)
+    if config is not None and is_v41_config(config):
+        if mesh is not None or weights != "plain" or draft in ("dspark", "mtp"):
+            raise ValueError("a V4.1 release loads on one device, dequantized (weights='plain'), without its DSpark "
+                             "draft for now (mesh=None, weights='plain', draft='auto' or 'none')")
+        cfg, params = load_v41(path, config, dtype)
+        return Checkpoint(cfg=cfg, params=params, tokenizer=release_tokenizer(path), draft=None,
+                          path=os.path.abspath(os.fspath(path)))
     holds = open_hf_checkpoint(path, dtype, draft="none").draft  # "mtp", "dspark" or None, from headers only
     if draft in ("dspark", "mtp") and holds != draft:
         raise ValueError(f"{os.fspath(path)!r} holds {'no draft' if holds is None else f'a {holds} draft'}, "
@@ -128,6 +138,12 @@ def load_release(
         found = dataclasses.replace(found, calibration=calibration, tuning=tuning, value_calibrations=others)
     return Checkpoint(cfg=cfg, params=params, tokenizer=release_tokenizer(path), draft=found,
                       path=os.path.abspath(os.fspath(path)))
+
+
+def _release_config(path: str | os.PathLike) -> dict[str, Any] | None:
+    """config.json of a folder, None when there is none (open_hf_checkpoint says what is missing)."""
+    cfg_path = os.path.join(os.fspath(path), "config.json")
+    return errors.read_json(cfg_path) if os.path.isfile(cfg_path) else None
 
 
 def release_tokenizer(path: str | os.PathLike) -> Any:

@@ -10,8 +10,9 @@ import dataclasses
 from typing import Any
 
 from jaxspec.core.checks import is_int, is_power_of_two, positive_int
+from jaxspec.core.v41 import V41Layout, is_v41_config, v41_config_fields, v41_preset_fields, validate_v41
 
-LAYER_TYPES = ("sliding", "csa", "hca")
+LAYER_TYPES = ("sliding", "csa", "hca", "pool2", "pool1")  # pool2 / pool1: V4.1's ratio-2 / ratio-1 layers
 _HF_LAYER_TYPES = {
     "sliding_attention": "sliding",
     "compressed_sparse_attention": "csa",
@@ -92,6 +93,8 @@ class ModelConfig:
     eos_id: int | None = None
     # Tokens per prefill chunk (a power of two); 0 = the default `jaxspec.model.prefill.prefill_chunk` picks.
     prefill_chunk: int = 0
+    # DeepSeek-V4.1's layer roles (shared pools, indexer sources, candidate blocks, Engram); None = V4.
+    v41: V41Layout | None = None
 
     def __post_init__(self):
         _validate_model_config(self)
@@ -101,7 +104,7 @@ class ModelConfig:
         """Ratio, pooling overlap and indexer of a layer kind ("sliding" for the MTP block)."""
         if kind not in LAYER_TYPES:
             raise ValueError(f"unknown layer kind {kind!r}; allowed: {LAYER_TYPES}")
-        ratio = {"sliding": 0, "csa": self.csa_ratio, "hca": self.hca_ratio}[kind]
+        ratio = {"sliding": 0, "csa": self.csa_ratio, "hca": self.hca_ratio, "pool2": 2, "pool1": 1}[kind]
         return LayerGeometry(kind=kind, ratio=ratio, indexed=kind == "csa")
 
     def ratio(self, layer: int) -> int:
@@ -109,16 +112,8 @@ class ModelConfig:
         return self.geometry(self.layer_types[layer]).ratio
 
     @property
-    def compressed_ratios(self) -> tuple[int, ...]:
-        return tuple(sorted({self.ratio(i) for i in range(self.num_layers)} - {0}))
-
-    @property
     def has_mtp(self) -> bool:
         return self.num_mtp_layers > 0
-
-    @property
-    def nope_head_dim(self) -> int:
-        return self.head_dim - self.rope_head_dim
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -234,6 +229,17 @@ def _validate_model_config(cfg: ModelConfig) -> None:
         raise ValueError(f"prefill_chunk must be 0 (default) or a power of two >= 1, got {chunk!r}")
     if cfg.yarn_factor is not None and cfg.yarn_factor <= 0:
         raise ValueError(f"yarn_factor must be > 0 or None, got {cfg.yarn_factor}")
+    pooled = [t for t in cfg.layer_types if t in ("pool2", "pool1")]
+    if cfg.v41 is None and pooled:
+        raise ValueError("layer kinds pool2 / pool1 are V4.1's: give the config its V41Layout (v41=)")
+    if cfg.v41 is not None:
+        if not isinstance(cfg.v41, V41Layout):
+            raise ValueError(f"v41 must be a V41Layout, got {type(cfg.v41).__name__}")
+        validate_v41(cfg.v41, cfg.num_layers)
+        if cfg.layer_types != tuple(cfg.v41.kind(i) for i in range(cfg.num_layers)):
+            raise ValueError("a V4.1 config's layer_types must follow its ratios (sliding / pool2 / pool1)")
+        if cfg.num_hash_layers or cfg.num_mtp_layers:
+            raise ValueError("V4.1 has no hash-routed layers and no MTP block (num_hash_layers = num_mtp_layers = 0)")
 
 
 def _ratio_to_layer_type(ratio: Any, csa_ratio: int) -> str:
@@ -293,9 +299,17 @@ def _hf_yarn(c: dict[str, Any]) -> dict[str, Any]:
     return yarn_kwargs
 
 
+def _from_v41_config(c: dict[str, Any], **overrides: Any) -> ModelConfig:
+    kwargs = v41_config_fields(c)
+    kwargs.update(_hf_yarn(dict(c.get("text_config") or c)), **overrides)
+    return ModelConfig(**kwargs)
+
+
 def _from_hf_config(c: dict[str, Any], **overrides: Any) -> ModelConfig:
     if not isinstance(c, dict):
         raise ValueError(f"config must be a dict, got {type(c).__name__}")
+    if is_v41_config(c):
+        return _from_v41_config(c, **overrides)
     missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if k not in c]
     if missing:
         raise ValueError(f"config.json is missing required keys {missing}")
@@ -409,4 +423,5 @@ _TINY = ModelConfig(
     max_position_embeddings=8192,
 )
 
-_PRESETS = {"test": _TEST, "tiny": _TINY, "v4-flash": _flash(), "v4-pro": _pro()}
+_PRESETS = {"test": _TEST, "tiny": _TINY, "v4-flash": _flash(), "v4-pro": _pro(),
+            **{name: ModelConfig(**v41_preset_fields(name)) for name in ("v41-flash", "v41-test")}}

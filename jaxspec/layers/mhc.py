@@ -50,6 +50,20 @@ def hc_pre(
     p: HyperConnParams, cfg: ModelConfig, streams: jax.Array  # [B, T, hc, d]
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """-> collapsed [B, T, d] (sub-layer input), post [B, T, hc], comb [B, T, hc, hc]."""
+    pre, post, comb = hc_mixes(p, cfg, streams)
+    return hc_collapse(pre, streams), post, comb
+
+
+def hc_collapse(pre: jax.Array, streams: jax.Array) -> jax.Array:
+    """sum_h pre_h X_h in fp32: pre [B, T, hc], streams [B, T, hc, d] -> [B, T, d] in the streams' dtype."""
+    return jnp.einsum("...h,...hd->...d", pre, streams.astype(jnp.float32)).astype(streams.dtype)
+
+
+def hc_mixes(
+    p: HyperConnParams, cfg: ModelConfig, streams: jax.Array  # [B, T, hc, d]
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """-> pre [B, T, hc], post [B, T, hc], comb [B, T, hc, hc] (Sinkhorn-projected), all fp32. V4's
+    sub-layer collapses with its own pre; V4.1's single pass hands it to the next sub-layer."""
     hc = cfg.hc_mult
     flat = streams.reshape(*streams.shape[:-2], -1).astype(jnp.float32)
     mix = unweighted_rms_norm(flat, cfg.rms_norm_eps) @ p.fn
@@ -63,9 +77,7 @@ def hc_pre(
 
     # With the Pallas kernels, one fused Sinkhorn launch on CUDA instead of ~3 per step; the loop elsewhere.
     normalise = sinkhorn if cfg.kernels == "pallas" else sinkhorn_reference
-    comb = normalise(comb, cfg.hc_sinkhorn_iters - 1, cfg.hc_eps)
-    collapsed = jnp.einsum("...h,...hd->...d", pre, streams.astype(jnp.float32)).astype(streams.dtype)
-    return collapsed, post, comb
+    return pre, post, normalise(comb, cfg.hc_sinkhorn_iters - 1, cfg.hc_eps)
 
 
 def hc_post(

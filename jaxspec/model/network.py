@@ -32,6 +32,7 @@ from jaxspec.layers.moe import UNION_MAX_EXPERTS, MoEParams, init_moe, moe, stac
 from jaxspec.layers.mtp import MTPInputParams, init_mtp_input, mtp_inputs
 from jaxspec.model import state as state_lib
 from jaxspec.model.state import DecodeState
+from jaxspec.model.v41 import V41Params, check_v41_params, forward_v41, init_v41_params
 from jaxspec.ops.norms import rms_norm
 from jaxspec.ops.quant import abstract_block_scaled, release_layout
 from jaxspec.sharding.rules import axes, map_declared
@@ -77,7 +78,7 @@ class Models:
 class ForwardOutput:
     logits: jax.Array  # [B, T, V] fp32
     hidden: jax.Array  # [B, T, hc, d] final streams before hc_head (the MTP draft's input)
-    rows: tuple[AttentionRows, ...]  # per layer, for `state.commit`
+    rows: Any  # for `state.commit`: per layer AttentionRows (V4), a `state_v41.V41Rows` (V4.1)
     # [B, T, len(capture)*d]: per captured layer, the mean over the hc streams of its output (DSpark's
     # context rows, reference/dspark_v4.md §2.1), concatenated in `capture` order; None without capture.
     captured: jax.Array | None = None
@@ -100,6 +101,8 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> ModelParams:
     """Random parameters (normal(0.02) matrices, unit norms, zero sinks/biases)."""
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    if cfg.v41 is not None:
+        return init_v41_params(cfg, key)
     keys = jax.random.split(key, cfg.num_layers + 6)
     d, v, dtype = cfg.hidden_size, cfg.vocab_size, jnp.dtype(cfg.dtype)
     layers = tuple(
@@ -214,6 +217,8 @@ def cpu_layout(params: Any, cfg: ModelConfig) -> Any:
     The same values: outputs are bit-identical, a CPU step skips one copy of every selected expert
     (docs/results.md, "Routed experts on the CPU"). Outside jit, once: `load_checkpoint` does it."""
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    if cfg.v41 is not None:  # V4.1's experts gather the selected weights (layers.v41_moe)
+        return params
     leaves = jax.tree.leaves(params)
     if not (k < e <= UNION_MAX_EXPERTS) or not leaves or not all(_on_one_cpu(x) for x in leaves):
         return params
@@ -240,6 +245,8 @@ def _on_one_cpu(x: Any) -> bool:
 def check_params(params: Any, cfg: ModelConfig) -> None:
     """ValueError unless `params` is a ModelParams of `cfg`'s vocabulary, width and depth (cheap: a
     dict, or another model's weights, fails here in one line instead of deep inside a trace)."""
+    if cfg.v41 is not None:
+        return check_v41_params(params, cfg)
     if not isinstance(params, ModelParams):
         raise ValueError(
             f"params must be a jaxspec ModelParams (from init_params / load_checkpoint), got {type(params).__name__}"
@@ -266,6 +273,11 @@ def forward(
 
     capture (static): layer ids whose output streams are averaged over hc into `out.captured`."""
     check_params(params, cfg)
+    if isinstance(params, V41Params):
+        if capture:
+            raise ValueError("capture is not supported on V4.1 yet (its DSpark taps are layer inputs)")
+        logits, hidden, rows = forward_v41(params, cfg, state, tokens, ctx)
+        return ForwardOutput(logits=logits, hidden=hidden, rows=rows)
     bad = [i for i in capture if not (isinstance(i, int) and 0 <= i < cfg.num_layers)]
     if bad:
         raise ValueError(f"capture must hold layer ids in [0, {cfg.num_layers}), got {bad}")
@@ -294,6 +306,7 @@ def extend(
 
     banded: read a long chunk block by block (`layers.banded`; False: the dense [T, T] reference).
     capture: as `forward`'s."""
+    banded = banded and cfg.v41 is None  # the banded chain is V4's layers' long-prompt path
     ctx = causal_context(state.length, valid, band_block(cfg, tokens.shape[1]) if banded else 0)
     out = forward(params, cfg, state, tokens, ctx, capture=capture)
     return out, state_lib.commit(cfg, state, out.rows, ctx.positions, valid)

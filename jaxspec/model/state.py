@@ -15,6 +15,8 @@ from flax import struct
 
 from jaxspec.core.config import ModelConfig
 from jaxspec.layers.attention import AttentionRows
+from jaxspec.model import state_v41
+from jaxspec.model.rings import write_entries, write_ring
 from jaxspec.sharding.rules import axes
 
 
@@ -81,12 +83,15 @@ def layer_state(cfg: ModelConfig, kind: str, batch: int, max_len: int) -> LayerS
     return state
 
 
-def init_state(cfg: ModelConfig, batch: int, max_len: int) -> DecodeState:
-    """An empty target state for `batch` sequences of up to `max_len` tokens (a draft keeps its own)."""
+def init_state(cfg: ModelConfig, batch: int, max_len: int) -> DecodeState | state_v41.V41State:
+    """An empty target state for `batch` sequences of up to `max_len` tokens (a draft keeps its own);
+    a V4.1 config's is a `state_v41.V41State`."""
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
     if max_len < 1 or max_len > cfg.max_position_embeddings:
         raise ValueError(f"max_len must be in [1, {cfg.max_position_embeddings}], got {max_len}")
+    if cfg.v41 is not None:
+        return state_v41.init_v41_state(cfg, batch, max_len)
     return DecodeState(
         layers=tuple(layer_state(cfg, kind, batch, max_len) for kind in cfg.layer_types),
         length=jnp.zeros((batch,), jnp.int32),
@@ -99,22 +104,6 @@ def abstract_state(cfg: ModelConfig, batch: int, max_len: int) -> DecodeState:
     return jax.eval_shape(lambda: init_state(cfg, batch, max_len))
 
 
-def _write_ring(ring, rows, positions, take, new_length):
-    """Write rows of taken tokens at slot pos mod R; only the last R positions survive."""
-    size = ring.shape[1]
-    keep = take & (positions >= new_length[:, None] - size)
-    slot = jnp.where(keep, positions % size, size)  # out of range -> dropped
-    batch_index = jnp.arange(ring.shape[0])[:, None]
-    return ring.at[batch_index, slot].set(rows.astype(ring.dtype), mode="drop")
-
-
-def _write_entries(cache, entries, positions, take, ratio):
-    emits = take & ((positions + 1) % ratio == 0)
-    index = jnp.where(emits, positions // ratio, cache.shape[1])
-    batch_index = jnp.arange(cache.shape[0])[:, None]
-    return cache.at[batch_index, index].set(entries.astype(cache.dtype), mode="drop")
-
-
 def commit_layer(
     cfg: ModelConfig,
     kind: str,
@@ -124,21 +113,21 @@ def commit_layer(
     take: jax.Array,  # [B, T] bool: tokens to commit (their positions must be P, P+1, ... )
     new_length: jax.Array,  # [B]
 ) -> LayerState:
-    out = layer.replace(swa_kv=_write_ring(layer.swa_kv, rows.kv, positions, take, new_length))
+    out = layer.replace(swa_kv=write_ring(layer.swa_kv, rows.kv, positions, take, new_length))
     g = cfg.geometry(kind)
     if not g.compressed:
         return out
     ratio = g.ratio
     out = out.replace(
-        comp_rows_kv=_write_ring(layer.comp_rows_kv, rows.comp_kv, positions, take, new_length),
-        comp_rows_gate=_write_ring(layer.comp_rows_gate, rows.comp_gate, positions, take, new_length),
-        comp_kv=_write_entries(layer.comp_kv, rows.comp_entry, positions, take, ratio),
+        comp_rows_kv=write_ring(layer.comp_rows_kv, rows.comp_kv, positions, take, new_length),
+        comp_rows_gate=write_ring(layer.comp_rows_gate, rows.comp_gate, positions, take, new_length),
+        comp_kv=write_entries(layer.comp_kv, rows.comp_entry, positions, take, ratio),
     )
     if g.indexed:
         out = out.replace(
-            idx_rows_kv=_write_ring(layer.idx_rows_kv, rows.idx_kv, positions, take, new_length),
-            idx_rows_gate=_write_ring(layer.idx_rows_gate, rows.idx_gate, positions, take, new_length),
-            idx_kv=_write_entries(layer.idx_kv, rows.idx_entry, positions, take, ratio),
+            idx_rows_kv=write_ring(layer.idx_rows_kv, rows.idx_kv, positions, take, new_length),
+            idx_rows_gate=write_ring(layer.idx_rows_gate, rows.idx_gate, positions, take, new_length),
+            idx_kv=write_entries(layer.idx_kv, rows.idx_entry, positions, take, ratio),
         )
     return out
 
@@ -151,6 +140,8 @@ def commit(
     take: jax.Array,  # [B, T] bool
 ) -> DecodeState:
     """Write the taken tokens' rows into the committed state and advance the length."""
+    if isinstance(state, state_v41.V41State):
+        return state_v41.commit_v41_state(cfg, state, rows, positions, take)
     new_length = state.length + jnp.sum(take, axis=1).astype(jnp.int32)
     layers = tuple(
         commit_layer(cfg, kind, layer, layer_rows, positions, take, new_length)

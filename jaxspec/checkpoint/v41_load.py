@@ -1,0 +1,195 @@
+"""DeepSeek-V4.1 release folders (docs/v41.md, "Loading a release"): config.json with the text model under
+`text_config`, official tensor names, FP8 e4m3 weights with one UE8M0 scale per 32 x 32 block, MXFP4
+routed experts (1 x 32), the Engram tables in FP8 with one scale per 32 columns of a row.
+
+The dense weights are dequantized to the run dtype at load; the Engram tables stay FP8 (`BlockScaled`),
+because at V4.1-Flash's size they are 196 GB: a step gathers its 24 rows per token and dequantizes only
+those (`layers.engram.table_rows`). The vision tower's tensors are skipped with one printed line (the
+text model is what jaxspec runs), the DSpark stages (`mtp.*`) likewise until V4.1's DSpark is built;
+any other tensor the model has no place for is a one-line error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.checkpoint import quant as ckpt_quant
+from jaxspec.checkpoint.safetensors_io import Folder, Reader, open_folder
+from jaxspec.core.config import ModelConfig
+from jaxspec.layers.engram import EngramParams
+from jaxspec.layers.mhc import HyperConnParams
+from jaxspec.layers.moe import MLPParams, MoEParams
+from jaxspec.layers.v41_attention import PoolAttentionParams, PoolCompressorParams, PoolIndexerParams
+from jaxspec.model.v41 import V41BlockParams, V41Params
+from jaxspec.ops.quant import BlockScaled
+
+FP8_BLOCK = (32, 32)  # V4.1's weight_block_size
+ROW_BLOCK = (1, 32)  # MXFP4 experts and the Engram tables
+_SKIPPED = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
+
+
+def engram_token_map(path: str, cfg: ModelConfig) -> np.ndarray | None:
+    """[V] int32 Engram class of every token id: `engram_token_map.json` when the folder has it, else
+    derived from `tokenizer.json` (`derive_token_map`); None when the model has no Engram layers."""
+    v = cfg.v41
+    if not v.engram_layers:
+        return None
+    mapped = os.path.join(path, "engram_token_map.json")
+    if os.path.isfile(mapped):
+        with open(mapped) as f:
+            table = np.asarray(json.load(f), np.int64)
+    elif os.path.isfile(os.path.join(path, "tokenizer.json")):
+        table = derive_token_map(os.path.join(path, "tokenizer.json"))
+    else:
+        raise ValueError(f"{path!r} has Engram layers but neither engram_token_map.json nor tokenizer.json "
+                         "to map token ids to Engram's normalized classes")
+    if table.ndim != 1 or len(table) > cfg.vocab_size or table.min() < 0:
+        raise ValueError(f"the Engram token map must be one class >= 0 per token id (<= {cfg.vocab_size}), "
+                         f"got shape {table.shape}")
+    if int(table.max()) + 1 != v.engram_compressed_vocab:
+        raise ValueError(f"the Engram token map has {int(table.max()) + 1} classes, the config says "
+                         f"engram_compressed_vocab_size={v.engram_compressed_vocab}")
+    full = np.full((cfg.vocab_size,), table[v.engram_pad_id] if v.engram_pad_id < len(table) else 0, np.int32)
+    full[: len(table)] = table
+    return full
+
+
+def derive_token_map(tokenizer_json: str) -> np.ndarray:
+    """Engram's classes from a tokenizer: each id's decoded text, NFKC -> NFD -> strip accents ->
+    lowercase -> whitespace runs to one space -> a lone space kept, others stripped; ids whose text
+    holds U+FFFD (a partial byte sequence) keep their token string. Classes are numbered in id order."""
+    from tokenizers import Regex, Tokenizer, normalizers
+
+    tok = Tokenizer.from_file(tokenizer_json)
+    sentinel = "\ue000"
+    norm = normalizers.Sequence([
+        normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
+        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "), normalizers.Replace(Regex(r"^ $"), sentinel),
+        normalizers.Strip(), normalizers.Replace(sentinel, " "),
+    ])
+    classes: dict[str, int] = {}
+    out = np.zeros((tok.get_vocab_size(),), np.int64)
+    for i in range(len(out)):
+        text = tok.decode([i], skip_special_tokens=False)
+        key = tok.id_to_token(i) if "\ufffd" in text else (norm.normalize_str(text) or text)
+        out[i] = classes.setdefault(key, len(classes))
+    return out
+
+
+class _Tensors:
+    """The folder's tensors by official name, read once each; `left()` lists the unread ones."""
+
+    def __init__(self, folder: Folder, dtype: str):
+        self.folder, self.reader, self.dtype = folder, Reader(), jnp.dtype(dtype)
+        self.used: set[str] = set()
+
+    def raw(self, name: str) -> np.ndarray:
+        if name not in self.folder.tensors:
+            raise ValueError(f"{self.folder.path!r} is missing tensor {name!r}")
+        self.used.add(name)
+        return self.reader.read(self.folder.tensors[name])
+
+    def has(self, name: str) -> bool:
+        return name in self.folder.tensors
+
+    def weight(self, name: str, block: tuple[int, int] = FP8_BLOCK) -> np.ndarray:
+        """`name.weight` [out, in] as float32, dequantized with `name.scale` when it has one."""
+        q = self.raw(f"{name}.weight")
+        if self.has(f"{name}.scale"):
+            return ckpt_quant.dequantize(q, self.raw(f"{name}.scale").astype(np.float32), block)
+        return q.astype(np.float32)
+
+    def linear(self, name: str, dtype: Any = None) -> jnp.ndarray:
+        """An [out, in] linear as our [in, out]."""
+        return jnp.asarray(self.weight(name).T, dtype or self.dtype)
+
+    def vector(self, name: str, dtype: Any = jnp.float32) -> jnp.ndarray:
+        return jnp.asarray(self.raw(name).astype(np.float32), dtype)
+
+
+def _attention(t: _Tensors, cfg: ModelConfig, layer: int) -> PoolAttentionParams:
+    v, a = cfg.v41, f"layers.{layer}.attn"
+    g, ol = cfg.o_groups, cfg.o_lora_rank
+    wo_a = t.weight(f"{a}.wo_a")  # [g * o_lora, H*c/g]: group g's rows are its output projection
+    wo_a = wo_a.reshape(g, ol, -1).transpose(0, 2, 1)
+    compressor = indexer = None
+    if layer in v.kv_sources:
+        compressor = PoolCompressorParams(
+            wkv=t.linear(f"{a}.compressor.wkv"),
+            wgate=t.linear(f"{a}.compressor.wgate") if v.ratios[layer] == 2 else None,
+            norm=t.vector(f"{a}.compressor.norm.weight"), wk=t.linear(f"{a}.indexer.wk"),
+            k_norm=t.vector(f"{a}.indexer.k_norm.weight"))
+    if layer in v.index_sources:
+        indexer = PoolIndexerParams(wq_b=t.linear(f"{a}.indexer.wq_b"),
+                                    weights_proj=t.linear(f"{a}.indexer.weights_proj"))
+    return PoolAttentionParams(
+        wq_a=t.linear(f"{a}.wq_a"), q_norm=t.vector(f"{a}.q_norm.weight"), wq_b=t.linear(f"{a}.wq_b"),
+        wkv=t.linear(f"{a}.wkv"), kv_norm=t.vector(f"{a}.kv_norm.weight"), wo_a=jnp.asarray(wo_a, t.dtype),
+        wo_b=t.linear(f"{a}.wo_b"), sink=t.vector(f"{a}.attn_sink"), compressor=compressor, indexer=indexer)
+
+
+def _moe(t: _Tensors, cfg: ModelConfig, layer: int) -> MoEParams:
+    f = f"layers.{layer}.ffn"
+    t.used.add(f"{f}.gate.bias_vl")  # image-span tokens only (text model: never read)
+    experts = [[t.weight(f"{f}.experts.{e}.{w}", ROW_BLOCK).T for e in range(cfg.n_routed_experts)]
+               for w in ("w1", "w3", "w2")]
+    shared = None
+    if cfg.n_shared_experts:
+        shared = MLPParams(*(t.linear(f"{f}.shared_experts.{w}") for w in ("w1", "w3", "w2")))
+    return MoEParams(
+        gate=jnp.asarray(t.weight(f"{f}.gate").T, jnp.float32), gate_bias=t.vector(f"{f}.gate.bias"), tid2eid=None,
+        experts=MLPParams(*(jnp.asarray(np.stack(w), t.dtype) for w in experts)), shared=shared)
+
+
+def _hyper(t: _Tensors, prefix: str) -> HyperConnParams:
+    return HyperConnParams(fn=jnp.asarray(t.raw(f"{prefix}_fn").astype(np.float32).T),
+                           base=t.vector(f"{prefix}_base"), scale=t.vector(f"{prefix}_scale"))
+
+
+def _engram(t: _Tensors, cfg: ModelConfig, layer: int) -> EngramParams:
+    e = f"layers.{layer}.engram"
+    table = BlockScaled(data=jnp.asarray(t.raw(f"{e}.embed.weight")), scale=jnp.asarray(t.raw(f"{e}.embed.scale")),
+                        block=ROW_BLOCK, dtype=str(t.dtype))
+    return EngramParams(table=table, wkv=t.linear(f"{e}.wkv"), q_weight=t.vector(f"{e}.q_weight", t.dtype),
+                        k_weight=t.vector(f"{e}.k_weight", t.dtype))
+
+
+def load_v41(
+    path: str | os.PathLike, config: dict[str, Any], dtype: str | None = None
+) -> tuple[ModelConfig, V41Params]:
+    """(cfg, params) of a V4.1 release folder whose config.json is `config` (see the module docstring)."""
+    path = os.fspath(path)
+    cfg = ModelConfig.from_hf_config(config)
+    cfg = cfg.replace(dtype=dtype or cfg.dtype)
+    t = _Tensors(open_folder(path), cfg.dtype)
+    v = cfg.v41
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}"
+        layers.append(V41BlockParams(
+            attn_norm=t.vector(f"{p}.attn_norm.weight"), attn=_attention(t, cfg, i),
+            ffn_norm=t.vector(f"{p}.ffn_norm.weight"), ffn=_moe(t, cfg, i),
+            hc_attn=_hyper(t, f"{p}.hc_attn"), hc_ffn=_hyper(t, f"{p}.hc_ffn"),
+            engram=_engram(t, cfg, i) if i in v.engram_layers else None))
+    token_map = engram_token_map(path, cfg)
+    params = V41Params(
+        embed=jnp.asarray(t.weight("embed"), t.dtype), layers=tuple(layers), norm=t.vector("norm.weight"),
+        head=jnp.asarray(t.weight("head").T, t.dtype),
+        engram_token_map=None if token_map is None else jnp.asarray(token_map))
+    left = sorted(set(t.folder.tensors) - t.used)
+    vision = [k for k in left if k.startswith(_SKIPPED)]
+    stages = [k for k in left if k.startswith("mtp.")]
+    unknown = [k for k in left if k not in vision and k not in stages]
+    if unknown:
+        raise ValueError(f"{path!r} holds {len(unknown)} tensors the V4.1 model has no place for, e.g. {unknown[0]!r}")
+    if vision:
+        print(f"load_release: skipped the vision tower ({len(vision)} tensors): jaxspec runs the text model")
+    if stages:
+        print(f"load_release: skipped the DSpark stages ({len(stages)} mtp.* tensors): V4.1's DSpark is not "
+              "supported yet; the target loads alone")
+    return cfg, params

@@ -1,0 +1,244 @@
+"""DeepSeek-V4.1 attention (docs/v41.md): MQA with one K=V head over a 128-token window and, on a
+compressed layer, the top-k entries of a pool shared by a group of layers.
+
+A layer plays one role, fixed by `cfg.v41` (`V41Layout`):
+* window only (ratio 0);
+* kv source ("owner"): its compressor pools every 2 tokens (softmax gate over the pair) or every
+  token (ratio 1) into the group's pool, publishes one index key per entry, and runs an indexer;
+* index source: its own indexer (queries from its own q latent) over the owner's keys; after the
+  candidate source it chooses only inside the candidate blocks (the two-level top-k);
+* reuse: reads the owner's pool with the last index source's top-k.
+Within one forward the owner's pool and the last selection travel to the layers after it as a
+`PoolShare`. Like V4's `attention`, it reads the committed state and returns the new tokens' rows
+(window kv, compressor rows, the entry and index key each token would emit) for the caller to
+commit; new tokens read the entries only their own ancestors emitted (`ctx.visible`), so one code
+path serves prefill, chunked extend, decode and tree verification.
+
+The QAT roundings (ops/fakequant.py) sit where DeepSeek's reference applies them: FP8 on the input
+of every FP8 linear and on the window kv, FP4 on the pool entries and on the indexer's q and k.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxspec.core.config import ModelConfig
+from jaxspec.layers.attention import AttentionContext, AttentionRows, attend, ring_positions
+from jaxspec.ops import fakequant, quant
+from jaxspec.ops.norms import rms_norm
+from jaxspec.ops.pooling import source_indices
+from jaxspec.ops.quant import Weight
+from jaxspec.ops.rope import apply_rope, inv_freq, rope_angles
+from jaxspec.sharding.rules import axes
+
+
+@struct.dataclass
+class PoolCompressorParams:
+    """A kv source's compressor and index-key projection."""
+
+    wkv: jax.Array = axes("embed", "kv")  # [d, c]
+    wgate: jax.Array | None = axes("embed", "kv")  # [d, c] on ratio-2 owners (softmax gate), None at ratio 1
+    norm: jax.Array = axes("kv")  # [c]
+    wk: jax.Array = axes("kv", "index_kv")  # [c, c_I] index keys from the unrotated latent
+    k_norm: jax.Array = axes("index_kv")  # [c_I]
+
+
+@struct.dataclass
+class PoolIndexerParams:
+    wq_b: Weight = axes("q_lora", "index_heads", quant="fp8")  # [q_lora_rank, H_I * c_I]
+    weights_proj: jax.Array = axes("embed", "index_heads")  # [d, H_I]
+
+
+@struct.dataclass
+class PoolAttentionParams:
+    wq_a: Weight = axes("embed", "q_lora", quant="fp8")  # [d, q_lora_rank]
+    q_norm: jax.Array = axes("q_lora")  # [q_lora_rank]
+    wq_b: Weight = axes("q_lora", "heads", quant="fp8")  # [q_lora_rank, H*c], head-major
+    wkv: Weight = axes("embed", "kv", quant="fp8")  # [d, c]
+    kv_norm: jax.Array = axes("kv")  # [c]
+    wo_a: Weight = axes("o_groups", "group_width", "o_lora")  # [g, H*c/g, o_lora_rank] (no activation rounding)
+    wo_b: Weight = axes("o_groups", "embed", quant="fp8")  # [g*o_lora_rank, d]
+    sink: jax.Array = axes("heads")  # [H] fp32
+    compressor: PoolCompressorParams | None  # kv sources
+    indexer: PoolIndexerParams | None  # index sources
+
+
+@struct.dataclass
+class PoolShare:
+    """What a kv source and an index source hand to the layers after them in one forward."""
+
+    pool: jax.Array | None = None  # [B, Lc, c] the owner's committed entries
+    entries: jax.Array | None = None  # [B, T, c] the entry each new token would emit
+    keys: jax.Array | None = None  # [B, Lc, c_I] the owner's committed index keys
+    new_keys: jax.Array | None = None  # [B, T, c_I]
+    emits: jax.Array | None = None  # [B, T] bool: the new token closes a group
+    comp_index: jax.Array | None = None  # [B, T, k] committed entries picked (-1: none)
+    picked: jax.Array | None = None  # [B, T, T] bool: token i reads new token j's entry
+    cand: jax.Array | None = None  # [B, T, Lc] bool: committed entries inside i's candidate blocks
+    cand_new: jax.Array | None = None  # [B, T, T] bool: new entries inside them
+
+
+def init_pool_attention(cfg: ModelConfig, key: jax.Array, layer: int, std: float = 0.02) -> PoolAttentionParams:
+    v = cfg.v41
+    d, h, c, dq = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.q_lora_rank
+    g, do, hi, ci = cfg.o_groups, cfg.o_lora_rank, cfg.index_n_heads, cfg.index_head_dim
+    dtype = jnp.dtype(cfg.dtype)
+    keys = iter(jax.random.split(key, 12))
+
+    def normal(shape, dt=dtype):
+        return (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dt)
+
+    compressor = indexer = None
+    if layer in v.kv_sources:
+        compressor = PoolCompressorParams(
+            wkv=normal((d, c)), wgate=normal((d, c)) if v.ratios[layer] == 2 else None,
+            norm=jnp.ones((c,), jnp.float32), wk=normal((c, ci)), k_norm=jnp.ones((ci,), jnp.float32))
+    if layer in v.index_sources:
+        indexer = PoolIndexerParams(wq_b=normal((dq, hi * ci)), weights_proj=normal((d, hi)))
+    return PoolAttentionParams(
+        wq_a=normal((d, dq)), q_norm=jnp.ones((dq,), jnp.float32), wq_b=normal((dq, h * c)),
+        wkv=normal((d, c)), kv_norm=jnp.ones((c,), jnp.float32), wo_a=normal((g, h * c // g, do)),
+        wo_b=normal((g * do, d)), sink=jnp.zeros((h,), jnp.float32), compressor=compressor, indexer=indexer)
+
+
+def _latents(
+    p: PoolCompressorParams, cfg: ModelConfig, ratio: int, x: jax.Array, layer_state: Any, ctx: AttentionContext,
+) -> tuple[jax.Array, AttentionRows]:
+    """The unrotated latent each new token would close its group with [B, T, c] (the caller masks
+    those that close none) and the compressor rows a commit keeps (ratio 2: fp32 kv and gate)."""
+    if ratio == 1:  # every token is its own group: no gate, no fp32 promotion
+        return rms_norm(x @ p.wkv.astype(x.dtype), p.norm, cfg.rms_norm_eps), AttentionRows(kv=None)
+    x32 = x.astype(jnp.float32)
+    kv, gate = x32 @ p.wkv.astype(jnp.float32), x32 @ p.wgate.astype(jnp.float32)  # [B, T, c]
+    # The group's rows: the committed ring (slot pos mod 2) or a new token on the query's own chain.
+    index, valid = source_indices(ctx.positions, ctx.committed, ctx.ancestor_at_depth, ratio, ratio)
+    b, t, s = index.shape
+    flat = index.reshape(b, t * s, 1)
+    kvs = jnp.take_along_axis(jnp.concatenate([layer_state.comp_rows_kv, kv], 1), flat, 1).reshape(b, t, s, -1)
+    gates = jnp.take_along_axis(jnp.concatenate([layer_state.comp_rows_gate, gate], 1), flat, 1).reshape(b, t, s, -1)
+    gates = jnp.where(valid[..., None], gates, -jnp.inf)
+    latent = jnp.sum(jnp.where(valid[..., None], kvs, 0.0) * jax.nn.softmax(gates, axis=2), axis=2)
+    latent = rms_norm(latent.astype(x.dtype), p.norm, cfg.rms_norm_eps)
+    return latent, AttentionRows(kv=None, comp_kv=kv, comp_gate=gate)
+
+
+def _index_scores(
+    q: jax.Array,  # [B, T, H_I, c_I] rounded index queries
+    w: jax.Array,  # [B, T, H_I] head weights (scales folded in)
+    keys: jax.Array,  # [B, N, c_I]
+) -> jax.Array:
+    """sum_h relu(q_h . k) w_h -> [B, T, N] fp32."""
+    dots = jnp.einsum("bthc,bnc->bthn", q.astype(jnp.float32), keys.astype(jnp.float32))
+    return jnp.einsum("bthn,bth->btn", jax.nn.relu(dots), w)
+
+
+def _candidate_blocks(
+    cfg: ModelConfig, ratio: int, scores: jax.Array, new_scores: jax.Array, ctx: AttentionContext
+) -> tuple[jax.Array, jax.Array]:
+    """Level one of the two-level top-k: per query, the `candidate_topk_blocks` blocks of
+    `candidate_block_size` entries with the highest best score (the block holding the query's last
+    visible entry always kept, blocks with no visible entry never) -> masks over the committed
+    [B, T, Lc] and the new [B, T, T] entries. scores / new_scores: -inf where not visible."""
+    v = cfg.v41
+    bs = v.candidate_block_size
+    b, t, lc = scores.shape
+    nb = -(-lc // bs)
+    padded = jnp.pad(scores, ((0, 0), (0, 0), (0, nb * bs - lc)), constant_values=-jnp.inf)
+    block_score = jnp.max(padded.reshape(b, t, nb, bs), axis=-1)  # [B, T, NB]
+    new_block = jnp.minimum((ctx.positions // ratio) // bs, nb - 1)  # [B, T] block of each new token's entry
+    rows = jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None]
+    block_score = block_score.at[(*rows, jnp.broadcast_to(new_block[:, None, :], (b, t, t)))].max(new_scores)
+    last = ((ctx.positions + 1) // ratio - 1) // bs  # [B, T] (negative: no visible entry yet)
+    pinned = jnp.where(jnp.arange(nb) == last[..., None], jnp.inf, block_score)
+    _, top = jax.lax.top_k(pinned, min(v.candidate_topk_blocks, nb))
+    keep = jnp.zeros((b, t, nb), bool).at[(*rows, top)].set(True) & (block_score > -jnp.inf)
+    cand = jnp.repeat(keep, bs, axis=-1)[..., :lc]
+    cand_new = jnp.take_along_axis(keep, jnp.broadcast_to(new_block[:, None, :], (b, t, t)), axis=-1)
+    return cand, cand_new
+
+
+def _select(
+    p: PoolAttentionParams, cfg: ModelConfig, layer: int, ratio: int, x: jax.Array, q_latent: jax.Array,
+    rope: tuple[jax.Array, jax.Array], share: PoolShare, ctx: AttentionContext,
+) -> PoolShare:
+    """An index source's top-k over the owner's committed and branch-local keys."""
+    v = cfg.v41
+    b, t = ctx.positions.shape
+    lc = share.pool.shape[1]
+    hi, ci = cfg.index_n_heads, cfg.index_head_dim
+    cos, sin = rope
+    ip = p.indexer
+    q = quant.matmul(fakequant.fp8(q_latent), ip.wq_b).reshape(b, t, hi, ci)
+    q = fakequant.fp4_ue8m0(apply_rope(q, cos[:, :, None], sin[:, :, None]))
+    w = (x @ ip.weights_proj.astype(x.dtype)).astype(jnp.float32) * (ci**-0.5 * hi**-0.5)
+    committed_ok = jnp.arange(lc)[None, None, :] < (ctx.committed // ratio)[:, None, None]  # [B, 1, Lc]
+    new_ok = ctx.visible & share.emits[:, None, :]  # [B, T, T] entries of the token's own ancestors
+    scores = jnp.where(committed_ok, _index_scores(q, w, share.keys), -jnp.inf)  # [B, T, Lc]
+    new_scores = jnp.where(new_ok, _index_scores(q, w, share.new_keys), -jnp.inf)  # [B, T, T]
+    if v.uses_candidates(layer):
+        scores = jnp.where(share.cand, scores, -jnp.inf)
+        new_scores = jnp.where(share.cand_new, new_scores, -jnp.inf)
+    elif layer == v.candidate_source:
+        cand, cand_new = _candidate_blocks(cfg, ratio, scores, new_scores, ctx)
+        share = share.replace(cand=cand, cand_new=cand_new)
+    top_scores, top = jax.lax.top_k(jnp.concatenate([scores, new_scores], axis=-1), min(cfg.index_topk, lc + t))
+    picked = top_scores > -jnp.inf
+    local = jnp.where(picked & (top >= lc), top - lc, t)  # [B, T, k] picked new entries (t: none)
+    rows = jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None]
+    picked_new = jnp.zeros((b, t, t + 1), bool).at[(*rows, local)].set(True)[..., :t]
+    return share.replace(comp_index=jnp.where(picked & (top < lc), top, -1), picked=picked_new)
+
+
+def pool_attention(
+    p: PoolAttentionParams,
+    cfg: ModelConfig,
+    layer: int,
+    x: jax.Array,  # [B, T, d] normed sub-layer input
+    layer_state: Any,  # state_v41.PoolLayerState: the committed window ring (and pool, on an owner)
+    ctx: AttentionContext,  # dense (band = 0)
+    share: PoolShare,  # the owner's pool and the last selection, from the layers before
+) -> tuple[jax.Array, AttentionRows, PoolShare]:
+    """-> output [B, T, d], the new tokens' rows, the share for the layers after."""
+    v = cfg.v41
+    ratio = v.ratios[layer]
+    b, t, _ = x.shape
+    c = cfg.head_dim
+    cos, sin = rope_angles(ctx.positions, inv_freq(cfg, ratio > 0))  # [B, T, r/2]
+    q_latent = rms_norm(quant.matmul(fakequant.fp8(x), p.wq_a), p.q_norm, cfg.rms_norm_eps)
+    q = quant.matmul(fakequant.fp8(q_latent), p.wq_b).reshape(b, t, cfg.num_heads, c)
+    q = apply_rope(q, cos[:, :, None], sin[:, :, None])  # no per-head norm in V4.1
+    kv = rms_norm(quant.matmul(fakequant.fp8(x), p.wkv), p.kv_norm, cfg.rms_norm_eps)
+    kv = fakequant.fp8(apply_rope(kv, cos, sin))
+    rows = AttentionRows(kv=kv)
+    entry_keys: dict[str, jax.Array] = {}
+    if ratio:
+        if p.compressor is not None:  # an owner: the group's pool and index keys start here
+            latent, comp_rows = _latents(p.compressor, cfg, ratio, x, layer_state, ctx)
+            at = rope_angles((ctx.positions // ratio) * ratio, inv_freq(cfg, True))
+            entry = fakequant.fp4_e4m3(apply_rope(latent, *at), 16)
+            pk = p.compressor
+            key = rms_norm(latent @ pk.wk.astype(latent.dtype), pk.k_norm, cfg.rms_norm_eps)
+            key = fakequant.fp4_ue8m0(apply_rope(key, *at))
+            rows = rows.replace(comp_kv=comp_rows.comp_kv, comp_gate=comp_rows.comp_gate, comp_entry=entry,
+                                idx_entry=key)
+            share = PoolShare(pool=layer_state.comp_kv, entries=entry, keys=layer_state.idx_kv, new_keys=key,
+                              emits=((ctx.positions + 1) % ratio == 0) & ctx.valid,
+                              cand=share.cand, cand_new=share.cand_new)
+        if p.indexer is not None:
+            share = _select(p, cfg, layer, ratio, x, q_latent, (cos, sin), share, ctx)
+        entry_keys = dict(comp_kv=share.pool, comp_index=share.comp_index, tree_entries=share.entries,
+                          tree_entry_mask=share.picked)
+    window = cfg.sliding_window
+    ring_pos = ring_positions(ctx.committed, layer_state.swa_kv.shape[1])
+    new_mask = ctx.visible & (ctx.positions[:, None, :] > ctx.positions[:, :, None] - window)
+    out = attend(q, layer_state.swa_kv, ring_pos, kv, new_mask, ctx.positions, p.sink, window=window,
+                 scale=c**-0.5, **entry_keys)
+    out = apply_rope(out, cos[:, :, None], sin[:, :, None], inverse=True).astype(x.dtype)
+    g = cfg.o_groups
+    grouped = out.reshape(b, t, g, cfg.num_heads * c // g)
+    projected = quant.einsum("btgi,gio->btgo", grouped, p.wo_a).reshape(b, t, -1)
+    return quant.matmul(fakequant.fp8(projected), p.wo_b), rows, share

@@ -1,0 +1,246 @@
+"""DeepSeek-V4.1: the config, the QAT roundings, Engram's hash, the decode state and the oracle.
+
+The model is checked on a tiny release folder in the official names and formats
+(`jaxspec.testing.write_v41_release`: every V4.1 layer kind in 8 layers, Engram at two of them) against
+mlx-vlm 0.7.10's V4.1 model (tests/mlx_v41_oracle.py), float32 math, QAT rounding on. The decode state
+is checked as V4's: one-shot prefill == chunked prefill (chunks that leave ratio-2 groups half full,
+cross the window ring and the candidate blocks, split n-grams) == token-by-token decode, and greedy
+generation == recomputing the whole sequence every step. A sensitivity check proves the comparisons
+exercise the indexer's top-k, the candidate blocks and Engram: turning each off moves the logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_v41_oracle import load_v41, run_v41
+from mlx_vlm.models.deepseek_v41 import fakequant as mlx_fakequant
+
+import jaxspec as js
+from jaxspec.model import network
+from jaxspec.model import state as state_lib
+from jaxspec.ops import fakequant
+from jaxspec.ops.ngram_hash import hash_rows, ngram_tables
+from jaxspec.testing import V41_TINY_TEXT, write_v41_release
+
+ORACLE_TOL = 1e-4  # relative to the largest |logit|; measured 5.5e-7 (docs/v41.md)
+STATE_TOL = 1e-5  # decode / chunked / one-shot, jitted; measured <= 3.4e-7
+T = 48
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    path = tmp_path_factory.mktemp("v41")
+    write_v41_release(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def loaded(release):
+    ck = js.load_release(release, dtype="float32")
+    return ck.cfg, ck.params
+
+
+@pytest.fixture(scope="module")
+def tokens(loaded):
+    cfg, _ = loaded
+    return np.random.default_rng(0).integers(0, cfg.vocab_size, (2, T)).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def one_shot(loaded, tokens):
+    cfg, params = loaded
+    return np.asarray(network.one_shot_logits(params, cfg, jnp.asarray(tokens)))
+
+
+def _rel(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(np.asarray(b))))
+
+
+# ---- config -----------------------------------------------------------------------------------------
+def test_release_config_reads_as_v41(release, loaded):
+    cfg, _ = loaded
+    with open(release / "config.json") as f:
+        config = json.load(f)
+    assert js.ModelConfig.from_hf_config(config) == js.ModelConfig.preset("v41-test")
+    text_only = js.ModelConfig.from_hf_config(config["text_config"])  # the ids live at the top level
+    assert text_only == js.ModelConfig.preset("v41-test", bos_id=None, eos_id=None)
+    assert cfg.layer_types == ("sliding", "sliding", "pool2", "pool2", "pool2", "pool1", "pool1", "pool1")
+    v = cfg.v41
+    assert [v.owner(i) for i in range(2, 8)] == [2, 2, 2, 5, 5, 5]
+    assert [v.index_source(i) for i in range(2, 8)] == [2, 2, 2, 5, 5, 7]
+    assert [v.uses_candidates(i) for i in range(8)] == [False] * 7 + [True]
+    flash = js.ModelConfig.preset("v41-flash")
+    assert flash.v41.ratios == (0, 0) + (2,) * 18 + (1,) * 20 and flash.rms_norm_eps == 1e-20
+    assert [flash.v41.owner(i) for i in (3, 19, 25)] == [2, 14, 20]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"compress_ratios": [0, 0, 3, 2, 2, 1, 1, 1]}, "0, 2 or 1"),
+    ({"index_source_layer_ids": [5, 7]}, "must be an index source"),
+    ({"kv_source_layer_ids": [2]}, "reads the pool of layer 2"),
+    ({"candidate_source_layer_id": 6}, "must be an index source"),
+    ({"engram_num_embeddings": [291, 370]}, None),  # caught when the tables are built (below)
+])
+def test_bad_v41_configs_are_one_line_errors(change, message):
+    text = {**V41_TINY_TEXT, **change}
+    if message is None:
+        cfg = js.ModelConfig.from_hf_config(text)
+        with pytest.raises(ValueError, match="prime"):
+            ngram_tables(cfg.v41)
+        return
+    with pytest.raises(ValueError, match=message):
+        js.ModelConfig.from_hf_config(text)
+
+
+def test_v4_configs_are_unchanged():
+    cfg = js.ModelConfig.preset("tiny")
+    assert cfg.v41 is None
+    assert js.ModelConfig.from_hf_config(cfg.to_hf_config()) == cfg.replace(dtype="float32", bos_id=None, eos_id=None)
+
+
+# ---- ops ---------------------------------------------------------------------------------------------
+def test_qat_roundings_equal_the_oracles_bit_for_bit():
+    rng = np.random.default_rng(0)
+    # magnitudes over many binades, exact ties of the e2m1 grid, zeros and values past the formats' range
+    x = (rng.standard_normal((64, 128)) * np.exp(3 * rng.standard_normal((64, 1)))).astype(np.float32)
+    x[0, :16] = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, 0, 0, 1e-30, 7, 1e6, -1e6])
+    for ours, theirs, block in ((fakequant.fp8, mlx_fakequant.fake_quant_fp8_ue8m0, 32),
+                                (fakequant.fp4_ue8m0, mlx_fakequant.fake_quant_fp4_ue8m0, 32),
+                                (fakequant.fp4_e4m3, mlx_fakequant.fake_quant_fp4_e4m3, 16)):
+        got = np.asarray(jax.jit(ours, static_argnums=1)(jnp.asarray(x), block))
+        np.testing.assert_array_equal(got, np.array(theirs(mx.array(x), block)), err_msg=ours.__name__)
+
+
+def test_ngram_hash_is_the_releases():
+    tables = ngram_tables(js.ModelConfig.preset("v41-flash").v41)
+    assert tables.multipliers == ((76632096046245, 4839876093313, 35959672319349, 73987337458391),
+                                  (67716810739261, 51510806800915, 30921347202721, 82619226485591))
+    assert tables.primes[0][:3] == (16000057, 16000079, 16000081)
+    assert tables.primes[1][-3:] == (16000877, 16000879, 16000889)
+    # the limb arithmetic against numpy's int64 on ids up to the largest class
+    ids = np.random.default_rng(0).integers(0, 99092, (4096, 4)).astype(np.int32)
+    ids[0] = 99091
+    got = np.asarray(jax.jit(lambda i: hash_rows(tables, 1, i))(jnp.asarray(ids)))
+    mult = np.asarray(tables.multipliers[1], np.int64)
+    primes = np.asarray(tables.primes[1]).reshape(3, 8)
+    offsets = np.asarray(tables.offsets[1]).reshape(3, 8)
+    products, want = ids.astype(np.int64) * mult, []
+    rolling = products[:, 0]
+    for n in range(2, 5):
+        rolling = rolling ^ products[:, n - 1]
+        want.append(rolling[:, None] % primes[n - 2] + offsets[n - 2])
+    np.testing.assert_array_equal(got, np.concatenate(want, axis=1))
+
+
+# ---- the oracle ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def mlx_model(release):
+    return load_v41(release)
+
+
+def test_prefill_matches_mlx_vlm(mlx_model, tokens, one_shot):
+    theirs = run_v41(mlx_model, tokens)
+    assert _rel(one_shot, theirs) <= ORACLE_TOL
+    assert np.mean(one_shot.argmax(-1) == theirs.argmax(-1)) == 1.0
+
+
+def test_chunked_prefill_matches_mlx_vlm_chunked(loaded, mlx_model, tokens):
+    sizes = [5, 7, 3, 9, 11, 13]
+    theirs = run_v41(mlx_model, tokens, chunks=sizes)
+    assert _rel(_chunked(loaded, tokens, sizes), theirs) <= ORACLE_TOL
+
+
+@pytest.mark.parametrize("off", ["index_topk", "candidates", "engram"])
+def test_the_comparison_exercises_top_k_candidates_and_engram(loaded, tokens, one_shot, off):
+    cfg, params = loaded
+    if off == "index_topk":  # every visible entry instead of the top 6
+        cfg = cfg.replace(index_topk=T)
+    elif off == "candidates":  # every block a candidate
+        cfg = cfg.replace(v41=dataclasses.replace(cfg.v41, candidate_topk_blocks=T))
+    else:
+        params = params.replace(layers=tuple(p.replace(engram=None) for p in params.layers))
+    moved = _rel(network.one_shot_logits(params, cfg, jnp.asarray(tokens)), one_shot)
+    assert moved > 1e-2, f"turning off {off} moves the logits by only {moved:.2e}"
+
+
+# ---- the decode state ---------------------------------------------------------------------------------
+_extend = jax.jit(network.extend, static_argnums=(1,))
+
+
+def _chunked(loaded, tokens, sizes):
+    cfg, params = loaded
+    b = tokens.shape[0]
+    state, outs, at = state_lib.init_state(cfg, b, T), [], 0
+    for n in sizes:
+        out, state = _extend(params, cfg, state, jnp.asarray(tokens[:, at:at + n]), jnp.ones((b, n), bool))
+        outs.append(out.logits)
+        at += n
+    assert int(state.length[0]) == at
+    return np.concatenate(outs, axis=1)
+
+
+@pytest.mark.parametrize("sizes", [
+    [16] + [1] * 32,  # prefill then decode: every step crosses a ratio-1 entry, every other a ratio-2 group
+    [5, 7, 3, 9, 11, 13],  # odd chunks leave ratio-2 groups half full and split n-grams
+    [1] * T,  # token by token from an empty state
+    [33, 15],  # the window ring (8) and the candidate blocks (3 of 4 entries) crossed inside a chunk
+])
+def test_decode_equals_chunked_equals_one_shot(loaded, tokens, one_shot, sizes):
+    assert _rel(_chunked(loaded, tokens, sizes), one_shot) <= STATE_TOL
+
+
+def test_greedy_generation_equals_recomputing(loaded):
+    cfg, params = loaded
+    prompts = [[5, 9, 100, 3, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+    out = js.generate(params, cfg, prompts, max_new_tokens=10)
+    for row, prompt in enumerate(prompts):
+        # One causal forward of prompt + output: every generated token must be the argmax after its prefix.
+        seq = prompt + np.asarray(out.tokens[row]).tolist()
+        logits = network.one_shot_logits(params, cfg, jnp.asarray([seq]))[0]
+        assert np.asarray(jnp.argmax(logits[len(prompt) - 1 : -1], axis=-1)).tolist() == seq[len(prompt):]
+
+
+# ---- loading ------------------------------------------------------------------------------------------
+def test_release_loads_with_its_stored_values(release, loaded, capsys):
+    cfg, params = loaded
+    values = write_v41_release(release)  # the same seed: the same folder, and what each tensor means
+    np.testing.assert_array_equal(np.asarray(params.embed), values["embed.weight"])
+    np.testing.assert_array_equal(np.asarray(params.head), values["head.weight"].T)
+    a = params.layers[2].attn
+    np.testing.assert_array_equal(np.asarray(a.wq_b), values["layers.2.attn.wq_b.weight"].T)
+    np.testing.assert_array_equal(np.asarray(a.compressor.wgate), values["layers.2.attn.compressor.wgate.weight"].T)
+    wo_a = values["layers.2.attn.wo_a.weight"].reshape(cfg.o_groups, cfg.o_lora_rank, -1).transpose(0, 2, 1)
+    np.testing.assert_array_equal(np.asarray(a.wo_a), wo_a)
+    np.testing.assert_array_equal(np.asarray(params.layers[3].ffn.experts.w2[5]),
+                                  values["layers.3.ffn.experts.5.w2.weight"].T)
+    table = params.layers[4].engram.table  # kept FP8 (BlockScaled): rows are dequantized when gathered
+    assert table.data.dtype == jnp.float8_e4m3fn
+    from jaxspec.ops.quant import dequantize
+    np.testing.assert_array_equal(np.asarray(dequantize(table)), values["layers.4.engram.embed.weight"])
+    js.load_release(release, dtype="float32")
+    said = capsys.readouterr().out
+    assert "skipped the vision tower" in said and "skipped the DSpark stages" in said
+
+
+def test_unknown_tensors_and_missing_token_maps_are_one_line_errors(tmp_path):
+    from jaxspec.checkpoint.safetensors_io import write_safetensors
+
+    write_v41_release(tmp_path)
+    write_safetensors(str(tmp_path / "extra.safetensors"), {"layers.0.attn.surprise": np.zeros((2,), np.float32)})
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    index["weight_map"]["layers.0.attn.surprise"] = "extra.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="no place for.*surprise"):
+        js.load_release(tmp_path, dtype="float32")
+    del index["weight_map"]["layers.0.attn.surprise"]
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp_path / "engram_token_map.json").unlink()
+    with pytest.raises(ValueError, match="engram_token_map.json nor tokenizer.json"):
+        js.load_release(tmp_path, dtype="float32")
