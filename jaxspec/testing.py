@@ -174,14 +174,13 @@ def agreeing_dspark(params: ModelParams, cfg: Any, dcfg: Any, key: jax.Array, sh
 
 
 # ---- DeepSeek-V4.1: a tiny release folder in the official names and formats (tests) ---------------
-# reference/deepseek_v41.md: §2 the config, §5 the tensors and their formats, §6.2 the tiny geometry.
-
-# §6.2 as verified on mlx-vlm 0.7.10. Layer modes: 0 local, 1 local + Engram, 2 full (ratio 2, owns a
+# docs/v41.md describes the model, its config and its release formats.
+# The tiny text config below runs on mlx-vlm 0.7.10 as written. Layer modes: 0 local, 1 local + Engram, 2 full (ratio 2, owns a
 # compressor with gate, indexer, index keys), 3 reuse, 4 reuse + Engram, 5 full (ratio 1, candidate
 # source), 6 reuse, 7 reindex (own indexer query, layer 5's keys, masked by its candidates). The three
 # trailing ratios are the DSpark stages. Every width is a multiple of 32 (FP8 / FP4 weight blocks) and of
 # 16 (the FP4 block of the compressed KV); (candidate_topk_blocks - 1) * candidate_block_size + 1 >=
-# index_topk and 16 index heads keep the top-k free of ties (§3.4).
+# index_topk and 16 index heads keep the top-k free of ties.
 V41_TINY_TEXT: dict[str, Any] = dict(
     model_type="deepseek_v41_text", vocab_size=256, hidden_size=64, moe_intermediate_size=32,
     num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=1, head_dim=64, qk_rope_head_dim=16,
@@ -206,17 +205,17 @@ V41_TINY_VISION: dict[str, Any] = {
     "model_type": "deepseek_v41_vision", "num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2,
     "intermediate_size": 32, "patch_size": 14, "rope_theta": 10000, "downsample_ratio": 3}
 
-# config.json's quantization_config as the release writes it (§2)
+# config.json's quantization_config as the release writes it
 V41_QUANT_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32],
                     "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
 
-# Storage formats of §5: FP8 e4m3 with one UE8M0 scale per 32 x 32 block, FP8 with one per row and 32
+# Storage formats of: FP8 e4m3 with one UE8M0 scale per 32 x 32 block, FP8 with one per row and 32
 # columns (the Engram tables), MXFP4 (e2m1 pairs in I8 bytes, one UE8M0 scale per row and 32 columns).
 _FP8, _FP8_ROWS, _FP4, _BF16, _F32 = "fp8", "fp8_rows", "fp4", "bf16", "f32"
 
 
 def v41_engram_primes(text_config: dict[str, Any]) -> list[list[int]]:
-    """Per Engram layer, its bucket primes in hash-column order (n-gram size, then head), §3.6 step 5:
+    """Per Engram layer, its bucket primes in hash-column order (n-gram size, then head):
     layers in order, then n = 2..max; each (layer, n) restarts at engram_vocab_size - 1 and takes the
     next primes no earlier column has used."""
     def is_prime(n: int) -> bool:
@@ -296,7 +295,7 @@ def _v41_block(c: dict[str, Any], prefix: str, layer: int | None, experts: int,
 
 def _v41_vision(vision: dict[str, Any], d: int, normal: Any, near_one: Any, small: Any
                 ) -> dict[str, tuple[str, np.ndarray]]:
-    """The ViT, aligner and image span markers under mlx-vlm 0.7.10's names (§5: not checked against the
+    """The ViT, aligner and image span markers under mlx-vlm 0.7.10's names (: not checked against the
     release), BF16."""
     w, inter, patch = vision["hidden_size"], vision["intermediate_size"], vision["patch_size"]
     t = {"vision.patch_embed.proj.weight": normal((w, 3 * patch * patch)),
@@ -317,7 +316,7 @@ def _v41_vision(vision: dict[str, Any], d: int, normal: Any, near_one: Any, smal
 
 def v41_release_tensors(text_config: dict[str, Any] = V41_TINY_TEXT, seed: int = 0,
                         vision_config: dict[str, Any] = V41_TINY_VISION) -> dict[str, tuple[str, np.ndarray]]:
-    """Every tensor of a V4.1 release of this config (§5), official key -> (storage format, fp32 value
+    """Every tensor of a V4.1 release of this config, official key -> (storage format, fp32 value
     before quantization). Matrices N(0, 1/sqrt(fan_in)); norm weights 1 ± 0.1; hc_fn N(0, 2/sqrt(4d))
     (mixer logits of unit scale); hc_scale 1 ± 0.2; hc_base, gate biases N(0, 0.1); sinks N(0, 0.5)."""
     c = text_config
@@ -337,7 +336,7 @@ def v41_release_tensors(text_config: dict[str, Any] = V41_TINY_TEXT, seed: int =
          "norm.weight": (_BF16, near_one(d, 0.1))}
     for i in range(c["num_hidden_layers"]):
         t.update(_v41_block(c, f"layers.{i}", i, c["n_routed_experts"], normal, near_one, small))
-    # DSpark (§4, §5): blocks without compressor / indexer / Engram, their own smaller MoE; stage 0 maps
+    # DSpark: blocks without compressor / indexer / Engram, their own smaller MoE; stage 0 maps
     # the taps of len(dspark_target_layer_ids) layers to d, the last stage holds the heads.
     stages, rank = c["num_nextn_predict_layers"], c["dspark_markov_rank"]
     for s in range(stages):
@@ -397,7 +396,7 @@ def _v41_store(key: str, fmt: str, a: np.ndarray) -> tuple[dict[str, np.ndarray]
 
 def write_v41_release(path: str | os.PathLike, text_config: dict[str, Any] = V41_TINY_TEXT, seed: int = 0,
                       token_map: list[int] | None = None) -> dict[str, np.ndarray]:
-    """A DeepSeek-V4.1 release folder of `text_config`, in the official names and formats (§5):
+    """A DeepSeek-V4.1 release folder of `text_config`, in the official names and formats:
     config.json (top level as the release, `text_config`, `quantization_config`, a small
     `vision_config`), two safetensors shards + model.safetensors.index.json, and
     engram_token_map.json (mlx-vlm's shortcut for the tokenizer-derived map; default i % classes).

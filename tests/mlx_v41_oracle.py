@@ -1,13 +1,13 @@
 """mlx-vlm's DeepSeek-V4.1 backbone as an oracle (`mlx_vlm.models.deepseek_v41`, mlx-vlm 0.7.10,
-mlx[cpu]; reference/deepseek_v41.md §6 has the facts behind it).
+mlx[cpu]; docs/v41.md, "Checks and measurements").
 
 A release folder is loaded the way a user of mlx-vlm loads one (`load_model`: its `sanitize` maps the
 official names, dequantizes FP8 / FP4 weights to bf16 and drops `mtp.*`; the weights load strictly),
 then every floating parameter is widened to fp32: mlx's CPU `gather_mm` (the routed experts) has no
-bf16 kernel (§6.5). The activation fake-quants stay on (mlx-vlm's default, the release's QAT).
+bf16 kernel. The activation fake-quants stay on (mlx-vlm's default, the release's QAT).
 
 Engram needs the n-gram hash state, which mlx-vlm builds lazily from the folder's
-engram_token_map.json; a model without it silently skips Engram (§6.5), so loading builds it and
+engram_token_map.json; a model without it silently skips Engram, so loading builds it and
 checks that it holds the folder's map.
 
 Nothing here is jaxspec: mlx and numpy only.

@@ -29,7 +29,7 @@ from jaxspec.ops import fakequant
 from jaxspec.ops.ngram_hash import hash_rows, ngram_tables
 from jaxspec.testing import V41_TINY_TEXT, write_v41_release
 
-ORACLE_TOL = 1e-4  # relative to the largest |logit|; measured 5.5e-7 (docs/v41.md)
+ORACLE_TOL = 1e-4  # relative to the largest |logit|; measured 1.0e-5 (docs/v41.md)
 STATE_TOL = 1e-5  # decode / chunked / one-shot, jitted; measured <= 3.4e-7
 T = 48
 
@@ -223,7 +223,9 @@ def test_release_loads_with_its_stored_values(release, loaded, capsys):
     table = params.layers[4].engram.table  # kept FP8 (BlockScaled): rows are dequantized when gathered
     assert table.data.dtype == jnp.float8_e4m3fn
     from jaxspec.ops.quant import dequantize
-    np.testing.assert_array_equal(np.asarray(dequantize(table)), values["layers.4.engram.embed.weight"])
+    rows = values["layers.4.engram.embed.weight"]
+    np.testing.assert_array_equal(np.asarray(dequantize(table))[: len(rows)], rows)
+    assert table.data.shape[0] % 64 == 0
     js.load_release(release, dtype="float32")
     said = capsys.readouterr().out
     assert "skipped the vision tower" in said and "skipped the DSpark stages" in said

@@ -1,5 +1,5 @@
 """The DeepSeek-V4.1 test fixture (`jaxspec.testing.write_v41_release`) against mlx-vlm 0.7.10, the oracle
-of reference/deepseek_v41.md §6 (`tests/mlx_v41_oracle.py`): the folder loads strictly, every weight
+of docs/v41.md (`tests/mlx_v41_oracle.py`): the folder loads strictly, every weight
 mlx-vlm holds is the value the writer returned, and mlx-vlm's prefill of it is chunk-invariant and
 uses Engram. mlx and mlx-vlm are imported, not skipped: CI installs them.
 
@@ -101,7 +101,7 @@ def test_mlx_holds_the_returned_values(release, model):
 
 
 def test_chunked_prefill_matches(model, full_logits):
-    """Prefill of 40 tokens = 16 + 24 one-token steps = chunks 5, 7, 3, 9, 16 (bitwise on CPU fp32, §6.4)."""
+    """Prefill of 40 tokens = 16 + 24 one-token steps = chunks 5, 7, 3, 9, 16 (bitwise on CPU fp32)."""
     scale = np.abs(full_logits).max()
     for chunks in ([16] + [1] * 24, [5, 7, 3, 9, 16]):
         err = np.abs(run_v41(model, TOKENS, chunks) - full_logits).max() / scale

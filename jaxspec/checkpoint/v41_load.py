@@ -153,7 +153,9 @@ def _hyper(t: _Tensors, prefix: str) -> HyperConnParams:
 
 def _engram(t: _Tensors, cfg: ModelConfig, layer: int) -> EngramParams:
     e = f"layers.{layer}.engram"
-    table = BlockScaled(data=jnp.asarray(t.raw(f"{e}.embed.weight")), scale=jnp.asarray(t.raw(f"{e}.embed.scale")),
+    data, scale = t.raw(f"{e}.embed.weight"), t.raw(f"{e}.embed.scale")
+    pad = ((0, cfg.v41.engram_table_rows(layer) - data.shape[0]), (0, 0))  # rows split evenly over a mesh
+    table = BlockScaled(data=jnp.asarray(np.pad(data, pad)), scale=jnp.asarray(np.pad(scale, pad)),
                         block=ROW_BLOCK, dtype=str(t.dtype))
     return EngramParams(table=table, wkv=t.linear(f"{e}.wkv"), q_weight=t.vector(f"{e}.q_weight", t.dtype),
                         k_weight=t.vector(f"{e}.k_weight", t.dtype))

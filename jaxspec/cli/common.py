@@ -122,6 +122,8 @@ def add_weights_args(p: argparse.ArgumentParser, *, checkpoint: bool = False, de
 def weights_label(cfg: Any, args: argparse.Namespace) -> str:
     if args.weights == "plain":
         return cfg.dtype
+    if cfg.v41 is not None:
+        return f"{cfg.dtype}, weights FP8 32x32 + routed experts {args.experts.upper()} + Engram tables FP8 as released"
     return f"{cfg.dtype}, weights FP8 128x128 + routed experts {args.experts.upper()} as released"
 
 

@@ -116,7 +116,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
     gib = 2.0**30
     peak = plan.bytes_per_device + (temp[1] if temp else 0)
     fits = peak <= args.device_memory * gib
-    what = "MTP block" if args.draft == "mtp" else "DSpark drafter"
+    what = "its MTP block" if args.draft == "mtp" else "its DSpark drafter"
+    if cfg.v41 is not None:
+        what = "none counted (V4.1's DSpark stages are not supported yet)"
     if args.format == "json":
         print_json({
             "preset": args.preset, "weights": args.weights, "experts": args.experts, "draft": args.draft,
@@ -129,7 +131,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         })
         return 0
     console.print(
-        f"[bold]jaxspec plan[/]: {args.preset} ({weights_label(cfg, args)}; draft: its {what}) on {args.devices} "
+        f"[bold]jaxspec plan[/]: {args.preset} ({weights_label(cfg, args)}; draft: {what}) on {args.devices} "
         f"devices, mesh data={shape[0]} tensor={shape[1]} expert={shape[2]}; batch {plan.batch}, context "
         f"{plan.context}", highlight=False)
     table = Table(title="per device")

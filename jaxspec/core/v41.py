@@ -10,6 +10,8 @@ from typing import Any
 
 from jaxspec.core.checks import positive_int
 
+ENGRAM_ROW_PAD = 64
+
 
 @dataclasses.dataclass(frozen=True)
 class V41Layout:
@@ -48,6 +50,13 @@ class V41Layout:
     def uses_candidates(self, layer: int) -> bool:
         """An index source after the candidate source chooses only inside its candidate blocks."""
         return 0 <= self.candidate_source < layer and layer in self.index_sources
+
+    def engram_table_rows(self, layer: int) -> int:
+        """Rows of Engram layer `layer`'s table as held: the config's count padded to a multiple of
+        ENGRAM_ROW_PAD, so that the rows split evenly over any mesh of up to that many devices (the
+        counts are sums of primes; padding rows are never read)."""
+        n = self.engram_num_embeddings[self.engram_layers.index(layer)]
+        return -(-n // ENGRAM_ROW_PAD) * ENGRAM_ROW_PAD
 
     @property
     def engram_hash_columns(self) -> int:  # table rows one token reads per Engram layer

@@ -23,8 +23,8 @@ from jaxspec.sharding.rules import axes
 class EngramParams:
     # [rows, head_dim]: the release stores it FP8 with one scale per 32 columns of a row (~98 GB a
     # layer at V4.1-Flash's sizes); rows are gathered, never the table dequantized.
-    table: Weight = axes("engram_rows", "engram_dim")
-    wkv: Weight = axes("engram_in", "engram_out", quant="fp8")  # [(N-1)*H*head_dim, (hc+1)*d]
+    table: Weight = axes("engram_rows", "engram_dim", quant="rows")
+    wkv: Weight = axes("engram_in", "engram_out", quant="fp8_32")  # [(N-1)*H*head_dim, (hc+1)*d]
     q_weight: jax.Array = axes("streams", "embed")  # [hc, d]; only q_weight * k_weight is used
     k_weight: jax.Array = axes("streams", "embed")  # [hc, d]
 

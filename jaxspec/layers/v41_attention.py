@@ -49,19 +49,20 @@ class PoolCompressorParams:
 
 @struct.dataclass
 class PoolIndexerParams:
-    wq_b: Weight = axes("q_lora", "index_heads", quant="fp8")  # [q_lora_rank, H_I * c_I]
+    wq_b: Weight = axes("q_lora", "index_heads", quant="fp8_32")  # [q_lora_rank, H_I * c_I]
     weights_proj: jax.Array = axes("embed", "index_heads")  # [d, H_I]
 
 
 @struct.dataclass
 class PoolAttentionParams:
-    wq_a: Weight = axes("embed", "q_lora", quant="fp8")  # [d, q_lora_rank]
+    wq_a: Weight = axes("embed", "q_lora", quant="fp8_32")  # [d, q_lora_rank]
     q_norm: jax.Array = axes("q_lora")  # [q_lora_rank]
-    wq_b: Weight = axes("q_lora", "heads", quant="fp8")  # [q_lora_rank, H*c], head-major
-    wkv: Weight = axes("embed", "kv", quant="fp8")  # [d, c]
+    wq_b: Weight = axes("q_lora", "heads", quant="fp8_32")  # [q_lora_rank, H*c], head-major
+    wkv: Weight = axes("embed", "kv", quant="fp8_32")  # [d, c]
     kv_norm: jax.Array = axes("kv")  # [c]
-    wo_a: Weight = axes("o_groups", "group_width", "o_lora")  # [g, H*c/g, o_lora_rank] (no activation rounding)
-    wo_b: Weight = axes("o_groups", "embed", quant="fp8")  # [g*o_lora_rank, d]
+    # [g, H*c/g, o_lora_rank]; its input is not rounded (the reference dequantizes it to bf16)
+    wo_a: Weight = axes("o_groups", "group_width", "o_lora", quant="fp8_32")
+    wo_b: Weight = axes("o_groups", "embed", quant="fp8_32")  # [g*o_lora_rank, d]
     sink: jax.Array = axes("heads")  # [H] fp32
     compressor: PoolCompressorParams | None  # kv sources
     indexer: PoolIndexerParams | None  # index sources

@@ -93,6 +93,10 @@ def _param_group(path: str) -> str:
     path = path.removeprefix("target.")
     if path in ("embed", "head"):
         return "embed + head"
+    if ".engram.table" in path:
+        return "Engram tables"
+    if ".engram." in path:
+        return "Engram projections"
     if ".ffn.experts." in path:
         return "routed experts"
     if ".ffn." in path:
@@ -112,6 +116,8 @@ def _state_group(path: str) -> str:
         return "compressed entries + index keys"
     if name == "length":
         return "lengths"
+    if name == "ngram_ids":
+        return "Engram n-gram history"
     return "compressor / indexer rows"
 
 

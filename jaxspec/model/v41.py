@@ -62,7 +62,7 @@ def init_v41_params(cfg: ModelConfig, key: jax.Array) -> V41Params:
         k = jax.random.split(keys[i], 5)
         eng = None
         if i in v.engram_layers:
-            eng = init_engram(cfg, k[4], v.engram_num_embeddings[v.engram_layers.index(i)])
+            eng = init_engram(cfg, k[4], v.engram_table_rows(i))
         layers.append(V41BlockParams(
             attn_norm=jnp.ones((d,), jnp.float32), attn=init_pool_attention(cfg, k[0], i),
             ffn_norm=jnp.ones((d,), jnp.float32), ffn=init_moe(cfg, k[1], hash_routed=False),

@@ -48,6 +48,9 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     # Indexer heads stay whole: their scores are summed over heads before a top-k, and a sharded
     # sum may reorder near-ties of the selection (the indexer is small next to the experts).
     "index_heads": (),
+    # V4.1's Engram tables (196 GB at FP8) are split by rows over every non-data device, as the experts:
+    # a step gathers its 24 rows per token and layer from wherever they live.
+    "engram_rows": (EXPERT, TENSOR),
 }
 
 # Devices -> (data, tensor, expert) when the caller gives only a device count.
