@@ -174,12 +174,12 @@ def agreeing_dspark(params: ModelParams, cfg: Any, dcfg: Any, key: jax.Array, sh
 
 
 # ---- DeepSeek-V4.1: a tiny release folder in the official names and formats (tests) ---------------
-# docs/v41.md describes the model, its config and its release formats.
-# The tiny text config below runs on mlx-vlm 0.7.10 as written. Layer modes: 0 local, 1 local + Engram, 2 full (ratio 2, owns a
+# docs/v41.md describes the model, its config and its release formats. The tiny text config below runs
+# on mlx-vlm 0.7.10 as written. Layer modes: 0 local, 1 local + Engram, 2 full (ratio 2, owns a
 # compressor with gate, indexer, index keys), 3 reuse, 4 reuse + Engram, 5 full (ratio 1, candidate
 # source), 6 reuse, 7 reindex (own indexer query, layer 5's keys, masked by its candidates). The three
-# trailing ratios are the DSpark stages. Every width is a multiple of 32 (FP8 / FP4 weight blocks) and of
-# 16 (the FP4 block of the compressed KV); (candidate_topk_blocks - 1) * candidate_block_size + 1 >=
+# trailing ratios are the DSpark stages. Every width is a multiple of 32 (FP8 / FP4 weight blocks) and
+# of 16 (the FP4 block of the compressed KV); (candidate_topk_blocks - 1) * candidate_block_size + 1 >=
 # index_topk and 16 index heads keep the top-k free of ties.
 V41_TINY_TEXT: dict[str, Any] = dict(
     model_type="deepseek_v41_text", vocab_size=256, hidden_size=64, moe_intermediate_size=32,
