@@ -22,6 +22,8 @@ import jaxspec as js
 from jaxspec.core.dspark import DSparkConfig
 from jaxspec.core.gpu_export import TRITON_CALL, expert_stack_dots, export_for_cuda, kernel_calls
 from jaxspec.layers import moe
+from jaxspec.model import network
+from jaxspec.model import state as state_lib
 from jaxspec.model.dspark import abstract_dspark_params
 from jaxspec.model.network import Models
 from jaxspec.model.sampling import Sampling
@@ -204,3 +206,29 @@ def test_sinkhorn_lowers_to_one_triton_kernel_for_cuda():
 
     text = export_for_cuda(lambda c: sinkhorn(c, 19, 1e-6), jax.ShapeDtypeStruct((8, 4, 4), jnp.float32))
     assert kernel_calls(text) == {"sinkhorn": 1} and "stablehlo.while" not in text
+
+
+def _v41_flash_widths():
+    """V4.1-Flash's widths (d 5120, 64 heads of 512, 384 experts top-6 of 2304, 32 index heads, window
+    128) on the 8-layer layout of `v41-test` (every role; Engram's small tables), kernels "pallas"."""
+    flash, test = js.ModelConfig.preset("v41-flash"), js.ModelConfig.preset("v41-test")
+    return flash.replace(num_layers=8, layer_types=test.layer_types, v41=test.v41, kernels="pallas")
+
+
+@pytest.mark.parametrize("t", [1, 8])  # a decode step; a chunk of 8 (a chain verify's shape)
+def test_v41_step_for_cuda_holds_the_kernels(t):
+    cfg = _v41_flash_widths()
+    params = jax.eval_shape(lambda: js.init_params(cfg, jax.random.key(0)))
+    state = jax.eval_shape(lambda: state_lib.init_state(cfg, 1, 1024))
+
+    def step(params, state, tokens):
+        out, state = network.extend(params, cfg, state, tokens, jnp.ones(tokens.shape, bool))
+        return out.logits, state
+
+    text = export_for_cuda(step, params, state, S((1, t), I32))
+    calls = kernel_calls(text)
+    # attention over the window and the shared pools (window-only layers: "none"; pooled: "sparse")
+    assert {"tree_attention_none", "tree_attention_sparse"} <= set(calls), calls
+    assert calls["grouped_matmul_plain"] == 3 * cfg.num_layers, calls  # w1, w3, w2 of every layer's experts
+    assert calls["sinkhorn"] == 2 * cfg.num_layers, calls
+    assert not expert_stack_dots(text, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)

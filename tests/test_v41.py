@@ -30,7 +30,9 @@ from jaxspec.ops.ngram_hash import hash_rows, ngram_tables
 from jaxspec.testing import V41_TINY_TEXT, write_v41_release
 
 ORACLE_TOL = 1e-4  # relative to the largest |logit|; measured 1.0e-5 (docs/v41.md)
-STATE_TOL = 1e-5  # decode / chunked / one-shot, jitted; measured <= 3.4e-7
+# decode / chunked / one-shot, jitted: measured <= 3.4e-7, or 1.0e-5 where a last-bit difference between
+# two programs flips one FP8 rounding (seen under the CI's XLA flags); a state bug moves them by > 1e-2.
+STATE_TOL = 1e-4
 T = 48
 
 
@@ -246,3 +248,11 @@ def test_unknown_tensors_and_missing_token_maps_are_one_line_errors(tmp_path):
     (tmp_path / "engram_token_map.json").unlink()
     with pytest.raises(ValueError, match="engram_token_map.json nor tokenizer.json"):
         js.load_release(tmp_path, dtype="float32")
+
+
+def test_the_kernels_equal_the_jnp_paths(loaded, tokens, one_shot):
+    """kernels "pallas" (interpreted here, Triton when lowered for CUDA: tests/test_gpu_lowering.py): the
+    tree-attention kernel over the window and the shared pools, the grouped matmul for the QAT experts."""
+    cfg, params = loaded
+    got = network.one_shot_logits(params, cfg.replace(kernels="pallas"), jnp.asarray(tokens[:, :24]))
+    assert _rel(got, one_shot[:, :24]) <= STATE_TOL

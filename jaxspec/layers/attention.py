@@ -32,7 +32,7 @@ from jaxspec.ops.rope import apply_rope, inv_freq, rope_angles
 from jaxspec.sharding.active import shard_kernel
 from jaxspec.sharding.rules import axes
 
-_QUERY_AXES = ("batch", None, "heads", None)  # [B, T, H, c]
+QUERY_AXES = ("batch", None, "heads", None)  # [B, T, H, c]
 
 
 @struct.dataclass
@@ -331,8 +331,8 @@ def attention(
     if cfg.kernels == "pallas":
         # Under a mesh the kernel runs once per shard on its own heads; every other argument holds
         # this data shard's rows whole.
-        kernel = shard_kernel(tree_attention, in_axes=[_QUERY_AXES, None, None, None, None, None, ("heads",)],
-                              out_axes=_QUERY_AXES)
+        kernel = shard_kernel(tree_attention, in_axes=[QUERY_AXES, None, None, None, None, None, ("heads",)],
+                              out_axes=QUERY_AXES)
         out = kernel(*args, window=window, scale=c**-0.5, **keys)
     else:
         out = attend(*args, window=window, scale=c**-0.5, **keys)

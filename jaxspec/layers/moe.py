@@ -134,7 +134,7 @@ def grouped_experts(
     on this device sort last, outside every group, and cost nothing."""
     n, d = x.shape
     num_experts = experts.w1.shape[0]
-    flat, order, token, group_sizes = _sorted_assignments(indices, num_experts)
+    flat, order, token, group_sizes = sorted_assignments(indices, num_experts)
     rows = x[token]  # [N*k, d] in expert order
     gate = jax.lax.ragged_dot(rows, quant.dequantize(experts.w1), group_sizes)
     up = jax.lax.ragged_dot(rows, quant.dequantize(experts.w3), group_sizes)
@@ -144,7 +144,7 @@ def grouped_experts(
     return jnp.zeros((n, d), jnp.float32).at[token].add(out * scale[:, None])
 
 
-def _sorted_assignments(indices: jax.Array, num_experts: int):
+def sorted_assignments(indices: jax.Array, num_experts: int):
     """[N, k] expert ids -> flat ids (E = not here), their expert order, token of each sorted row and
     the group sizes [E] (assignments not on this device sort last, outside every group)."""
     k = indices.shape[1]
@@ -165,7 +165,7 @@ def kernel_experts(
     on every row. Gradients are those of `grouped_experts` (the same function)."""
     n, d = x.shape
     num_experts = experts.w1.shape[0]
-    flat, order, token, group_sizes = _sorted_assignments(indices, num_experts)
+    flat, order, token, group_sizes = sorted_assignments(indices, num_experts)
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes).astype(jnp.int32)])
     rows = x[token]  # [N*k, d] in expert order
     gmm = functools.partial(grouped_matmul, offsets=offsets, interpret=interpret)
@@ -274,7 +274,7 @@ def blocked_experts(
     it differentiates. Assignments of experts not on this device sort last, outside every block."""
     n, d = x.shape
     num_experts = num_experts_of(experts)
-    flat, order, token, group_sizes = _sorted_assignments(indices, num_experts)
+    flat, order, token, group_sizes = sorted_assignments(indices, num_experts)
     block = expert_block(flat.size, num_experts)
 
     def padded(v: jax.Array) -> jax.Array:  # a block starting at an expert's last rows stays in range

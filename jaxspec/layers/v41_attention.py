@@ -27,12 +27,14 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec.core.config import ModelConfig
-from jaxspec.layers.attention import AttentionContext, AttentionRows, attend, ring_positions
+from jaxspec.layers.attention import QUERY_AXES, AttentionContext, AttentionRows, attend, ring_positions
 from jaxspec.ops import fakequant, quant
 from jaxspec.ops.norms import rms_norm
+from jaxspec.ops.pallas.tree_attention import tree_attention
 from jaxspec.ops.pooling import source_indices
 from jaxspec.ops.quant import Weight
 from jaxspec.ops.rope import apply_rope, inv_freq, rope_angles
+from jaxspec.sharding.active import shard_kernel
 from jaxspec.sharding.rules import axes
 
 
@@ -236,8 +238,13 @@ def pool_attention(
     window = cfg.sliding_window
     ring_pos = ring_positions(ctx.committed, layer_state.swa_kv.shape[1])
     new_mask = ctx.visible & (ctx.positions[:, None, :] > ctx.positions[:, :, None] - window)
-    out = attend(q, layer_state.swa_kv, ring_pos, kv, new_mask, ctx.positions, p.sink, window=window,
-                 scale=c**-0.5, **entry_keys)
+    args = (q, layer_state.swa_kv, ring_pos, kv, new_mask, ctx.positions, p.sink)
+    if cfg.kernels == "pallas":  # V4's tree-attention kernel: the same contract as `attend`, heads per shard
+        kernel = shard_kernel(tree_attention, in_axes=[QUERY_AXES, None, None, None, None, None, ("heads",)],
+                              out_axes=QUERY_AXES)
+        out = kernel(*args, window=window, scale=c**-0.5, **entry_keys)
+    else:
+        out = attend(*args, window=window, scale=c**-0.5, **entry_keys)
     out = apply_rope(out, cos[:, :, None], sin[:, :, None], inverse=True).astype(x.dtype)
     g = cfg.o_groups
     grouped = out.reshape(b, t, g, cfg.num_heads * c // g)
