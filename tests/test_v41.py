@@ -256,3 +256,51 @@ def test_the_kernels_equal_the_jnp_paths(loaded, tokens, one_shot):
     cfg, params = loaded
     got = network.one_shot_logits(params, cfg.replace(kernels="pallas"), jnp.asarray(tokens[:, :24]))
     assert _rel(got, one_shot[:, :24]) <= STATE_TOL
+
+
+def _random_tree(rng, num_nodes, max_depth):
+    parent, depth = [0], [0]
+    for _ in range(1, num_nodes):
+        p = int(rng.choice([i for i in range(len(parent)) if depth[i] < max_depth]))
+        parent.append(p)
+        depth.append(depth[p] + 1)
+    return np.asarray(parent, np.int32)
+
+
+@pytest.mark.parametrize("lengths,seed", [((13, 30), 0), ((1, 4), 1), ((16, 29), 2)])
+def test_tree_paths_equal_sequential_decode(loaded, lengths, seed):
+    """A tree verified in one forward against a committed prefix: every node's logits equal decoding
+    its own root-to-node path token by token. Siblings close ratio-2 groups with different partners,
+    emit different ratio-1 entries, pick top-k and candidate blocks among their own branch's entries and
+    hash their own path's n-grams; nothing of a sibling's branch may leak in."""
+    from jaxspec.speculation.plan import build_plan, verify_context
+
+    cfg, params = loaded
+    rng = np.random.default_rng(seed)
+    b, num_nodes, max_depth = 2, 12, 5
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, 32)), jnp.int32)
+    valid = jnp.arange(32)[None, :] < jnp.asarray(lengths)[:, None]
+    _, committed = _extend(params, cfg, state_lib.init_state(cfg, b, 64), prompt, valid)
+    parent = jnp.asarray(np.stack([_random_tree(rng, num_nodes, max_depth) for _ in range(b)]))
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, num_nodes)), jnp.int32)
+    plan = build_plan(parent, committed.length, max_depth)
+    out = jax.jit(network.forward, static_argnums=(1,))(params, cfg, committed, tokens,
+                                                          verify_context(plan, committed.length))
+    mask, depth = np.asarray(plan.ancestor_mask), np.asarray(plan.depth)
+    # Siblings at every kind of position: some nodes close ratio-2 groups, others leave them half full.
+    closes = (np.asarray(plan.positions) + 1) % 2 == 0
+    assert closes[:, 1:].any() and not closes[:, 1:].all()
+    # The test sees a leak: a tree read as if every earlier node were an ancestor gives other logits.
+    leaky = verify_context(plan, committed.length)
+    leaky = leaky.replace(visible=jnp.tril(jnp.ones((b, num_nodes, num_nodes), bool)) | leaky.visible)
+    moved = _rel(jax.jit(network.forward, static_argnums=(1,))(params, cfg, committed, tokens, leaky).logits,
+                 out.logits)
+    assert moved > 1e-2, moved
+    for row in range(b):
+        for node in range(num_nodes):
+            path = sorted(np.flatnonzero(mask[row, node]), key=lambda j: depth[row, j])
+            state = committed
+            for step_node in path:  # decode the path, this row only
+                active = jnp.asarray([[r == row] for r in range(b)])
+                step, state = _extend(params, cfg, state, tokens[:, step_node : step_node + 1], active)
+            assert _rel(out.logits[row, node], step.logits[row, 0]) <= STATE_TOL, (row, node)
