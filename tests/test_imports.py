@@ -24,6 +24,7 @@ RANKS = [
     ("jaxspec.core.checks", "jaxspec.core", "jaxspec.model", "jaxspec.training", "jaxspec.harness"),
     # The safetensors reader, the FP8 / FP4 formats and the damaged-file errors need numpy only (the
     # checkpoint package's __init__ is higher, so only checkpoint modules may import them).
+    ("jaxspec.core.hf_fields",),
     ("jaxspec.core.v41",),
     ("jaxspec.core.config", "jaxspec.core.spec", "jaxspec.core.dspark", "jaxspec.core.programs", "jaxspec.core.measure",
      "jaxspec.core.gpu_export", "jaxspec.core.stream", "jaxspec.training.tokenizer", "jaxspec.training.data",

@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 from jaxspec.core.checks import is_int, is_power_of_two, positive_int
+from jaxspec.core.hf_fields import V4_DEFAULTS, shared_fields, token_id
 from jaxspec.core.v41 import V41Layout, is_v41_config, v41_config_fields, v41_preset_fields, validate_v41
 
 LAYER_TYPES = ("sliding", "csa", "hca", "pool2", "pool1")  # pool2 / pool1: V4.1's ratio-2 / ratio-1 layers
@@ -337,41 +338,18 @@ def _from_hf_config(c: dict[str, Any], **overrides: Any) -> ModelConfig:
         raise ValueError(f"scoring_func must be 'sqrtsoftplus', got {scoring!r}")
     if c.get("num_key_value_heads", 1) != 1:
         raise ValueError("DeepSeek-V4 uses one shared K=V head; num_key_value_heads must be 1")
-    eos = c.get("eos_token_id")
     kwargs = dict(
-        vocab_size=int(c["vocab_size"]),
-        hidden_size=int(c["hidden_size"]),
+        shared_fields(c, V4_DEFAULTS),
         num_layers=int(n),
-        num_heads=int(c["num_attention_heads"]),
         head_dim=head_dim,
         rope_head_dim=rope_head_dim,
-        q_lora_rank=int(c.get("q_lora_rank", 1024)),
-        o_groups=int(c.get("o_groups", 8)),
-        o_lora_rank=int(c.get("o_lora_rank", 1024)),
-        sliding_window=int(c.get("sliding_window", 128)),
         layer_types=layer_types,
         csa_ratio=csa_ratio,
         hca_ratio=hca_ratio,
-        index_n_heads=int(c.get("index_n_heads", 64)),
-        index_head_dim=int(c.get("index_head_dim", 128)),
-        index_topk=int(c.get("index_topk", 512)),
-        rope_theta=float(c.get("rope_theta", 10000.0)),
-        compress_rope_theta=float(c.get("compress_rope_theta", 160000.0)),
-        n_routed_experts=int(c.get("n_routed_experts", 256)),
-        num_experts_per_tok=int(c.get("num_experts_per_tok", 6)),
-        moe_intermediate_size=int(c.get("moe_intermediate_size", 2048)),
-        n_shared_experts=int(c.get("n_shared_experts", 1)),
         num_hash_layers=num_hash,
-        routed_scaling_factor=float(c.get("routed_scaling_factor", 1.5)),
-        swiglu_limit=float(c.get("swiglu_limit", 10.0)),
-        hc_mult=int(c.get("hc_mult", 4)),
-        hc_sinkhorn_iters=int(c.get("hc_sinkhorn_iters", 20)),
-        hc_eps=float(c.get("hc_eps", 1e-6)),
-        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         num_mtp_layers=int(c.get("num_nextn_predict_layers", 1)),
-        max_position_embeddings=int(c.get("max_position_embeddings", 1 << 20)),
         bos_id=c.get("bos_token_id"),
-        eos_id=eos if isinstance(eos, int) or eos is None else int(eos[0]),
+        eos_id=token_id(c.get("eos_token_id")),
         **yarn_kwargs,
     )
     kwargs.update(overrides)

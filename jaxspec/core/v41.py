@@ -9,6 +9,7 @@ import dataclasses
 from typing import Any
 
 from jaxspec.core.checks import positive_int
+from jaxspec.core.hf_fields import V41_DEFAULTS, shared_fields, token_id
 
 ENGRAM_ROW_PAD = 64
 
@@ -148,39 +149,16 @@ def v41_config_fields(c: dict[str, Any]) -> dict[str, Any]:
         engram_pad_id=int(text.get("engram_pad_token_id", text.get("engram_pad_id", 2))),
     )
     validate_v41(layout, n)
-    eos = top.get("eos_token_id", text.get("eos_token_id"))
     kwargs = dict(
-        vocab_size=int(text["vocab_size"]),
-        hidden_size=int(text["hidden_size"]),
+        shared_fields(text, V41_DEFAULTS),
         num_layers=n,
-        num_heads=int(text["num_attention_heads"]),
         head_dim=int(text.get("head_dim", 512)),
         rope_head_dim=int(text.get("qk_rope_head_dim", 64)),
-        q_lora_rank=int(text.get("q_lora_rank", 1280)),
-        o_groups=int(text.get("o_groups", 8)),
-        o_lora_rank=int(text.get("o_lora_rank", 1024)),
-        sliding_window=int(text.get("sliding_window", 128)),
         layer_types=tuple(layout.kind(i) for i in range(n)),
-        index_n_heads=int(text.get("index_n_heads", 32)),
-        index_head_dim=int(text.get("index_head_dim", 128)),
-        index_topk=int(text.get("index_topk", 512)),
-        rope_theta=float(text.get("rope_theta", 10000.0)),
-        compress_rope_theta=float(text.get("compress_rope_theta", 160000.0)),
-        n_routed_experts=int(text.get("n_routed_experts", 384)),
-        num_experts_per_tok=int(text.get("num_experts_per_tok", 6)),
-        moe_intermediate_size=int(text.get("moe_intermediate_size", 2304)),
-        n_shared_experts=int(text.get("n_shared_experts", 1)),
         num_hash_layers=0,
-        routed_scaling_factor=float(text.get("routed_scaling_factor", 1.5)),
-        swiglu_limit=float(text.get("swiglu_limit", 10.0)),
-        hc_mult=int(text.get("hc_mult", 4)),
-        hc_sinkhorn_iters=int(text.get("hc_sinkhorn_iters", 20)),
-        hc_eps=float(text.get("hc_eps", 1e-6)),
-        rms_norm_eps=float(text.get("rms_norm_eps", 1e-20)),
         num_mtp_layers=0,
-        max_position_embeddings=int(text.get("max_position_embeddings", 1 << 20)),
-        bos_id=top.get("bos_token_id", text.get("bos_token_id")),
-        eos_id=eos if isinstance(eos, int) or eos is None else int(eos[0]),
+        bos_id=token_id(top.get("bos_token_id", text.get("bos_token_id"))),
+        eos_id=token_id(top.get("eos_token_id", text.get("eos_token_id"))),
         v41=layout,
     )
     return kwargs
