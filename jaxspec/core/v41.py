@@ -36,6 +36,9 @@ class V41Layout:
     engram_vocab_size: int = 16_000_000  # the bucket primes are the first ones above this
     engram_compressed_vocab: int = 99092  # classes of the tokenizer-normalized id map
     engram_pad_id: int = 2  # token whose class pads n-grams before the sequence start
+    # The QAT roundings of activations, KV, pools and index q / k (the released model: on). Off: the
+    # continuous model, for checks of the decode machinery to float32 precision (docs/v41.md).
+    qat: bool = True
 
     def kind(self, layer: int) -> str:
         return {0: "sliding", 2: "pool2", 1: "pool1"}[self.ratios[layer]]

@@ -55,7 +55,7 @@ def engram(
     """-> streams [B, T, hc, d] with the gated n-gram value added to each copy."""
     b, t, hc, d = streams.shape
     emb = table_rows(p.table, row_ids, streams.dtype).reshape(b, t, -1)  # [B, T, cols*head_dim]
-    kv = quant.matmul(fakequant.fp8(emb), p.wkv)  # [B, T, (hc+1)*d]
+    kv = quant.matmul(fakequant.roundings(cfg.v41.qat).fp8(emb), p.wkv)  # [B, T, (hc+1)*d]
     key = kv[..., : hc * d].reshape(b, t, hc, d).astype(jnp.float32)
     value = kv[..., hc * d :].astype(jnp.float32)
     h = streams.astype(jnp.float32)

@@ -81,8 +81,7 @@ class PoolShare:
     emits: jax.Array | None = None  # [B, T] bool: the new token closes a group
     comp_index: jax.Array | None = None  # [B, T, k] committed entries picked (-1: none)
     picked: jax.Array | None = None  # [B, T, T] bool: token i reads new token j's entry
-    cand: jax.Array | None = None  # [B, T, Lc] bool: committed entries inside i's candidate blocks
-    cand_new: jax.Array | None = None  # [B, T, T] bool: new entries inside them
+    cand: jax.Array | None = None  # [B, T, Lc] bool: entries (by absolute index) in i's candidate blocks
 
 
 def init_pool_attention(cfg: ModelConfig, key: jax.Array, layer: int, std: float = 0.02) -> PoolAttentionParams:
@@ -139,29 +138,40 @@ def _index_scores(
     return jnp.einsum("bthn,bth->btn", jax.nn.relu(dots), w)
 
 
-def _candidate_blocks(
-    cfg: ModelConfig, ratio: int, scores: jax.Array, new_scores: jax.Array, ctx: AttentionContext
-) -> tuple[jax.Array, jax.Array]:
-    """Level one of the two-level top-k: per query, the `candidate_topk_blocks` blocks of
-    `candidate_block_size` entries with the highest best score (the block holding the query's last
-    visible entry always kept, blocks with no visible entry never) -> masks over the committed
-    [B, T, Lc] and the new [B, T, T] entries. scores / new_scores: -inf where not visible."""
+def _by_entry(
+    scores: jax.Array,  # [B, T, Lc] committed entries' scores (-inf: not visible)
+    new_scores: jax.Array,  # [B, T, T] new tokens' entries' scores (-inf: not visible to the query)
+    ratio: int,
+    ctx: AttentionContext,
+) -> jax.Array:
+    """-> [B, T, Lc]: every score at its entry's absolute index (a new token's entry at pos // ratio).
+
+    A query sees at most one entry per index (its own branch's), so the scatter keeps it. Selecting over
+    absolute indices makes ties break the same way whichever call an entry was computed in (FP4-rounded
+    queries and keys make equal scores common): prefill, chunks, decode and trees pick alike."""
+    b, t, lc = scores.shape
+    index = jnp.broadcast_to((ctx.positions // ratio)[:, None, :], (b, t, t))
+    rows = jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None]
+    return scores.at[(*rows, index)].max(new_scores, mode="drop")
+
+
+def _candidate_blocks(cfg: ModelConfig, ratio: int, scores: jax.Array, ctx: AttentionContext) -> jax.Array:
+    """Level one of the two-level top-k -> [B, T, Lc] bool: per query, the entries of the
+    `candidate_topk_blocks` blocks of `candidate_block_size` entries with the highest best score (the
+    block holding the query's last visible entry always kept, blocks with no visible entry never).
+    scores: by absolute entry index, -inf where not visible."""
     v = cfg.v41
     bs = v.candidate_block_size
     b, t, lc = scores.shape
     nb = -(-lc // bs)
     padded = jnp.pad(scores, ((0, 0), (0, 0), (0, nb * bs - lc)), constant_values=-jnp.inf)
     block_score = jnp.max(padded.reshape(b, t, nb, bs), axis=-1)  # [B, T, NB]
-    new_block = jnp.minimum((ctx.positions // ratio) // bs, nb - 1)  # [B, T] block of each new token's entry
-    rows = jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None]
-    block_score = block_score.at[(*rows, jnp.broadcast_to(new_block[:, None, :], (b, t, t)))].max(new_scores)
     last = ((ctx.positions + 1) // ratio - 1) // bs  # [B, T] (negative: no visible entry yet)
     pinned = jnp.where(jnp.arange(nb) == last[..., None], jnp.inf, block_score)
     _, top = jax.lax.top_k(pinned, min(v.candidate_topk_blocks, nb))
+    rows = jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None]
     keep = jnp.zeros((b, t, nb), bool).at[(*rows, top)].set(True) & (block_score > -jnp.inf)
-    cand = jnp.repeat(keep, bs, axis=-1)[..., :lc]
-    cand_new = jnp.take_along_axis(keep, jnp.broadcast_to(new_block[:, None, :], (b, t, t)), axis=-1)
-    return cand, cand_new
+    return jnp.repeat(keep, bs, axis=-1)[..., :lc]
 
 
 def _select(
@@ -175,25 +185,29 @@ def _select(
     hi, ci = cfg.index_n_heads, cfg.index_head_dim
     cos, sin = rope
     ip = p.indexer
-    q = quant.matmul(fakequant.fp8(q_latent), ip.wq_b).reshape(b, t, hi, ci)
-    q = fakequant.fp4_ue8m0(apply_rope(q, cos[:, :, None], sin[:, :, None]))
+    fq = fakequant.roundings(v.qat)
+    q = quant.matmul(fq.fp8(q_latent), ip.wq_b).reshape(b, t, hi, ci)
+    q = fq.fp4_ue8m0(apply_rope(q, cos[:, :, None], sin[:, :, None]))
     w = (x @ ip.weights_proj.astype(x.dtype)).astype(jnp.float32) * (ci**-0.5 * hi**-0.5)
-    committed_ok = jnp.arange(lc)[None, None, :] < (ctx.committed // ratio)[:, None, None]  # [B, 1, Lc]
+    num_committed = ctx.committed // ratio  # [B]
+    committed_ok = jnp.arange(lc)[None, None, :] < num_committed[:, None, None]  # [B, 1, Lc]
     new_ok = ctx.visible & share.emits[:, None, :]  # [B, T, T] entries of the token's own ancestors
-    scores = jnp.where(committed_ok, _index_scores(q, w, share.keys), -jnp.inf)  # [B, T, Lc]
-    new_scores = jnp.where(new_ok, _index_scores(q, w, share.new_keys), -jnp.inf)  # [B, T, T]
+    scores = _by_entry(jnp.where(committed_ok, _index_scores(q, w, share.keys), -jnp.inf),
+                       jnp.where(new_ok, _index_scores(q, w, share.new_keys), -jnp.inf), ratio, ctx)
     if v.uses_candidates(layer):
         scores = jnp.where(share.cand, scores, -jnp.inf)
-        new_scores = jnp.where(share.cand_new, new_scores, -jnp.inf)
     elif layer == v.candidate_source:
-        cand, cand_new = _candidate_blocks(cfg, ratio, scores, new_scores, ctx)
-        share = share.replace(cand=cand, cand_new=cand_new)
-    top_scores, top = jax.lax.top_k(jnp.concatenate([scores, new_scores], axis=-1), min(cfg.index_topk, lc + t))
+        share = share.replace(cand=_candidate_blocks(cfg, ratio, scores, ctx))
+    top_scores, top = jax.lax.top_k(scores, min(cfg.index_topk, lc))  # [B, T, k] absolute entry ids
     picked = top_scores > -jnp.inf
-    local = jnp.where(picked & (top >= lc), top - lc, t)  # [B, T, k] picked new entries (t: none)
+    # A pick past the committed entries is the entry of the query's ancestor at position (j + 1) * r - 1.
+    depth = jnp.clip((top + 1) * ratio - 1 - ctx.committed[:, None, None], 0, t - 1)
+    node = jnp.where(picked & (top >= num_committed[:, None, None]),
+                     jnp.take_along_axis(ctx.ancestor_at_depth, depth, axis=-1), t)
     rows = jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None]
-    picked_new = jnp.zeros((b, t, t + 1), bool).at[(*rows, local)].set(True)[..., :t]
-    return share.replace(comp_index=jnp.where(picked & (top < lc), top, -1), picked=picked_new)
+    picked_new = jnp.zeros((b, t, t + 1), bool).at[(*rows, node)].set(True)[..., :t]
+    return share.replace(comp_index=jnp.where(picked & (top < num_committed[:, None, None]), top, -1),
+                         picked=picked_new)
 
 
 def pool_attention(
@@ -211,26 +225,27 @@ def pool_attention(
     b, t, _ = x.shape
     c = cfg.head_dim
     cos, sin = rope_angles(ctx.positions, inv_freq(cfg, ratio > 0))  # [B, T, r/2]
-    q_latent = rms_norm(quant.matmul(fakequant.fp8(x), p.wq_a), p.q_norm, cfg.rms_norm_eps)
-    q = quant.matmul(fakequant.fp8(q_latent), p.wq_b).reshape(b, t, cfg.num_heads, c)
+    fq = fakequant.roundings(v.qat)
+    q_latent = rms_norm(quant.matmul(fq.fp8(x), p.wq_a), p.q_norm, cfg.rms_norm_eps)
+    q = quant.matmul(fq.fp8(q_latent), p.wq_b).reshape(b, t, cfg.num_heads, c)
     q = apply_rope(q, cos[:, :, None], sin[:, :, None])  # no per-head norm in V4.1
-    kv = rms_norm(quant.matmul(fakequant.fp8(x), p.wkv), p.kv_norm, cfg.rms_norm_eps)
-    kv = fakequant.fp8(apply_rope(kv, cos, sin))
+    kv = rms_norm(quant.matmul(fq.fp8(x), p.wkv), p.kv_norm, cfg.rms_norm_eps)
+    kv = fq.fp8(apply_rope(kv, cos, sin))
     rows = AttentionRows(kv=kv)
     entry_keys: dict[str, jax.Array] = {}
     if ratio:
         if p.compressor is not None:  # an owner: the group's pool and index keys start here
             latent, comp_rows = _latents(p.compressor, cfg, ratio, x, layer_state, ctx)
             at = rope_angles((ctx.positions // ratio) * ratio, inv_freq(cfg, True))
-            entry = fakequant.fp4_e4m3(apply_rope(latent, *at), 16)
+            entry = fq.fp4_e4m3(apply_rope(latent, *at), 16)
             pk = p.compressor
             key = rms_norm(latent @ pk.wk.astype(latent.dtype), pk.k_norm, cfg.rms_norm_eps)
-            key = fakequant.fp4_ue8m0(apply_rope(key, *at))
+            key = fq.fp4_ue8m0(apply_rope(key, *at))
             rows = rows.replace(comp_kv=comp_rows.comp_kv, comp_gate=comp_rows.comp_gate, comp_entry=entry,
                                 idx_entry=key)
             share = PoolShare(pool=layer_state.comp_kv, entries=entry, keys=layer_state.idx_kv, new_keys=key,
                               emits=((ctx.positions + 1) % ratio == 0) & ctx.valid,
-                              cand=share.cand, cand_new=share.cand_new)
+                              cand=share.cand)
         if p.indexer is not None:
             share = _select(p, cfg, layer, ratio, x, q_latent, (cos, sin), share, ctx)
         entry_keys = dict(comp_kv=share.pool, comp_index=share.comp_index, tree_entries=share.entries,
@@ -249,4 +264,4 @@ def pool_attention(
     g = cfg.o_groups
     grouped = out.reshape(b, t, g, cfg.num_heads * c // g)
     projected = quant.einsum("btgi,gio->btgo", grouped, p.wo_a).reshape(b, t, -1)
-    return quant.matmul(fakequant.fp8(projected), p.wo_b), rows, share
+    return quant.matmul(fq.fp8(projected), p.wo_b), rows, share

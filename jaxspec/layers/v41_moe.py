@@ -21,7 +21,7 @@ def _hidden(gate: jax.Array, up: jax.Array, weight: jax.Array, cfg: ModelConfig,
     """The down projection's input: SwiGLU in fp32, times the routing weight [N], cast, rounded to FP8."""
     act = clamped_swiglu(gate.astype(dtype).astype(jnp.float32), up.astype(dtype).astype(jnp.float32),
                          cfg.swiglu_limit)
-    return fakequant.fp8((act * weight[:, None]).astype(dtype))
+    return fakequant.roundings(cfg.v41.qat).fp8((act * weight[:, None]).astype(dtype))
 
 
 def gathered_qat_experts(
@@ -73,7 +73,7 @@ def qat_moe(p: MoEParams, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     b, t, d = x.shape
     flat = x.reshape(b * t, d)
     indices, weights = route(p, cfg, flat.astype(jnp.float32), jnp.zeros((b * t,), jnp.int32))
-    rounded = fakequant.fp8(flat)
+    rounded = fakequant.roundings(cfg.v41.qat).fp8(flat)
     out = routed_experts(qat_experts, p.experts, cfg, rounded, indices, weights)
     if p.shared is not None:
         s = p.shared

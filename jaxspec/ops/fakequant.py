@@ -13,6 +13,9 @@ the nearest of {0, .5, 1, 1.5, 2, 3, 4, 6}, ties to even.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -67,3 +70,22 @@ def fp4_e4m3(x: jax.Array, block: int = 16) -> jax.Array:
     # e4m3fn has no infinity: a scale past its range saturates at 448, as the reference's cast does.
     s = jnp.minimum(_amax(xb, FP4_MAX * 2.0**-9) / FP4_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
     return (_e2m1(jnp.clip(xb / s, -FP4_MAX, FP4_MAX)) * s).reshape(x.shape).astype(x.dtype)
+
+
+class Roundings(NamedTuple):
+    """The three roundings as a model applies them (`roundings`)."""
+
+    fp8: Callable[..., jax.Array]
+    fp4_ue8m0: Callable[..., jax.Array]
+    fp4_e4m3: Callable[..., jax.Array]
+
+
+def _keep(x: jax.Array, block: int = 0) -> jax.Array:
+    return x
+
+
+def roundings(on: bool) -> Roundings:
+    """The roundings (`on`, V4.1 as released), or identities: the continuous model, where a last-bit
+    difference between two programs stays a last-bit difference instead of moving a value to the next
+    FP8 / FP4 step (used to check the decode machinery to float32 precision, docs/v41.md)."""
+    return Roundings(fp8, fp4_ue8m0, fp4_e4m3) if on else Roundings(_keep, _keep, _keep)

@@ -234,7 +234,8 @@ def speculative_generate(
     max_len = length_bucket(batch.tokens.shape[1] + opts.max_new_tokens + extra, cfg.max_position_embeddings,
                             minimum=64)
     shape = LoopShape(opts.max_new_tokens, max_len, stream is not None)
-    models = Models(target=params.replace(mtp=None), draft=draft.params)
+    # The draft travels as draft.params; a V4 target's own MTP block is left out of the target.
+    models = Models(target=params.replace(mtp=None) if isinstance(params, ModelParams) else params, draft=draft.params)
     with _streaming(stream, batch.batch, opts.mesh) as channel:
         tokens, lengths, stats, steps = on_mesh(_speculative_loop, opts.mesh, len(batch.lengths))(
             models, sp, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), shape, jnp.int32(opts.eos_id),
