@@ -26,8 +26,8 @@ def fp8(rows: int, cols: int) -> int:
     return rows * cols + math.ceil(rows / 128) * math.ceil(cols / 128)
 
 
-# One draft stage's non-routed weights (reference §1.4), all devices: FP8 attention and shared expert,
-# fp32 norms / sink / hyper-connections / gate bias, the bf16 router.
+# One draft stage's non-routed weights (docs/dspark.md, "What a release holds"), all devices: FP8
+# attention and shared expert, fp32 norms / sink / hyper-connections / gate bias, the bf16 router.
 STAGE = (fp8(4096, 1024) + fp8(1024, 32768) + fp8(4096, 512) + fp8(8192, 4096) + fp8(4096, 8192)
          + 2 * fp8(2048, 4096) + fp8(4096, 2048)
          + 4 * (1024 + 512 + 2 * 4096 + 64 + 2 * (24 * 16384 + 24 + 3) + 256) + 2 * 256 * 4096)

@@ -1,6 +1,6 @@
 """Load a DeepSeek-V4 folder that carries a DSpark drafter (V4-Flash-DSpark, -0731, Pro-0813): the
 target as `load_hf_checkpoint` reads it, plus `mtp.0..S-1.*` into `model.dspark.DSparkParams` and
-config.json's flat `dspark_*` keys into a `DSparkConfig` (reference/dspark_v4.md §1).
+config.json's flat `dspark_*` keys into a `DSparkConfig` (docs/dspark.md, "What a release holds").
 
 The draft's tensors go through the target's reader: the same name checks, FP8 / FP4 block-scaled
 formats (weights "fp8" keeps them stored), region reads and placement on a mesh.

@@ -395,7 +395,7 @@ def load_hf_checkpoint(
     `dtype` ("float32" / "bfloat16") sets cfg.dtype, the dtype of the matrix weights (default: the
     config's `dtype` / `torch_dtype`, else float32); norms, hyper-connections, sinks, APE, gate
     biases and the compressor / indexer-weight projections stay fp32 as `init_params` lays out.
-    draft: which draft to load beside the target (reference/dspark_v4.md §1.2 tells them apart).
+    draft: which draft to load beside the target (docs/dspark.md, "What a release holds", tells them apart).
     "auto": the April MTP block when the folder holds one (num_mtp_layers=1), else none
     (num_mtp_layers=0, params.mtp=None): a folder without `mtp.*` tensors, or a DSpark folder (its
     target loads alone; `load_hf_dspark` reads the drafter). "mtp": the MTP block, a one-line

@@ -136,7 +136,7 @@ _STAGE = re.compile(r"^mtp\.(\d+)\.")
 
 def draft_kind(config: dict[str, Any], keys: Any) -> str | None:
     """The draft a V4 folder holds, from config.json and its official-spelling tensor names
-    (reference/dspark_v4.md §1.2): "dspark" (config `dspark_block_size` > 0, or `mtp.0.main_proj`, or
+    (docs/dspark.md, "What a release holds"): "dspark" (config `dspark_block_size` > 0, or `mtp.0.main_proj`, or
     Markov / confidence heads), else "mtp" (the April block: `mtp.0.e_proj`, ...; any other `mtp.*`
     tensor is read as a damaged MTP block), else None. Never `num_nextn_predict_layers`: it is 1
     in the DSpark releases too."""
@@ -156,7 +156,7 @@ def draft_stages(keys: Any) -> int:
 def dspark_key_table(cfg: ModelConfig, num_stages: int) -> dict[str, Spec]:
     """Official key -> DSparkParams leaf (`model.dspark`) of a DSpark drafter of `num_stages` stages:
     full blocks `mtp.{s}.*` (score-routed MoE), `main_proj` / `main_norm` on stage 0, `norm`,
-    `hc_head_*`, the Markov and confidence heads on the last stage (reference §1.4)."""
+    `hc_head_*`, the Markov and confidence heads on the last stage (docs/dspark.md)."""
     last = f"mtp.{num_stages - 1}"
     t: dict[str, Spec] = {
         "mtp.0.main_proj.weight": Spec(".main_proj", "T", quant="fp8"),

@@ -66,7 +66,7 @@ class DSparkState:
 
 @struct.dataclass
 class DraftChain:
-    """The sequential Markov chain of one block (reference §2.6)."""
+    """The sequential Markov chain of one block (docs/dspark.md, "How a cycle drafts")."""
 
     tokens: jax.Array  # [B, γ] int32 drafted d_1..d_γ (d_k sampled from logits[:, k-1])
     logits: jax.Array  # [B, γ, V] fp32 Markov-corrected logits the tokens were drawn from
@@ -205,7 +205,7 @@ def confidence_logits(
     hh: jax.Array,  # [..., d] hc_head output (before the norm) at the drafted position
     e: jax.Array,  # [..., r] W1 of the position's previous token
 ) -> jax.Array:
-    """[...] fp32 raw logits c = wᵀ [hh ; e] (reference §4; σ(c) = P(accepted | prefix accepted))."""
+    """[...] fp32 raw logits c = wᵀ [hh ; e] (σ(c) read as P(accepted | prefix accepted); docs/dspark.md)."""
     features = jnp.concatenate([hh.astype(jnp.float32), e.astype(jnp.float32)], axis=-1)
     return (features @ params.confidence.astype(jnp.float32))[..., 0]
 

@@ -80,7 +80,7 @@ class ForwardOutput:
     hidden: jax.Array  # [B, T, hc, d] final streams before hc_head (the MTP draft's input)
     rows: Any  # for `state.commit`: per layer AttentionRows (V4), a `state_v41.V41Rows` (V4.1)
     # [B, T, len(capture)*d]: per captured layer, the mean over the hc streams of its output (DSpark's
-    # context rows, reference/dspark_v4.md §2.1), concatenated in `capture` order; None without capture.
+    # context rows, docs/dspark.md "What a release holds"), concatenated in `capture` order; None without capture.
     captured: jax.Array | None = None
 
 

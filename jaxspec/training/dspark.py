@@ -119,9 +119,10 @@ def dspark_loss(
     blocks: Blocks,
     weights: LossWeights = LossWeights(),
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """DeepSpec's loss (reference §6) -> (loss, metrics: the three terms, and per position k = 1..γ
-    `match{k}` (draft argmax == label, teacher-forced), `sibling{k}` (the runner-up == label, among the
-    blocks whose argmax missed) and `accept{k}` (the first k all match))."""
+    """DeepSpec's loss (docs/dspark.md, "The drafter trained for tiny-v4") -> (loss, metrics: the three
+    terms, and per position k = 1..γ `match{k}` (draft argmax == label, teacher-forced), `sibling{k}`
+    (the runner-up == label, among the blocks whose argmax missed) and `accept{k}` (the first k all
+    match))."""
     g = dcfg.block_size
     logits, conf = block_forward(params, target, cfg, dcfg, blocks.window, blocks.anchor_pos, blocks.tokens[:, :g])
     teacher = jnp.einsum("ngd,dv->ngv", blocks.teacher.astype(target.head.dtype), target.head,
