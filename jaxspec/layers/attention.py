@@ -32,7 +32,7 @@ from jaxspec.ops.rope import apply_rope, inv_freq, rope_angles
 from jaxspec.sharding.active import shard_kernel
 from jaxspec.sharding.rules import axes
 
-QUERY_AXES = ("batch", None, "heads", None)  # [B, T, H, c]
+_QUERY_AXES = ("batch", None, "heads", None)  # [B, T, H, c]
 
 
 @struct.dataclass
@@ -327,23 +327,44 @@ def attention(
         new_kv = jnp.concatenate([ctx.prior_kv.astype(kv.dtype), kv], axis=1)  # [B, X+T, c]
         new_mask = jnp.concatenate([prior_mask, new_mask], axis=-1)  # [B, T, X+T]
 
-    args = (q, ring, ring_pos, new_kv, new_mask, ctx.positions, p.sink)
-    if cfg.kernels == "pallas":
-        # Under a mesh the kernel runs once per shard on its own heads; every other argument holds
-        # this data shard's rows whole.
-        kernel = shard_kernel(tree_attention, in_axes=[QUERY_AXES, None, None, None, None, None, ("heads",)],
-                              out_axes=QUERY_AXES)
-        out = kernel(*args, window=window, scale=c**-0.5, **keys)
-    else:
-        out = attend(*args, window=window, scale=c**-0.5, **keys)
+    out = attend_dense(cfg, q, ring, ring_pos, new_kv, new_mask, ctx.positions, p.sink, keys)
     return output(p, cfg, out, cos, sin, x.dtype), rows
 
 
-def output(p: AttentionParams, cfg: ModelConfig, out: jax.Array, cos: jax.Array, sin: jax.Array, dtype) -> jax.Array:
-    """[B, T, H, c] attention output -> [B, T, d]: inverse RoPE, grouped low-rank output projection."""
+def attend_dense(
+    cfg: ModelConfig,
+    q: jax.Array,  # [B, T, H, c]
+    ring: jax.Array,  # [B, W, c] committed window ring
+    ring_pos: jax.Array,  # [B, W] int32
+    new_kv: jax.Array,  # [B, N, c]
+    new_mask: jax.Array,  # [B, T, N] bool
+    positions: jax.Array,  # [B, T] int32
+    sink: jax.Array,  # [H] fp32
+    keys: dict[str, jax.Array],  # the compressed keys (`EntryKeys.kwargs()`); {} on a window-only layer
+) -> jax.Array:
+    """`attend`'s contract on the path `cfg.kernels` picks: the Pallas tree-attention kernel (under a
+    mesh once per shard on its own heads; every other argument holds this data shard's rows whole) or
+    the jnp reference -> [B, T, H, c] fp32. V4's layers and V4.1's pooled layers call it alike."""
+    args = (q, ring, ring_pos, new_kv, new_mask, positions, sink)
+    kw = dict(window=cfg.sliding_window, scale=cfg.head_dim**-0.5, **keys)
+    if cfg.kernels == "pallas":
+        kernel = shard_kernel(tree_attention, in_axes=[_QUERY_AXES, None, None, None, None, None, ("heads",)],
+                              out_axes=_QUERY_AXES)
+        return kernel(*args, **kw)
+    return attend(*args, **kw)
+
+
+def grouped_projection(wo_a: Any, cfg: ModelConfig, out: jax.Array, cos: jax.Array, sin: jax.Array,
+                       dtype) -> jax.Array:
+    """[B, T, H, c] attention output -> [B, T, g*o_lora_rank]: inverse RoPE, the grouped low-rank
+    projection (wo_a [g, H*c/g, o_lora_rank]); `wo_b` takes it from there."""
     b, t, h, c = out.shape
     out = apply_rope(out, cos[:, :, None], sin[:, :, None], inverse=True).astype(dtype)
     g = cfg.o_groups
     grouped = out.reshape(b, t, g, h * c // g)
-    projected = quant.einsum("btgi,gio->btgo", grouped, p.wo_a).reshape(b, t, -1)
-    return quant.matmul(projected, p.wo_b)
+    return quant.einsum("btgi,gio->btgo", grouped, wo_a).reshape(b, t, -1)
+
+
+def output(p: AttentionParams, cfg: ModelConfig, out: jax.Array, cos: jax.Array, sin: jax.Array, dtype) -> jax.Array:
+    """[B, T, H, c] attention output -> [B, T, d]: inverse RoPE, grouped low-rank output projection."""
+    return quant.matmul(grouped_projection(p.wo_a, cfg, out, cos, sin, dtype), p.wo_b)

@@ -27,14 +27,18 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec.core.config import ModelConfig
-from jaxspec.layers.attention import QUERY_AXES, AttentionContext, AttentionRows, attend, ring_positions
+from jaxspec.layers.attention import (
+    AttentionContext,
+    AttentionRows,
+    attend_dense,
+    grouped_projection,
+    ring_positions,
+)
 from jaxspec.ops import fakequant, quant
 from jaxspec.ops.norms import rms_norm
-from jaxspec.ops.pallas.tree_attention import tree_attention
-from jaxspec.ops.pooling import source_indices
+from jaxspec.ops.pooling import gated_sum, gather_sources, source_indices
 from jaxspec.ops.quant import Weight
 from jaxspec.ops.rope import apply_rope, inv_freq, rope_angles
-from jaxspec.sharding.active import shard_kernel
 from jaxspec.sharding.rules import axes
 
 
@@ -118,12 +122,8 @@ def _latents(
     kv, gate = x32 @ p.wkv.astype(jnp.float32), x32 @ p.wgate.astype(jnp.float32)  # [B, T, c]
     # The group's rows: the committed ring (slot pos mod 2) or a new token on the query's own chain.
     index, valid = source_indices(ctx.positions, ctx.committed, ctx.ancestor_at_depth, ratio, ratio)
-    b, t, s = index.shape
-    flat = index.reshape(b, t * s, 1)
-    kvs = jnp.take_along_axis(jnp.concatenate([layer_state.comp_rows_kv, kv], 1), flat, 1).reshape(b, t, s, -1)
-    gates = jnp.take_along_axis(jnp.concatenate([layer_state.comp_rows_gate, gate], 1), flat, 1).reshape(b, t, s, -1)
-    gates = jnp.where(valid[..., None], gates, -jnp.inf)
-    latent = jnp.sum(jnp.where(valid[..., None], kvs, 0.0) * jax.nn.softmax(gates, axis=2), axis=2)
+    latent = gated_sum(gather_sources(layer_state.comp_rows_kv, kv, index),
+                       gather_sources(layer_state.comp_rows_gate, gate, index), valid)
     latent = rms_norm(latent.astype(x.dtype), p.norm, cfg.rms_norm_eps)
     return latent, AttentionRows(kv=None, comp_kv=kv, comp_gate=gate)
 
@@ -250,18 +250,8 @@ def pool_attention(
             share = _select(p, cfg, layer, ratio, x, q_latent, (cos, sin), share, ctx)
         entry_keys = dict(comp_kv=share.pool, comp_index=share.comp_index, tree_entries=share.entries,
                           tree_entry_mask=share.picked)
-    window = cfg.sliding_window
     ring_pos = ring_positions(ctx.committed, layer_state.swa_kv.shape[1])
-    new_mask = ctx.visible & (ctx.positions[:, None, :] > ctx.positions[:, :, None] - window)
-    args = (q, layer_state.swa_kv, ring_pos, kv, new_mask, ctx.positions, p.sink)
-    if cfg.kernels == "pallas":  # V4's tree-attention kernel: the same contract as `attend`, heads per shard
-        kernel = shard_kernel(tree_attention, in_axes=[QUERY_AXES, None, None, None, None, None, ("heads",)],
-                              out_axes=QUERY_AXES)
-        out = kernel(*args, window=window, scale=c**-0.5, **entry_keys)
-    else:
-        out = attend(*args, window=window, scale=c**-0.5, **entry_keys)
-    out = apply_rope(out, cos[:, :, None], sin[:, :, None], inverse=True).astype(x.dtype)
-    g = cfg.o_groups
-    grouped = out.reshape(b, t, g, cfg.num_heads * c // g)
-    projected = quant.einsum("btgi,gio->btgo", grouped, p.wo_a).reshape(b, t, -1)
+    new_mask = ctx.visible & (ctx.positions[:, None, :] > ctx.positions[:, :, None] - cfg.sliding_window)
+    out = attend_dense(cfg, q, layer_state.swa_kv, ring_pos, kv, new_mask, ctx.positions, p.sink, entry_keys)
+    projected = grouped_projection(p.wo_a, cfg, out, cos, sin, x.dtype)
     return quant.matmul(fq.fp8(projected), p.wo_b), rows, share

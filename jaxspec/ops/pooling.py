@@ -39,6 +39,28 @@ def source_indices(
     return index.astype(jnp.int32), src_pos >= 0
 
 
+def gather_sources(
+    ring: jax.Array,  # [B, R, D] committed rows
+    new: jax.Array,  # [B, T, D] the new tokens' rows
+    index: jax.Array,  # [B, T, S] from `source_indices`: into concat(ring, new)
+) -> jax.Array:
+    """The S source rows of every query -> [B, T, S, D]."""
+    b, t, s = index.shape
+    rows = jnp.concatenate([ring, new], axis=1)
+    return jnp.take_along_axis(rows, index.reshape(b, t * s, 1), axis=1).reshape(b, t, s, -1)
+
+
+def gated_sum(
+    kv: jax.Array,  # [B, T, S, D] source rows
+    gate: jax.Array,  # [B, T, S, D] their gate logits
+    valid: jax.Array,  # [B, T, S] bool: sources at positions >= 0
+) -> jax.Array:
+    """sum_s kv_s softmax_s(gate) per channel over the valid sources -> [B, T, D] fp32."""
+    gate = jnp.where(valid[..., None], gate, -jnp.inf)
+    kv = jnp.where(valid[..., None], kv, 0.0)
+    return jnp.sum(kv * jax.nn.softmax(gate, axis=2), axis=2)
+
+
 def pool_rows(
     ring_kv: jax.Array,  # [B, R, coff*D] committed rows, slot = pos mod R
     ring_gate: jax.Array,  # [B, R, coff*D]
@@ -61,21 +83,12 @@ def pool_rows(
     num_sources = coff * ratio
     ring_size = ring_kv.shape[1]
     index, src_valid = source_indices(positions, committed, ancestor_at_depth, num_sources, ring_size)
-    all_kv = jnp.concatenate([ring_kv, new_kv], axis=1)
-    all_gate = jnp.concatenate([ring_gate, new_gate], axis=1)
-    b, t, s = index.shape
-    flat = index.reshape(b, t * s, 1)
-    kv = jnp.take_along_axis(all_kv, flat, axis=1).reshape(b, t, s, -1)
-    gate = jnp.take_along_axis(all_gate, flat, axis=1).reshape(b, t, s, -1)
+    kv, gate = gather_sources(ring_kv, new_kv, index), gather_sources(ring_gate, new_gate, index)
     if overlap:
         # Slots 0..ratio-1 read the previous block's A half, the rest the own block's B half.
-        first = (jnp.arange(s) < ratio)[None, None, :, None]
+        first = (jnp.arange(num_sources) < ratio)[None, None, :, None]
         kv = jnp.where(first, kv[..., :width], kv[..., width:])
         gate = jnp.where(first, gate[..., :width], gate[..., width:])
-    gate = jnp.where(src_valid[..., None], gate, -jnp.inf)
-    kv = jnp.where(src_valid[..., None], kv, 0.0)
-    weights = jax.nn.softmax(gate, axis=2)
-    pooled = jnp.sum(kv * weights, axis=2)
-    pooled = rms_norm(pooled, norm, eps)
+    pooled = rms_norm(gated_sum(kv, gate, src_valid), norm, eps)
     cos, sin = rope_angles((positions // ratio) * ratio, freqs)
     return apply_rope(pooled, cos, sin)
