@@ -173,6 +173,37 @@ def agreeing_dspark(params: ModelParams, cfg: Any, dcfg: Any, key: jax.Array, sh
                       markov_w2=params.head.astype(dp.markov_w2.dtype))
 
 
+def v41_mixed_acceptance(params: Any, cfg: Any, dcfg: Any, key: jax.Array, mix: float = 0.05, gap: float = 0.1,
+                         skew: float = 0.5) -> tuple[Any, Any]:
+    """A V4.1 target and a V4.1 DSpark drafter that agree about half the time at every depth, with the
+    target's token often the draft's second choice (`mixed_acceptance`'s recipe on V4.1).
+
+    Target: every sub-layer's output and Engram's value scaled by `mix` (the streams stay near the
+    current token's embedding in every copy, so the next token is mostly rms_norm(embed[v]) * norm @ head,
+    context moving it a little), the head's odd columns pulled to `gap` of their distance from the even
+    ones (near-tied pairs). Drafter: `agreeing_dspark` (its Markov head computes that function of the
+    previous drafted token) with W1 scaled by 1 + skew on even and 1 - skew on odd dimensions, so within
+    a pair it ranks by a differently weighted margin. -> (target params, drafter params)."""
+
+    def damp(block):
+        ffn = block.ffn
+        shared = ffn.shared.replace(w2=ffn.shared.w2 * mix) if ffn.shared is not None else None
+        ffn = ffn.replace(experts=ffn.experts.replace(w2=ffn.experts.w2 * mix), shared=shared)
+        eng = block.engram
+        if eng is not None:  # the gate's key is normalized: scaling wkv scales the value alone
+            eng = eng.replace(wkv=eng.wkv * mix)
+        return block.replace(attn=block.attn.replace(wo_b=block.attn.wo_b * mix), ffn=ffn, engram=eng)
+
+    head = params.head
+    pairs = head.shape[1] // 2
+    even, odd = head[:, 0: 2 * pairs: 2], head[:, 1: 2 * pairs: 2]
+    head = head.at[:, 1: 2 * pairs: 2].set((even + gap * (odd - even)).astype(head.dtype))
+    target = params.replace(layers=tuple(damp(b) for b in params.layers), head=head)
+    draft = agreeing_dspark(target, cfg, dcfg, key)
+    pattern = jnp.where(jnp.arange(dcfg.markov_rank) % 2 == 0, 1.0 + skew, 1.0 - skew)
+    return target, draft.replace(markov_w1=(draft.markov_w1 * pattern).astype(draft.markov_w1.dtype))
+
+
 # ---- DeepSeek-V4.1: a tiny release folder in the official names and formats (tests) ---------------
 # docs/v41.md describes the model, its config and its release formats. The tiny text config below runs
 # on mlx-vlm 0.7.10 as written. Layer modes: 0 local, 1 local + Engram, 2 full (ratio 2, owns a

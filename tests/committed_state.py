@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.model import dspark as dspark_model
 from jaxspec.model import network
 from jaxspec.model import state as state_lib
 from jaxspec.model.sampling import Sampling
@@ -59,23 +60,30 @@ class StepReference:
         for j in range(steps):
             valid = np.asarray([j < len(r) for r in rows])
             token = np.asarray([r[j] if j < len(r) else 0 for r in rows], np.int32)
-            logits, self.state, self.ring, self.mtp_length, self.last_hidden, self.has_hidden = _step(
-                self.cfg, self.target, self.mtp, self.state, self.ring, self.mtp_length, self.last_hidden,
-                self.has_hidden, jnp.asarray(token), jnp.asarray(valid))
+            logits = self._step(jnp.asarray(token), jnp.asarray(valid))
             best = np.asarray(jnp.argmax(logits, axis=-1))
             for r in np.flatnonzero(valid):
                 argmax[r].append(int(best[r]))
         return argmax
 
+    def _step(self, token, valid):
+        logits, self.state, self.ring, self.mtp_length, self.last_hidden, self.has_hidden = _step(
+            self.cfg, self.target, self.mtp, self.state, self.ring, self.mtp_length, self.last_hidden,
+            self.has_hidden, token, valid)
+        return logits
+
+    def _pairs(self, spec_state):
+        np.testing.assert_array_equal(np.asarray(spec_state.draft.length), np.asarray(self.mtp_length))
+        return [("target", spec_state.target.layers, self.state.layers),
+                ("mtp ring", spec_state.draft.ring, self.ring),
+                ("mtp last_hidden", spec_state.draft.last_hidden, self.last_hidden)]
+
     def assert_equals(self, spec_state, where: str = "") -> float:
-        """Every leaf of the committed target state and of the MTP draft's state equals this reference
+        """Every leaf of the committed target state and of the draft's state equals this reference
         (lengths exactly, floats to REL_TOL of each leaf's largest magnitude) -> the largest relative
         difference seen."""
         np.testing.assert_array_equal(np.asarray(spec_state.target.length), np.asarray(self.state.length), where)
-        np.testing.assert_array_equal(np.asarray(spec_state.draft.length), np.asarray(self.mtp_length), where)
-        pairs = [("target", spec_state.target.layers, self.state.layers),
-                 ("mtp ring", spec_state.draft.ring, self.ring),
-                 ("mtp last_hidden", spec_state.draft.last_hidden, self.last_hidden)]
+        pairs = self._pairs(spec_state)
         worst = 0.0
         for name, got, want in pairs:
             got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
@@ -90,20 +98,51 @@ class StepReference:
         return worst
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _dspark_step(cfg, dcfg, target, draft, state, dstate, token, valid):
+    """One token per row through the target, its tapped rows into the DSpark drafter's rings."""
+    positions = state.length[:, None]
+    out, state = network.extend(target, cfg, state, token[:, None], valid[:, None], banded=False,
+                                 capture=dcfg.target_layers)
+    dstate = dspark_model.commit_context(draft, cfg, dcfg, dstate, out.captured, positions, valid[:, None])
+    return out.logits[:, 0], state, dstate
+
+
+class DSparkStepReference(StepReference):
+    """Step-by-step decoding for a DSpark drafter (V4 or V4.1 target): each fed token's tapped rows are
+    committed into the drafter's rings, as a plain decoder followed by the drafter would build them."""
+
+    def __init__(self, target, draft, cfg, dcfg, batch: int, max_len: int):
+        self.cfg, self.dcfg, self.target, self.draft = cfg, dcfg, target, draft
+        self.state = state_lib.init_state(cfg, batch, max_len)
+        self.dstate = dspark_model.init_dspark_state(cfg, dcfg, batch)
+
+    def _step(self, token, valid):
+        logits, self.state, self.dstate = _dspark_step(self.cfg, self.dcfg, self.target, self.draft, self.state,
+                                                       self.dstate, token, valid)
+        return logits
+
+    def _pairs(self, spec_state):
+        np.testing.assert_array_equal(np.asarray(spec_state.draft.length), np.asarray(self.dstate.length))
+        return [("target", spec_state.target, self.state), ("dspark rings", spec_state.draft.stages,
+                                                                self.dstate.stages)]
+
+
 @functools.partial(jax.jit, static_argnums=(0,))
 def greedy_cycle(sp, models, state):
     """One greedy `speculative_cycle`, every row active -> (state, CycleOut)."""
     return speculative_cycle(sp, models, state, Sampling.create(), jnp.ones(state.root.shape, bool))
 
 
-def run_and_check(sp, models, params, state, prompts: list[list[int]], max_len: int, cycles: int) -> dict:
+def run_and_check(sp, models, params, state, prompts: list[list[int]], max_len: int, cycles: int,
+                  ref: StepReference | None = None) -> dict:
     """From `state` (the speculative prefill of `prompts`), `cycles` greedy cycles; after the prefill and
     after each cycle the committed state equals `StepReference` fed the same tokens, and every emitted
     token is the reference's greedy argmax. -> {"worst": largest relative state difference, "emitted":
     tokens per row after the first, "depth_hits" [S], "rank_hist" [K], "stops" [S+1] cycles per number of
-    accepted drafts}."""
+    accepted drafts}. `ref`: the reference for a drafter other than `params`' MTP block (`DSparkStepReference`)."""
     b = len(prompts)
-    ref = StepReference(params, sp.cfg, b, max_len)
+    ref = StepReference(params, sp.cfg, b, max_len) if ref is None else ref
     greedy = ref.feed(prompts)
     np.testing.assert_array_equal(np.asarray(state.root), [g[-1] for g in greedy], "first token")
     worst = ref.assert_equals(state, "after the prefill")

@@ -36,7 +36,7 @@ RANKS = [
     ("jaxspec.layers",),
     ("jaxspec.model.rings", "jaxspec.model.state_v41", "jaxspec.model.v41"),
     ("jaxspec.model.state", "jaxspec.model.sampling"),
-    ("jaxspec.model.network",),
+    ("jaxspec.model.network", "jaxspec.model.dspark_v41"),
     ("jaxspec.model.prefill", "jaxspec.model.dspark"),
     ("jaxspec.model.placement", "jaxspec.model.runner", "jaxspec.model.prefill_plan"),
     ("jaxspec.speculation",),

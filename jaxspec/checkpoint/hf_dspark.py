@@ -114,12 +114,24 @@ def load_release(
         raise ValueError(f"draft must be 'auto', 'dspark', 'mtp' or 'none', got {draft!r}")
     config = _release_config(path)
     if config is not None and is_v41_config(config):
-        if mesh is not None or weights != "plain" or draft in ("dspark", "mtp"):
-            raise ValueError("a V4.1 release loads on one device, dequantized (weights='plain'), without its DSpark "
-                             "draft for now (mesh=None, weights='plain', draft='auto' or 'none')")
-        cfg, params = load_v41(path, config, dtype)
-        return Checkpoint(cfg=cfg, params=params, tokenizer=release_tokenizer(path), draft=None,
-                          path=os.path.abspath(os.fspath(path)))
+        if mesh is not None or weights != "plain" or draft == "mtp":
+            raise ValueError("a V4.1 release loads on one device, dequantized, with its DSpark draft or none "
+                             "(mesh=None, weights='plain', draft='auto', 'dspark' or 'none')")
+        cfg, params, loaded = load_v41(path, config, dtype, with_draft=draft != "none")
+        if draft == "dspark" and loaded is None:
+            raise ValueError(f"{os.fspath(path)!r} holds no draft, not a dspark draft")
+        found = None if loaded is None else dspark_draft(*loaded)
+    else:
+        cfg, params, found = _load_v4(path, dtype, mesh, rules, weights, draft)
+    if found is not None:  # what `jaxspec calibrate / tune --checkpoint RELEASE` wrote beside the weights
+        calibration, tuning, others = sidecar_values(os.fspath(path), found.params, cfg)
+        found = dataclasses.replace(found, calibration=calibration, tuning=tuning, value_calibrations=others)
+    return Checkpoint(cfg=cfg, params=params, tokenizer=release_tokenizer(path), draft=found,
+                      path=os.path.abspath(os.fspath(path)))
+
+
+def _load_v4(path: str | os.PathLike, dtype: str | None, mesh: Any, rules: dict[str, Any] | None, weights: str,
+             draft: str) -> tuple[ModelConfig, ModelParams, Draft | None]:
     holds = open_hf_checkpoint(path, dtype, draft="none").draft  # "mtp", "dspark" or None, from headers only
     if draft in ("dspark", "mtp") and holds != draft:
         raise ValueError(f"{os.fspath(path)!r} holds {'no draft' if holds is None else f'a {holds} draft'}, "
@@ -133,11 +145,7 @@ def load_release(
                                          draft="none" if draft == "none" else "auto")
         if params.mtp is not None:
             found = Draft("default", MTPDrafter(), params.mtp)
-    if found is not None:  # what `jaxspec calibrate / tune --checkpoint RELEASE` wrote beside the weights
-        calibration, tuning, others = sidecar_values(os.fspath(path), found.params, cfg)
-        found = dataclasses.replace(found, calibration=calibration, tuning=tuning, value_calibrations=others)
-    return Checkpoint(cfg=cfg, params=params, tokenizer=release_tokenizer(path), draft=found,
-                      path=os.path.abspath(os.fspath(path)))
+    return cfg, params, found
 
 
 def _release_config(path: str | os.PathLike) -> dict[str, Any] | None:

@@ -5,8 +5,8 @@ routed experts (1 x 32), the Engram tables in FP8 with one scale per 32 columns 
 The dense weights are dequantized to the run dtype at load; the Engram tables stay FP8 (`BlockScaled`),
 because at V4.1-Flash's size they are 196 GB: a step gathers its 24 rows per token and dequantizes only
 those (`layers.engram.table_rows`). The vision tower's tensors are skipped with one printed line (the
-text model is what jaxspec runs), the DSpark stages (`mtp.*`) likewise until V4.1's DSpark is built;
-any other tensor the model has no place for is a one-line error.
+text model is what jaxspec runs); the DSpark stages (`mtp.*`) load as V4.1's DSpark drafter
+(`model.dspark_v41`); any other tensor the model has no place for is a one-line error.
 """
 
 from __future__ import annotations
@@ -21,10 +21,12 @@ import numpy as np
 from jaxspec.checkpoint import quant as ckpt_quant
 from jaxspec.checkpoint.safetensors_io import Folder, Reader, open_folder
 from jaxspec.core.config import ModelConfig
+from jaxspec.core.dspark import DSparkConfig
 from jaxspec.layers.engram import EngramParams
 from jaxspec.layers.mhc import HyperConnParams
 from jaxspec.layers.moe import MLPParams, MoEParams
 from jaxspec.layers.v41_attention import PoolAttentionParams, PoolCompressorParams, PoolIndexerParams
+from jaxspec.model.dspark_v41 import V41DSparkParams
 from jaxspec.model.v41 import V41BlockParams, V41Params
 from jaxspec.ops.quant import BlockScaled
 
@@ -112,19 +114,20 @@ class _Tensors:
         return jnp.asarray(self.raw(name).astype(np.float32), dtype)
 
 
-def _attention(t: _Tensors, cfg: ModelConfig, layer: int) -> PoolAttentionParams:
-    v, a = cfg.v41, f"layers.{layer}.attn"
+def _attention(t: _Tensors, cfg: ModelConfig, prefix: str, layer: int | None) -> PoolAttentionParams:
+    """`prefix`.attn of main layer `layer`, or of a DSpark stage (None: window only)."""
+    v, a = cfg.v41, f"{prefix}.attn"
     g, ol = cfg.o_groups, cfg.o_lora_rank
     wo_a = t.weight(f"{a}.wo_a")  # [g * o_lora, H*c/g]: group g's rows are its output projection
     wo_a = wo_a.reshape(g, ol, -1).transpose(0, 2, 1)
     compressor = indexer = None
-    if layer in v.kv_sources:
+    if layer is not None and layer in v.kv_sources:
         compressor = PoolCompressorParams(
             wkv=t.linear(f"{a}.compressor.wkv"),
             wgate=t.linear(f"{a}.compressor.wgate") if v.ratios[layer] == 2 else None,
             norm=t.vector(f"{a}.compressor.norm.weight"), wk=t.linear(f"{a}.indexer.wk"),
             k_norm=t.vector(f"{a}.indexer.k_norm.weight"))
-    if layer in v.index_sources:
+    if layer is not None and layer in v.index_sources:
         indexer = PoolIndexerParams(wq_b=t.linear(f"{a}.indexer.wq_b"),
                                     weights_proj=t.linear(f"{a}.indexer.weights_proj"))
     return PoolAttentionParams(
@@ -133,8 +136,9 @@ def _attention(t: _Tensors, cfg: ModelConfig, layer: int) -> PoolAttentionParams
         wo_b=t.linear(f"{a}.wo_b"), sink=t.vector(f"{a}.attn_sink"), compressor=compressor, indexer=indexer)
 
 
-def _moe(t: _Tensors, cfg: ModelConfig, layer: int) -> MoEParams:
-    f = f"layers.{layer}.ffn"
+def _moe(t: _Tensors, cfg: ModelConfig, prefix: str) -> MoEParams:
+    """`prefix`.ffn with `cfg`'s expert count (a DSpark stage: `DSparkConfig.stage_config`)."""
+    f = f"{prefix}.ffn"
     t.used.add(f"{f}.gate.bias_vl")  # image-span tokens only (text model: never read)
     experts = [[t.weight(f"{f}.experts.{e}.{w}", ROW_BLOCK).T for e in range(cfg.n_routed_experts)]
                for w in ("w1", "w3", "w2")]
@@ -161,37 +165,62 @@ def _engram(t: _Tensors, cfg: ModelConfig, layer: int) -> EngramParams:
                         k_weight=t.vector(f"{e}.k_weight", t.dtype))
 
 
+def _block(t: _Tensors, cfg: ModelConfig, prefix: str, layer: int | None) -> V41BlockParams:
+    """Main layer `layer` (`layers.L`) or a DSpark stage (`mtp.s`, layer None, `cfg` its stage config)."""
+    v = cfg.v41
+    return V41BlockParams(
+        attn_norm=t.vector(f"{prefix}.attn_norm.weight"), attn=_attention(t, cfg, prefix, layer),
+        ffn_norm=t.vector(f"{prefix}.ffn_norm.weight"), ffn=_moe(t, cfg, prefix),
+        hc_attn=_hyper(t, f"{prefix}.hc_attn"), hc_ffn=_hyper(t, f"{prefix}.hc_ffn"),
+        engram=_engram(t, cfg, layer) if layer is not None and layer in v.engram_layers else None)
+
+
+def _dspark(t: _Tensors, cfg: ModelConfig, config: dict[str, Any]) -> tuple[V41DSparkParams, DSparkConfig] | None:
+    """The DSpark drafter of `mtp.0..S-1` (docs/dspark.md, "V4.1's drafter"); None when the folder has none.
+    Stage 0 holds main_proj / main_norm, the last stage the norm and the Markov and confidence heads."""
+    stages = 0
+    while t.has(f"mtp.{stages}.attn.wkv.weight"):
+        stages += 1
+    if not stages:
+        return None
+    rank = t.folder.tensors[f"mtp.{stages - 1}.markov_head.embed.weight"].shape[1] \
+        if t.has(f"mtp.{stages - 1}.markov_head.embed.weight") else None
+    dcfg = DSparkConfig.from_hf_config(config, stages, rank)
+    dcfg.validate_for(cfg)
+    scfg = dcfg.stage_config(cfg)
+    last = f"mtp.{stages - 1}"
+    params = V41DSparkParams(
+        main_proj=t.linear("mtp.0.main_proj"), main_norm=t.vector("mtp.0.main_norm.weight"),
+        stages=tuple(_block(t, scfg, f"mtp.{s}", None) for s in range(stages)),
+        norm=t.vector(f"{last}.norm.weight"),
+        markov_w1=jnp.asarray(t.weight(f"{last}.markov_head.embed"), t.dtype),
+        markov_w2=t.linear(f"{last}.markov_head.head"),
+        confidence=jnp.asarray(t.weight(f"{last}.confidence_head.proj").T, jnp.float32))
+    return params, dcfg
+
+
 def load_v41(
-    path: str | os.PathLike, config: dict[str, Any], dtype: str | None = None
-) -> tuple[ModelConfig, V41Params]:
-    """(cfg, params) of a V4.1 release folder whose config.json is `config` (see the module docstring)."""
+    path: str | os.PathLike, config: dict[str, Any], dtype: str | None = None, with_draft: bool = True
+) -> tuple[ModelConfig, V41Params, tuple[V41DSparkParams, DSparkConfig] | None]:
+    """(cfg, params, (draft params, DSpark config) or None) of a V4.1 release folder whose config.json is
+    `config` (see the module docstring); `with_draft` False leaves the `mtp.*` tensors unread."""
     path = os.fspath(path)
     cfg = ModelConfig.from_hf_config(config)
     cfg = cfg.replace(dtype=dtype or cfg.dtype)
     t = _Tensors(open_folder(path), cfg.dtype)
-    v = cfg.v41
-    layers = []
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}"
-        layers.append(V41BlockParams(
-            attn_norm=t.vector(f"{p}.attn_norm.weight"), attn=_attention(t, cfg, i),
-            ffn_norm=t.vector(f"{p}.ffn_norm.weight"), ffn=_moe(t, cfg, i),
-            hc_attn=_hyper(t, f"{p}.hc_attn"), hc_ffn=_hyper(t, f"{p}.hc_ffn"),
-            engram=_engram(t, cfg, i) if i in v.engram_layers else None))
+    layers = [_block(t, cfg, f"layers.{i}", i) for i in range(cfg.num_layers)]
     token_map = engram_token_map(path, cfg)
     params = V41Params(
         embed=jnp.asarray(t.weight("embed"), t.dtype), layers=tuple(layers), norm=t.vector("norm.weight"),
         head=jnp.asarray(t.weight("head").T, t.dtype),
         engram_token_map=None if token_map is None else jnp.asarray(token_map))
+    draft = _dspark(t, cfg, config.get("text_config", config)) if with_draft else None
     left = sorted(set(t.folder.tensors) - t.used)
     vision = [k for k in left if k.startswith(_SKIPPED)]
-    stages = [k for k in left if k.startswith("mtp.")]
+    stages = [k for k in left if k.startswith("mtp.") and not with_draft]
     unknown = [k for k in left if k not in vision and k not in stages]
     if unknown:
         raise ValueError(f"{path!r} holds {len(unknown)} tensors the V4.1 model has no place for, e.g. {unknown[0]!r}")
     if vision:
         print(f"load_release: skipped the vision tower ({len(vision)} tensors): jaxspec runs the text model")
-    if stages:
-        print(f"load_release: skipped the DSpark stages ({len(stages)} mtp.* tensors): V4.1's DSpark is not "
-              "supported yet; the target loads alone")
-    return cfg, params
+    return cfg, params, draft

@@ -222,15 +222,9 @@ def pool_attention(
     """-> output [B, T, d], the new tokens' rows, the share for the layers after."""
     v = cfg.v41
     ratio = v.ratios[layer]
-    b, t, _ = x.shape
-    c = cfg.head_dim
     cos, sin = rope_angles(ctx.positions, inv_freq(cfg, ratio > 0))  # [B, T, r/2]
     fq = fakequant.roundings(v.qat)
-    q_latent = rms_norm(quant.matmul(fq.fp8(x), p.wq_a), p.q_norm, cfg.rms_norm_eps)
-    q = quant.matmul(fq.fp8(q_latent), p.wq_b).reshape(b, t, cfg.num_heads, c)
-    q = apply_rope(q, cos[:, :, None], sin[:, :, None])  # no per-head norm in V4.1
-    kv = rms_norm(quant.matmul(fq.fp8(x), p.wkv), p.kv_norm, cfg.rms_norm_eps)
-    kv = fq.fp8(apply_rope(kv, cos, sin))
+    q_latent, q, kv = window_qkv(p, cfg, x, cos, sin)
     rows = AttentionRows(kv=kv)
     entry_keys: dict[str, jax.Array] = {}
     if ratio:
@@ -253,5 +247,31 @@ def pool_attention(
     ring_pos = ring_positions(ctx.committed, layer_state.swa_kv.shape[1])
     new_mask = ctx.visible & (ctx.positions[:, None, :] > ctx.positions[:, :, None] - cfg.sliding_window)
     out = attend_dense(cfg, q, layer_state.swa_kv, ring_pos, kv, new_mask, ctx.positions, p.sink, entry_keys)
-    projected = grouped_projection(p.wo_a, cfg, out, cos, sin, x.dtype)
-    return quant.matmul(fq.fp8(projected), p.wo_b), rows, share
+    return project_out(p, cfg, out, cos, sin, x.dtype), rows, share
+
+
+def window_qkv(
+    p: PoolAttentionParams, cfg: ModelConfig, x: jax.Array, cos: jax.Array, sin: jax.Array,  # x: [B, T, d] normed
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """-> the query latent [B, T, q_lora_rank], the RoPE'd queries [B, T, H, c] (no per-head norm in
+    V4.1) and the FP8-rounded window kv [B, T, c] of the rows `x` (also a DSpark stage's)."""
+    b, t, _ = x.shape
+    fq = fakequant.roundings(cfg.v41.qat)
+    q_latent = rms_norm(quant.matmul(fq.fp8(x), p.wq_a), p.q_norm, cfg.rms_norm_eps)
+    q = quant.matmul(fq.fp8(q_latent), p.wq_b).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    q = apply_rope(q, cos[:, :, None], sin[:, :, None])
+    return q_latent, q, window_kv(p, cfg, x, cos, sin)
+
+
+def window_kv(p: PoolAttentionParams, cfg: ModelConfig, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """The window kv [B, T, c] a row writes: kv_norm(wkv FQ8(x)), RoPE'd at its position, FQ8-rounded."""
+    fq = fakequant.roundings(cfg.v41.qat)
+    kv = rms_norm(quant.matmul(fq.fp8(x), p.wkv), p.kv_norm, cfg.rms_norm_eps)
+    return fq.fp8(apply_rope(kv, cos, sin))
+
+
+def project_out(p: PoolAttentionParams, cfg: ModelConfig, out: jax.Array, cos: jax.Array, sin: jax.Array,
+                dtype) -> jax.Array:
+    """[B, T, H, c] attention output -> [B, T, d]: the grouped projection, then wo_b on its FP8-rounded input."""
+    projected = grouped_projection(p.wo_a, cfg, out, cos, sin, dtype)
+    return quant.matmul(fakequant.roundings(cfg.v41.qat).fp8(projected), p.wo_b)

@@ -34,6 +34,8 @@ from jaxspec.layers.attention import (
     window_kv,
 )
 from jaxspec.layers.mhc import HyperHeadParams, hc_head, init_hyper_head
+from jaxspec.model import dspark_v41
+from jaxspec.model.dspark_v41 import V41DSparkParams
 from jaxspec.model.network import BlockParams, ModelParams, init_block, release_weights, residual_block
 from jaxspec.model.state import LayerState, commit_layer
 from jaxspec.ops import quant
@@ -73,8 +75,12 @@ class DraftChain:
     confidence: jax.Array  # [B, γ] fp32 raw confidence logits (σ = P(d_k accepted | prefix accepted))
 
 
-def init_dspark_params(cfg: ModelConfig, dcfg: DSparkConfig, key: jax.Array, std: float = 0.02) -> DSparkParams:
-    """Random parameters (normal(std) matrices, unit norms, zero sinks and gate biases)."""
+def init_dspark_params(cfg: ModelConfig, dcfg: DSparkConfig, key: jax.Array,
+                       std: float = 0.02) -> DSparkParams | V41DSparkParams:
+    """Random parameters (normal(std) matrices, unit norms, zero sinks and gate biases); a V4.1 target's
+    drafter (`cfg.v41`) is V4.1's (`model.dspark_v41`)."""
+    if cfg.v41 is not None:
+        return dspark_v41.init_v41_dspark_params(cfg, dcfg, key, std)
     dcfg.validate_for(cfg)
     d, v, r = cfg.hidden_size, cfg.vocab_size, dcfg.markov_rank
     dtype = jnp.dtype(cfg.dtype)
@@ -113,11 +119,12 @@ def init_dspark_state(cfg: ModelConfig, dcfg: DSparkConfig, batch: int) -> DSpar
                        length=jnp.zeros((batch,), jnp.int32))
 
 
-def _check(params: DSparkParams, cfg: ModelConfig, dcfg: DSparkConfig) -> None:
+def _check(params: DSparkParams | V41DSparkParams, cfg: ModelConfig, dcfg: DSparkConfig) -> None:
     want = (len(dcfg.target_layers) * cfg.hidden_size, cfg.hidden_size)
-    if not isinstance(params, DSparkParams) or tuple(params.main_proj.shape) != want \
+    kind = V41DSparkParams if cfg.v41 is not None else DSparkParams
+    if not isinstance(params, kind) or tuple(params.main_proj.shape) != want \
             or len(params.stages) != dcfg.num_stages:
-        raise ValueError(f"params must be DSparkParams with main_proj {want} and {dcfg.num_stages} stages")
+        raise ValueError(f"params must be {kind.__name__} with main_proj {want} and {dcfg.num_stages} stages")
 
 
 def commit_context(
@@ -132,10 +139,13 @@ def commit_context(
     """Write the taken rows into every stage's ring (RoPE'd at their own positions) and advance the
     length. Rows not taken (rejected drafts, padding) are never written."""
     _check(params, cfg, dcfg)
+    new_length = state.length + jnp.sum(take, axis=1).astype(jnp.int32)
+    if isinstance(params, V41DSparkParams):
+        stages = dspark_v41.context_rings(params, cfg, state.stages, captured, positions, take, new_length)
+        return state.replace(stages=stages, length=new_length)
     main_x = rms_norm(quant.matmul(captured.astype(jnp.dtype(cfg.dtype)), params.main_proj), params.main_norm,
                       cfg.rms_norm_eps)  # [B, T, d]
     cos, sin = rope_angles(positions, inv_freq(cfg, False))  # window-only layers: base theta, no YaRN
-    new_length = state.length + jnp.sum(take, axis=1).astype(jnp.int32)
     stages = tuple(
         commit_layer(cfg, "sliding", ring, AttentionRows(kv=window_kv(stage.attn, cfg, main_x, cos, sin)),
                      positions, take, new_length)
@@ -178,6 +188,8 @@ def block_logits(
     (base logits U [B, γ, V] fp32 before the Markov bias, hc_head output hh [B, γ, d] before the
     norm: the confidence head's input). Slot k predicts the token at position p+2+k."""
     _check(params, cfg, dcfg)
+    if isinstance(params, V41DSparkParams):
+        return dspark_v41.block_logits(params, target, cfg, dcfg, state.stages, state.length, anchor)
     b, g = anchor.shape[0], dcfg.block_size
     tokens = jnp.concatenate([anchor[:, None].astype(jnp.int32),
                               jnp.full((b, g - 1), dcfg.noise_token_id, jnp.int32)], axis=1)  # [B, γ]

@@ -79,8 +79,9 @@ class ForwardOutput:
     logits: jax.Array  # [B, T, V] fp32
     hidden: jax.Array  # [B, T, hc, d] final streams before hc_head (the MTP draft's input)
     rows: Any  # for `state.commit`: per layer AttentionRows (V4), a `state_v41.V41Rows` (V4.1)
-    # [B, T, len(capture)*d]: per captured layer, the mean over the hc streams of its output (DSpark's
-    # context rows, docs/dspark.md "What a release holds"), concatenated in `capture` order; None without capture.
+    # [B, T, len(capture)*d]: per captured layer, the mean over the hc streams of its output (V4) or input
+    # (V4.1): DSpark's context rows (docs/dspark.md "What a release holds"), concatenated in `capture`
+    # order; None without capture.
     captured: jax.Array | None = None
 
 
@@ -271,16 +272,15 @@ def forward(
 ) -> ForwardOutput:
     """Target forward over T new tokens; reads `state`, writes nothing (see `state.commit`).
 
-    capture (static): layer ids whose output streams are averaged over hc into `out.captured`."""
+    capture (static): layer ids whose streams are averaged over hc into `out.captured`: V4 taps their
+    outputs, V4.1 their inputs (what each family's DSpark drafter reads)."""
     check_params(params, cfg)
-    if isinstance(params, V41Params):
-        if capture:
-            raise ValueError("capture is not supported on V4.1 yet (its DSpark taps are layer inputs)")
-        logits, hidden, rows = forward_v41(params, cfg, state, tokens, ctx)
-        return ForwardOutput(logits=logits, hidden=hidden, rows=rows)
     bad = [i for i in capture if not (isinstance(i, int) and 0 <= i < cfg.num_layers)]
     if bad:
         raise ValueError(f"capture must hold layer ids in [0, {cfg.num_layers}), got {bad}")
+    if isinstance(params, V41Params):
+        logits, hidden, rows, captured = forward_v41(params, cfg, state, tokens, ctx, capture)
+        return ForwardOutput(logits=logits, hidden=hidden, rows=rows, captured=captured)
     streams = jnp.broadcast_to(params.embed[tokens][:, :, None, :], (*tokens.shape, cfg.hc_mult, cfg.hidden_size))
     all_rows, taps = [], {}
     for i, kind in enumerate(cfg.layer_types):

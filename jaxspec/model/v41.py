@@ -11,6 +11,7 @@ shared by layer groups (`layers.v41_attention`), Engram's n-gram rows at some la
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -101,8 +102,11 @@ def forward_v41(
     state: V41State,
     tokens: jax.Array,  # [B, T] int32
     ctx: AttentionContext,  # dense (band = 0): visible and ancestor_at_depth [B, T, T]
-) -> tuple[jax.Array, jax.Array, V41Rows]:
-    """-> logits [B, T, V] fp32, final streams [B, T, hc, d], the rows for `state_v41.commit_v41_state`."""
+    capture: tuple[int, ...] = (),
+) -> tuple[jax.Array, jax.Array, V41Rows, jax.Array | None]:
+    """-> logits [B, T, V] fp32, final streams [B, T, hc, d], the rows for `state_v41.commit_v41_state`,
+    and with `capture` (static layer ids) the hc means of the streams *entering* those layers (after
+    their Engram), concatenated [B, T, len(capture) * d]: V4.1's DSpark taps layer inputs."""
     v = cfg.v41
     if ctx.band:
         raise ValueError("the V4.1 forward reads a dense context (band = 0)")
@@ -111,23 +115,59 @@ def forward_v41(
     if v.engram_layers:
         grams, own = ngram_ids(params, cfg, state, tokens, ctx)
         tables = ngram_tables(v)
-    pre = jax.nn.one_hot(jnp.zeros(tokens.shape, jnp.int32), cfg.hc_mult, dtype=jnp.float32)  # copy 0 first
-    share, rows = PoolShare(), []
-    eps = cfg.rms_norm_eps
+    pre = first_mix(tokens.shape, cfg)
+    share, rows, taps = PoolShare(), [], {}
     for i, p in enumerate(params.layers):
         if p.engram is not None:
             streams = engram(p.engram, cfg, streams, hash_rows(tables, v.engram_layers.index(i), grams))
-        attn_pre, post, comb = hc_mixes(p.hc_attn, cfg, streams)
-        x = rms_norm(hc_collapse(pre, streams), p.attn_norm, eps)
-        out, layer_rows, share = pool_attention(p.attn, cfg, i, x, state.layers[i], ctx, share)
-        streams = hc_post(out, streams, post, comb)
-        pre, post, comb = hc_mixes(p.hc_ffn, cfg, streams)
-        x = rms_norm(hc_collapse(attn_pre, streams), p.ffn_norm, eps)
-        streams = hc_post(qat_moe(p.ffn, cfg, x), streams, post, comb)
+        if i in capture:
+            taps[i] = jnp.mean(streams.astype(jnp.float32), axis=2).astype(streams.dtype)  # [B, T, d]
+
+        def attend(x, i=i, p=p, share=share):
+            out, layer_rows, new_share = pool_attention(p.attn, cfg, i, x, state.layers[i], ctx, share)
+            return out, (layer_rows, new_share)
+
+        streams, pre, (layer_rows, share) = block_v41(p, cfg, streams, pre, attend)
         rows.append(layer_rows)
-    x = rms_norm(hc_collapse(pre, streams), params.norm, eps)
-    logits = jnp.einsum("btd,dv->btv", x.astype(jnp.float32), params.head.astype(jnp.float32))
-    return logits, streams, V41Rows(layers=tuple(rows), ngram_ids=own)
+    captured = jnp.concatenate([taps[i] for i in capture], axis=-1) if capture else None
+    return head_v41(params.norm, params.head, cfg, streams, pre)[0], streams, \
+        V41Rows(layers=tuple(rows), ngram_ids=own), captured
+
+
+def first_mix(shape: tuple[int, ...], cfg: ModelConfig) -> jax.Array:
+    """The `pre` mix the first sub-layer collapses the streams with: copy 0 -> [*shape, hc] fp32."""
+    return jax.nn.one_hot(jnp.zeros(shape, jnp.int32), cfg.hc_mult, dtype=jnp.float32)
+
+
+def block_v41(
+    p: V41BlockParams,
+    cfg: ModelConfig,  # a DSpark stage's: its own expert count and top-k
+    streams: jax.Array,  # [B, T, hc, d]
+    pre: jax.Array,  # [B, T, hc] the mix the sub-layer before handed on
+    attend: Callable[[jax.Array], tuple[jax.Array, Any]],  # normed rows [B, T, d] -> (output [B, T, d], aux)
+) -> tuple[jax.Array, jax.Array, Any]:
+    """One block under single-pass hyper-connections: each sub-layer collapses the streams with the
+    `pre` mix of the one before it and hands its own on -> (streams, pre for the next, attend's aux)."""
+    eps = cfg.rms_norm_eps
+    attn_pre, post, comb = hc_mixes(p.hc_attn, cfg, streams)
+    out, aux = attend(rms_norm(hc_collapse(pre, streams), p.attn_norm, eps))
+    streams = hc_post(out, streams, post, comb)
+    pre, post, comb = hc_mixes(p.hc_ffn, cfg, streams)
+    x = rms_norm(hc_collapse(attn_pre, streams), p.ffn_norm, eps)
+    return hc_post(qat_moe(p.ffn, cfg, x), streams, post, comb), pre, aux
+
+
+def head_v41(
+    norm: jax.Array,  # [d]
+    head: jax.Array,  # [d, V]
+    cfg: ModelConfig,
+    streams: jax.Array,  # [B, T, hc, d]
+    pre: jax.Array,  # [B, T, hc] the last sub-layer's handed-on mix (no hc_head in V4.1)
+) -> tuple[jax.Array, jax.Array]:
+    """-> logits [B, T, V] fp32 and the collapsed rows before the norm [B, T, d]."""
+    xh = hc_collapse(pre, streams)
+    x = rms_norm(xh, norm, cfg.rms_norm_eps)
+    return jnp.einsum("btd,dv->btv", x.astype(jnp.float32), head.astype(jnp.float32)), xh
 
 
 def check_v41_params(params: Any, cfg: ModelConfig) -> None:
