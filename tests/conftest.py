@@ -1,5 +1,6 @@
 import contextlib
 import fcntl
+import gc
 import os
 import shutil
 
@@ -7,6 +8,7 @@ import jax
 import pytest
 
 import jaxspec as js
+from jaxspec.core import programs
 from jaxspec.testing import high_acceptance, mixed_acceptance, randomize, sharpened
 
 # Modules whose tests start subprocesses of minutes (the 8-device worker, the 2-process cluster, the
@@ -74,6 +76,24 @@ def run_once(tmp_path_factory):
         return folder
 
     return run
+
+
+# An xdist worker compiles thousands of programs over the suite, and XLA:CPU keeps each one's machine code
+# in memory maps of the process (jaxspec/core/programs.py): a worker held 43,519 maps at 90% of a full run,
+# and workers past vm.max_map_count (65,530) segfaulted inside the XLA compiler in two full runs. After any
+# test module that leaves the worker above MAP_BUDGET maps, every compiled program is freed (later modules
+# recompile what they share).
+MAP_BUDGET = 30_000
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_programs_past_the_map_budget():
+    yield
+    count = programs.process_map_count()
+    if count is not None and count > MAP_BUDGET:
+        programs.clear()
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture(scope="session")
