@@ -4,8 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")"
 # The GPU lowering tests once more under jax 0.12 (.venv312, built once); JAXSPEC_JAX012=0 skips them.
 # That leg installs into its own venv and runs while .venv installs (both mostly wait on downloads).
-JAX012_PID=""
-cleanup() { [ -z "$JAX012_PID" ] || kill "$JAX012_PID" 2>/dev/null || true; }
+JAX012_PID="" CACHE_DIR=""
+cleanup() { [ -z "$JAX012_PID" ] || kill "$JAX012_PID" 2>/dev/null || true; [ -z "$CACHE_DIR" ] || rm -rf "$CACHE_DIR"; }
 trap cleanup EXIT
 if [ "${JAXSPEC_JAX012:-1}" != 0 ]; then
   JAX012_LOG="$(mktemp)"
@@ -22,7 +22,13 @@ if [ -n "$JAX012_PID" ]; then
 fi
 # Compiling is most of the suite's time: LLVM without its expensive passes compiles the tiny test
 # programs ~30% faster and runs them about as fast (the tests check values, never speed; the worker
-# subprocesses already ran this way). No persistent XLA cache: writing one entry (serializing a CPU
-# executable, jax 0.10.2) crashed an xdist worker with a segfault in two full runs.
+# subprocesses already ran this way). One persistent XLA cache for this run, shared by both xdist
+# workers and every subprocess, turns repeated compiles into file reads; removed at the end. (The
+# worker segfaults once blamed on writing it came from the memory-map limit: tests/conftest.py.)
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if [ -z "${JAX_COMPILATION_CACHE_DIR:-}" ]; then
+  CACHE_DIR="$(mktemp -d)"
+  JAX_COMPILATION_CACHE_DIR="$CACHE_DIR"
+fi
+export JAX_COMPILATION_CACHE_DIR JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
 python -m pytest -n 2 --dist loadfile --durations=30 tests "$@"

@@ -123,8 +123,8 @@ def confident_params(agreeing_params):
     return sharpened(agreeing_params)
 
 
-# `jaxspec` commands run in-process (`jaxspec.cli.main`) keep their compiled programs in a persistent cache; in
-# tests none unless JAX_COMPILATION_CACHE_DIR names one (never the user's ~/.cache).
+# `jaxspec` commands run in-process (`jaxspec.cli.main`) keep their compiled programs in a persistent cache; under
+# test.sh that is the run's own JAX_COMPILATION_CACHE_DIR, without it none (not the user's ~/.cache).
 if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     os.environ.setdefault("JAXSPEC_NO_COMPILE_CACHE", "1")
 # ... and never pin this process to one core (`jaxspec.core.measure.pin`: the demo, tune and sweep do

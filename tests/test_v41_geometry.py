@@ -74,6 +74,7 @@ def test_committed_state_equals_step_decode_v41(setup, spec):
         assert got["rank_hist"][1] > 0, got  # a second branch accepted
 
 
+@pytest.mark.long  # the state test above asserts every emitted token is step decode's argmax
 def test_greedy_speculative_equals_generate_v41(setup):
     cfg, dcfg, params, dp = setup
     prompts = _prompts(cfg, 1)
