@@ -10,12 +10,9 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from sampling_laws import ALPHA
-from test_sampling import PROMPT
-from test_sampling_reference import law_statistics
+from test_dspark_speculation import check_rows_follow_the_target
 
 import jaxspec as js
 from jaxspec.core.config import ModelConfig
@@ -149,17 +146,4 @@ def test_sampled_v41_dspark_rows_follow_the_target(confident, spec, setting):
     target's law at its position is uniform and consecutive ones independent (test_dspark_speculation.py's
     statistics), and the same tokens fail them under a 1.25x temperature."""
     cfg, params, draft = confident
-    rows, new = 512, 16
-    temperature, top_k, top_p = setting
-    out = js.speculative_generate(params, cfg, [PROMPT] * rows, spec, max_new_tokens=new, temperature=temperature,
-                                  top_k=top_k, top_p=top_p, rng=jax.random.key(5), draft=draft)
-    assert (out.lengths == new).all()
-    cycles = np.asarray(out.stats["per_sequence"]["cycles"])
-    assert cycles.min() >= 3 and out.stats["mean_accepted_length"] > 1.3, (cycles.mean(), out.stats)
-    sequences = np.concatenate([np.tile(PROMPT, (rows, 1)), out.tokens], axis=1)
-    logits = np.asarray(js.prefill_logits(params, cfg, jnp.asarray(sequences[:, :-1], jnp.int32)))
-    stats = law_statistics(out.tokens, logits[:, len(PROMPT) - 1:], setting)
-    assert stats["impossible"] == 0, stats
-    assert min(stats["uniform"], stats["pairs"], stats["token1"]) > ALPHA / 3, stats  # Bonferroni over 3
-    wrong = law_statistics(out.tokens, logits[:, len(PROMPT) - 1:], (temperature * 1.25, top_k, top_p))
-    assert wrong["impossible"] > 0 or min(wrong["uniform"], wrong["pairs"]) < ALPHA, wrong  # the check has power
+    check_rows_follow_the_target(params, cfg, draft, spec, setting, min_tau=1.3)
