@@ -190,11 +190,7 @@ def block_logits(
     _check(params, cfg, dcfg)
     if isinstance(params, V41DSparkParams):
         return dspark_v41.block_logits(params, target, cfg, dcfg, state.stages, state.length, anchor)
-    b, g = anchor.shape[0], dcfg.block_size
-    tokens = jnp.concatenate([anchor[:, None].astype(jnp.int32),
-                              jnp.full((b, g - 1), dcfg.noise_token_id, jnp.int32)], axis=1)  # [B, γ]
-    positions = state.length[:, None] + jnp.arange(g, dtype=jnp.int32)[None, :]
-    streams = jnp.broadcast_to(target.embed[tokens][:, :, None, :], (b, g, cfg.hc_mult, cfg.hidden_size))
+    tokens, positions, streams = dspark_v41.block_inputs(target.embed, cfg, dcfg, state.length, anchor)
     for stage, ring in zip(params.stages, state.stages, strict=True):
         def attend_fn(x, stage=stage, ring=ring):
             return stage_attention(stage.attn, cfg, x, ring.swa_kv, state.length, positions), None

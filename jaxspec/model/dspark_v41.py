@@ -93,6 +93,23 @@ def context_rings(
         for stage, ring in zip(params.stages, rings, strict=True))
 
 
+def block_inputs(
+    embed: jax.Array,  # [V, d] the target's
+    cfg: ModelConfig,
+    dcfg: DSparkConfig,
+    length: jax.Array,  # [B] int32 context rows committed
+    anchor: jax.Array,  # [B] int32 the token at position `length`
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The block a DSpark pass reads (V4's and V4.1's alike): tokens [anchor, noise x (γ-1)] [B, γ], their
+    positions p+1..p+γ [B, γ], and their embeddings in every hyper-connection copy [B, γ, hc, d]."""
+    b, g = anchor.shape[0], dcfg.block_size
+    tokens = jnp.concatenate([anchor[:, None].astype(jnp.int32),
+                              jnp.full((b, g - 1), dcfg.noise_token_id, jnp.int32)], axis=1)
+    positions = length[:, None] + jnp.arange(g, dtype=jnp.int32)[None, :]
+    streams = jnp.broadcast_to(embed[tokens][:, :, None, :], (b, g, cfg.hc_mult, cfg.hidden_size))
+    return tokens, positions, streams
+
+
 def stage_attention(
     p: PoolAttentionParams,
     cfg: ModelConfig,
@@ -124,13 +141,9 @@ def block_logits(
     """One pass of the stages over [anchor, noise x (γ-1)] at positions p+1..p+γ -> (base logits
     [B, γ, V] fp32, the collapsed rows before the norm [B, γ, d]: the confidence head's input)."""
     scfg = dcfg.stage_config(cfg)
-    b, g = anchor.shape[0], dcfg.block_size
-    tokens = jnp.concatenate([anchor[:, None].astype(jnp.int32),
-                              jnp.full((b, g - 1), dcfg.noise_token_id, jnp.int32)], axis=1)  # [B, γ]
-    positions = length[:, None] + jnp.arange(g, dtype=jnp.int32)[None, :]
+    tokens, positions, streams = block_inputs(target.embed, cfg, dcfg, length, anchor)
     rope = rope_angles(positions, inv_freq(cfg, False))
-    streams = jnp.broadcast_to(target.embed[tokens][:, :, None, :], (b, g, cfg.hc_mult, cfg.hidden_size))
-    pre = first_mix((b, g), cfg)
+    pre = first_mix(tokens.shape, cfg)
     for stage, ring in zip(params.stages, rings, strict=True):
         def attend_fn(x, stage=stage, ring=ring):
             return stage_attention(stage.attn, scfg, x, ring.swa_kv, length, rope), None
