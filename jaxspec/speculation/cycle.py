@@ -27,7 +27,7 @@ from jaxspec.core.spec import SpecConfig
 from jaxspec.model import state as state_lib
 from jaxspec.model.network import ForwardOutput, Models, forward
 from jaxspec.model.prefill import chunked_prefill
-from jaxspec.model.sampling import Sampling, node_keys, sample_tokens
+from jaxspec.model.sampling import Sampling, fold, node_keys, sample_tokens
 from jaxspec.model.state import DecodeState
 from jaxspec.sharding.active import constrain_state
 from jaxspec.speculation.drafter import Drafter, Exposed
@@ -103,8 +103,8 @@ def prefill(sp: Speculator, models: Models, tokens: jax.Array, lengths: jax.Arra
 
     out, target = chunked_prefill(models.target, cfg, target, tokens, lengths, capture=drafter.capture,
                                   follow=(follow, drafter.init_state(cfg, b, max_len)))
-    root = sample_tokens(out.last_logits, jax.random.fold_in(sampling.key, 0), sampling.temperature,
-                         sampling.top_k, sampling.top_p)
+    root = sample_tokens(out.last_logits, fold(sampling.key, 0), sampling.temperature, sampling.top_k,
+                         sampling.top_p)
     return SpecState(target=target, draft=out.followed, root=root, stats=SpecStats.zeros(sp.spec, b))
 
 

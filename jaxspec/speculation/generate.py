@@ -32,7 +32,7 @@ from jaxspec.sharding.active import constrain_state
 from jaxspec.speculation.auto import DRAFT_SEP, NO_SPECULATION, as_tuning, auto_spec, split_choice
 from jaxspec.speculation.cycle import SpecState, Speculator, prefill, speculative_cycle
 from jaxspec.speculation.drafter import Draft, DraftSet, Unreadable
-from jaxspec.speculation.inputs import DecodeOptions, length_bucket, prepare_prompts
+from jaxspec.speculation.inputs import DecodeOptions, SamplingParams, length_bucket, prepare_prompts
 from jaxspec.speculation.mtp import MTPDrafter
 from jaxspec.speculation.policy import Policy
 from jaxspec.speculation.values import Calibration, load_calibration, resolve_scores
@@ -63,32 +63,52 @@ class Emitted:
 
     tokens: jax.Array  # [B, W] int32, pad_id past each row's count
     count: jax.Array  # [B] int32 tokens generated
-    done: jax.Array  # [B] bool: hit eos or max_new_tokens
+    done: jax.Array  # [B] bool: hit a stop id or max_new_tokens
 
     @classmethod
-    def first(cls, token: jax.Array, width: int, max_new_tokens: int, eos_id: jax.Array) -> Emitted:
-        """The first generated token (drawn from the prefill) of every row; token [B]."""
-        tokens = jnp.full((token.shape[0], width), jnp.maximum(eos_id, 0), jnp.int32).at[:, 0].set(token)
+    def first(cls, token: jax.Array, width: int, max_new_tokens: Any, stop: jax.Array) -> Emitted:
+        """The first generated token (drawn from the prefill) of every row; token [B]; stop as `emit`'s."""
+        pad = jnp.maximum(stop_rows(stop, token.shape[0])[:, 0], 0)  # a row's first stop id, else 0
+        tokens = jnp.broadcast_to(pad[:, None], (token.shape[0], width)).at[:, 0].set(token)
         count = jnp.ones(token.shape, jnp.int32)
-        return cls(tokens, count, (token == eos_id) | (count >= max_new_tokens))
+        return cls(tokens, count, is_stop(token[:, None], stop)[:, 0] | (count >= max_new_tokens))
 
 
-def emit(out: Emitted, new: jax.Array, num_new: jax.Array, eos_id: jax.Array, max_new_tokens: int,
+def stop_rows(stop: jax.Array, batch: int) -> jax.Array:
+    """stop ids [], [M] (every row's) or [B, M] (per row), -1 = none -> [B, M]."""
+    stop = stop.reshape(1, -1) if stop.ndim < 2 else stop
+    return jnp.broadcast_to(stop, (batch, stop.shape[1]))
+
+
+def is_stop(new: jax.Array, stop: jax.Array) -> jax.Array:
+    """new [B, n] tokens -> [B, n] bool: which are stop ids of their row."""
+    return jnp.any(new[:, :, None] == stop_rows(stop, new.shape[0])[:, None, :], axis=-1)
+
+
+def take_count(new: jax.Array, num_new: jax.Array, count: jax.Array, done: jax.Array, stop: jax.Array,
+               max_new_tokens: Any) -> tuple[jax.Array, jax.Array]:
+    """How many of the `num_new` [B] tokens `new` [B, n] each row takes (up to and with its first stop id, up
+    to max_new_tokens ([] or [B]) in all; finished rows take none) -> (taken [B], done after [B])."""
+    slot = jnp.arange(new.shape[1])[None, :]
+    hit = is_stop(new, stop) & (slot < num_new[:, None])
+    taken = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1) + 1, num_new)
+    taken = jnp.where(done, 0, jnp.minimum(taken, max_new_tokens - count))
+    stopped = jnp.any(hit & (slot < taken[:, None]), axis=1)
+    return taken, done | stopped | (count + taken >= max_new_tokens)
+
+
+def emit(out: Emitted, new: jax.Array, num_new: jax.Array, stop: jax.Array, max_new_tokens: Any,
          channel: jax.Array | None) -> Emitted:
-    """Append the first `num_new` [B] of `new` [B, n] to each row, cut after an eos and at max_new_tokens
+    """Append the first `num_new` [B] of `new` [B, n] to each row, cut after a stop id and at max_new_tokens
     (finished rows take nothing); with a stream channel, send what was appended to the host."""
     b, n = new.shape
+    count, done = take_count(new, num_new, out.count, out.done, stop, max_new_tokens)
     slot = jnp.arange(n)[None, :]
-    is_eos = (new == eos_id) & (slot < num_new[:, None])
-    count = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1, num_new)
-    count = jnp.where(out.done, 0, jnp.minimum(count, max_new_tokens - out.count))
     column = jnp.where(slot < count[:, None], out.count[:, None] + slot, out.tokens.shape[1])
     tokens = out.tokens.at[jnp.arange(b)[:, None], column].set(new, mode="drop")
     if channel is not None:
         stream_lib.send(channel, new, count)
-    total = out.count + count
-    done = out.done | jnp.any(is_eos & (slot < count[:, None]), axis=1) | (total >= max_new_tokens)
-    return Emitted(tokens, total, done)
+    return Emitted(tokens, out.count + count, done)
 
 
 # ---- plain decoding -------------------------------------------------------------------------------
@@ -107,18 +127,21 @@ def generate(
     mesh: Any = None,
     prompt_lengths: Any = None,
     *,
+    sampling: SamplingParams | None = None,
     stream: Stream | None = None,
 ) -> GenerateOutput:
-    """Plain autoregressive decoding; the reference every speculative path must match. `stream(tokens,
-    counts)` is called on the host after every step with the tokens it emitted (rows of the real batch)."""
-    opts = DecodeOptions.create(cfg, max_new_tokens, temperature, top_k, top_p, eos_id, rng, mesh)
+    """Plain autoregressive decoding; the reference every speculative path must match. `sampling`: the
+    decoding options as one SamplingParams, in place of max_new_tokens / temperature / top_k / top_p / rng.
+    `stream(tokens, counts)` is called on the host after every step with the tokens it emitted (rows of the
+    real batch)."""
+    opts = DecodeOptions.create(cfg, max_new_tokens, temperature, top_k, top_p, eos_id, rng, mesh, sampling)
     check_params(params, cfg)
     batch = pad_batch(prepare_prompts(cfg, prompts, opts.max_new_tokens, prompt_lengths), opts.mesh)
     max_len = length_bucket(batch.tokens.shape[1] + opts.max_new_tokens, cfg.max_position_embeddings, minimum=64)
     shape = LoopShape(opts.max_new_tokens, max_len, stream is not None)
     with _streaming(stream, batch.batch, opts.mesh) as channel:
         tokens, lengths, steps = on_mesh(_generate_loop, opts.mesh, len(batch.lengths))(
-            params, cfg, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), shape, jnp.int32(opts.eos_id),
+            params, cfg, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), shape, jnp.asarray(opts.stop),
             opts.sampling, channel,
         )
     tokens, lengths = np.asarray(tokens)[: batch.batch], np.asarray(lengths)[: batch.batch]
@@ -143,7 +166,7 @@ def _generate_loop(
     prompt_tokens: jax.Array,  # [Bb, Sb] int32
     prompt_lengths: jax.Array,  # [Bb] int32
     shape: LoopShape,
-    eos_id: jax.Array,  # -1 = none
+    stop: jax.Array,  # [M] int32 stop ids, -1 = none
     sampling: Sampling,
     channel: jax.Array,  # [] int32 stream channel (used when shape.stream)
 ):
@@ -153,7 +176,7 @@ def _generate_loop(
     state = constrain_state(state_lib.init_state(cfg, bb, shape.max_len))
     prefilled, state = chunked_prefill(params, cfg, state, prompt_tokens, prompt_lengths)
     first = sample_tokens(prefilled.last_logits, jax.random.fold_in(key, 0), temperature, top_k, top_p)
-    out = Emitted.first(first, shape.max_new_tokens, shape.max_new_tokens, eos_id)
+    out = Emitted.first(first, shape.max_new_tokens, shape.max_new_tokens, stop)
     if channel is not None:
         stream_lib.send(channel, first[:, None], jnp.ones_like(first))
 
@@ -162,7 +185,7 @@ def _generate_loop(
         active = ~out.done
         logits, state = extend(params, cfg, state, last[:, None], active[:, None])
         nxt = sample_tokens(logits.logits[:, 0], jax.random.fold_in(key, step), temperature, top_k, top_p)
-        out = emit(out, nxt[:, None], active.astype(jnp.int32), eos_id, shape.max_new_tokens, channel)
+        out = emit(out, nxt[:, None], active.astype(jnp.int32), stop, shape.max_new_tokens, channel)
         return state, jnp.where(active, nxt, last), out, step + 1
 
     def cond(carry):
@@ -193,6 +216,7 @@ def speculative_generate(
     calibration: Any = None,
     tuning: Any = None,
     accept: str | None = None,
+    sampling: SamplingParams | None = None,
     stream: Stream | None = None,
 ) -> GenerateOutput:
     """Tree speculative decoding; greedy output is token-identical to `generate` (float32; see the README
@@ -207,38 +231,27 @@ def speculative_generate(
     folder; default the draft's own), with a DraftSet the draft and spec chosen among all of them; where
     it chose no speculation this is `generate`. accept: "block" (sampled drafts verified sequence by
     sequence, the default at temperature > 0), "residual" (the same drafts token by token) or "target" (top-K
-    drafts), `speculation/policy.py`. stream: as `generate`'s, once per cycle.
+    drafts), `speculation/policy.py`. sampling, stream: as `generate`'s (stream once per cycle).
     """
-    opts = DecodeOptions.create(cfg, max_new_tokens, temperature, top_k, top_p, eos_id, rng, mesh)
+    opts = DecodeOptions.create(cfg, max_new_tokens, temperature, top_k, top_p, eos_id, rng, mesh, sampling)
     check_params(params, cfg)
     num_prompts = len(prompts) if isinstance(prompts, (list, tuple)) else int(np.shape(prompts)[0])
     no_draft = draft is None and calibration is None
-    if isinstance(draft, DraftSet):
-        draft, spec = _from_set(draft, spec, tuning, max(num_prompts, 1))
-    else:
-        draft = draft_of(params, cfg, draft)
-        if isinstance(spec, str) and spec == "auto":
-            spec = auto_spec(_tuning_of(draft, tuning), max(num_prompts, 1)) or _PLAIN
-        elif tuning is not None:
-            raise ValueError('tuning= is only used with spec="auto"')
-    if spec is _PLAIN:  # spec="auto" where the tuning chose no speculation
+    draft, spec = choose_draft(params, cfg, spec, draft, tuning, max(num_prompts, 1))
+    if spec is None:  # spec="auto" where the tuning chose no speculation
         return generate(params, cfg, prompts, max_new_tokens, temperature, top_k, top_p, eos_id, rng, mesh,
-                        prompt_lengths, stream=stream)
-    spec = _check_spec(cfg, spec, draft)
-    spec, values = resolve_scores(spec, calibration_of(draft, calibration, spec, cfg))
-    if no_draft and values is None and spec.topk > 1:
-        _warn_uncalibrated(spec)
-    sp = Speculator(cfg, spec, draft.drafter, Policy.choose(accept, float(opts.sampling.temperature), values))
+                        prompt_lengths, sampling=sampling, stream=stream)
+    sp, models = speculator(params, cfg, spec, draft, calibration, accept, float(opts.sampling.temperature),
+                            warn=no_draft)
+    spec = sp.spec
     extra = spec.num_steps + 1  # a cycle may overshoot max_new_tokens by up to S + 1 slots
     batch = pad_batch(prepare_prompts(cfg, prompts, opts.max_new_tokens, prompt_lengths, overshoot=extra), opts.mesh)
     max_len = length_bucket(batch.tokens.shape[1] + opts.max_new_tokens + extra, cfg.max_position_embeddings,
                             minimum=64)
     shape = LoopShape(opts.max_new_tokens, max_len, stream is not None)
-    # The draft travels as draft.params; a V4 target's own MTP block is left out of the target.
-    models = Models(target=params.replace(mtp=None) if isinstance(params, ModelParams) else params, draft=draft.params)
     with _streaming(stream, batch.batch, opts.mesh) as channel:
         tokens, lengths, stats, steps = on_mesh(_speculative_loop, opts.mesh, len(batch.lengths))(
-            models, sp, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), shape, jnp.int32(opts.eos_id),
+            models, sp, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), shape, jnp.asarray(opts.stop),
             opts.sampling, channel,
         )
     n = batch.batch
@@ -248,6 +261,20 @@ def speculative_generate(
                           stats=summarize_stats(per_sequence, spec.name, int(steps), scores=spec.scores))
 
 
+def speculator(params: ModelParams, cfg: ModelConfig, spec: Any, draft: Draft, calibration: Any, accept: str | None,
+               temperature: float, warn: bool = False) -> tuple[Speculator, Models]:
+    """The static cycle (spec checked, node values resolved from the draft's calibration or `calibration`,
+    the policy for `accept` at `temperature`) and the models it runs; `warn`: no draft was named."""
+    spec = _check_spec(cfg, spec, draft)
+    spec, values = resolve_scores(spec, calibration_of(draft, calibration, spec, cfg))
+    if warn and values is None and spec.topk > 1:
+        _warn_uncalibrated(spec)
+    sp = Speculator(cfg, spec, draft.drafter, Policy.choose(accept, temperature, values))
+    # The draft travels as draft.params; a V4 target's own MTP block is left out of the target.
+    models = Models(target=params.replace(mtp=None) if isinstance(params, ModelParams) else params, draft=draft.params)
+    return sp, models
+
+
 def _warn_uncalibrated(spec: SpecConfig) -> None:
     """A tree ranked by raw draft probabilities is the trap of `cfg, params, tok = load_checkpoint(...)`:
     the checkpoint's calibration travels with its draft, which that unpacking drops (measured: a K = 2
@@ -255,7 +282,22 @@ def _warn_uncalibrated(spec: SpecConfig) -> None:
     warnings.warn(
         f"{spec.name}: no draft= given, so this tree ranks its nodes by raw draft probabilities (uncalibrated); "
         "pass draft=ckpt.draft (ckpt = load_checkpoint(path)) to rank them by the checkpoint's calibration",
-        UserWarning, stacklevel=3)
+        UserWarning, stacklevel=4)
+
+
+def choose_draft(params: ModelParams, cfg: ModelConfig, spec: Any, draft: Draft | DraftSet | None, tuning: Any,
+                 batch_size: int) -> tuple[Draft, Any]:
+    """The draft to run and its spec (None: spec="auto" chose no speculation for this batch size): from a
+    DraftSet the one the spec names or the tuning chose, else `draft_of`."""
+    if isinstance(draft, DraftSet):
+        draft, spec = _from_set(draft, spec, tuning, batch_size)
+    else:
+        draft = draft_of(params, cfg, draft)
+        if isinstance(spec, str) and spec == "auto":
+            spec = auto_spec(_tuning_of(draft, tuning), batch_size) or _PLAIN
+        elif tuning is not None:
+            raise ValueError('tuning= is only used with spec="auto"')
+    return draft, None if spec is _PLAIN else spec
 
 
 def draft_of(params: ModelParams, cfg: ModelConfig, draft: Draft | None) -> Draft:
@@ -376,14 +418,14 @@ def _speculative_loop(
     prompt_tokens: jax.Array,  # [Bb, Sb] int32
     prompt_lengths: jax.Array,  # [Bb] int32
     shape: LoopShape,
-    eos_id: jax.Array,  # -1 = none
+    stop: jax.Array,  # [M] int32 stop ids, -1 = none
     sampling: Sampling,
     channel: jax.Array,  # [] int32 stream channel (used when shape.stream)
 ):
     channel = channel if shape.stream else None
     state = prefill(sp, models, prompt_tokens, prompt_lengths, shape.max_len, sampling)
     width = shape.max_new_tokens + sp.spec.num_steps + 1
-    out = Emitted.first(state.root, width, shape.max_new_tokens, eos_id)
+    out = Emitted.first(state.root, width, shape.max_new_tokens, stop)
     if channel is not None:
         stream_lib.send(channel, state.root[:, None], jnp.ones_like(state.root))
 
@@ -395,7 +437,7 @@ def _speculative_loop(
         a = cycle.num_accepted[:, None]
         slot = jnp.arange(sp.spec.num_steps + 1)[None, :]
         new = jnp.where(slot < a, jnp.pad(drafted, ((0, 0), (0, 1))), cycle.bonus[:, None])
-        out = emit(out, new, jnp.where(active, cycle.num_accepted + 1, 0), eos_id, shape.max_new_tokens, channel)
+        out = emit(out, new, jnp.where(active, cycle.num_accepted + 1, 0), stop, shape.max_new_tokens, channel)
         return state, out, step + 1
 
     state, out, steps = jax.lax.while_loop(lambda carry: ~jnp.all(carry[1].done), body, (state, out, jnp.int32(0)))

@@ -34,7 +34,7 @@ import numpy as np
 from flax import struct
 
 from jaxspec.core.spec import SpecConfig
-from jaxspec.model.sampling import Sampling, node_keys, processed_logprobs
+from jaxspec.model.sampling import Sampling, node_keys, processed_logprobs, select_rows
 from jaxspec.speculation.values import NUM_RANKS, PROB_EDGES, ValueMap, depth_bin
 
 # A-priori P(the accepted child has rank r | its parent was reached), for the residual rule on a good
@@ -50,8 +50,8 @@ class SampledDraft:
     sampling: Sampling
     keys: jax.Array  # [B, slots] typed keys, one per draft slot (sequence, cycle, slot)
     log_value: jax.Array  # [S, K] float32: log acceptance estimate of a child at depth d + 1, rank r
-    # [S, K, P] float32 or None: the same per bin of the parent's processed top-1 draft probability
-    # (PROB_EDGES); when given it replaces log_value
+    # [S, K, P] ([B, S, K, P] with per-row temperatures) float32 or None: the same per bin of the parent's
+    # processed top-1 draft probability (PROB_EDGES); when given it replaces log_value
     residual: jax.Array | None = None
 
 
@@ -79,17 +79,18 @@ def draft_keys(
 def residual_table(
     maps: tuple[ValueMap, ...],  # "residual" or "block" maps, one per fitted temperature
     spec: SpecConfig,
-    temperature: jax.Array,  # [] traced: the map nearest in temperature is used
+    temperature: jax.Array,  # [] or [B] traced: the map nearest in temperature is used (per row)
 ) -> jax.Array:
-    """-> [S, K, P] float32 log P(child of rank r at depth d accepted | parent reached) per bin of the
-    parent's processed top-1 draft probability, from the map nearest `temperature`; non-increasing in
-    the rank and <= 0 (what exactness needs, see `make_sampled_draft`)."""
+    """-> [S, K, P] (or [B, S, K, P] for per-row temperatures) float32 log P(child of rank r at depth d
+    accepted | parent reached) per bin of the parent's processed top-1 draft probability, from the map
+    nearest `temperature`; non-increasing in the rank and <= 0 (what exactness needs, see `make_sampled_draft`)."""
     depths = [depth_bin(d) for d in range(1, spec.num_steps + 1)]
     ranks = [min(r, NUM_RANKS - 1) for r in range(spec.topk)]
     tables = np.stack([np.log(m.array()[depths][:, ranks]) for m in maps]).astype(np.float32)  # [M, S, K, P]
-    nearest = jnp.argmin(jnp.abs(jnp.asarray([m.temperature for m in maps], jnp.float32) - temperature))
+    temps = jnp.asarray([m.temperature for m in maps], jnp.float32)
+    nearest = jnp.argmin(jnp.abs(temps - temperature[..., None]), axis=-1)
     table = jnp.asarray(tables)[nearest]
-    return jax.lax.cummin(jnp.minimum(table, 0.0), axis=1)
+    return jax.lax.cummin(jnp.minimum(table, 0.0), axis=table.ndim - 2)
 
 
 def make_sampled_draft(
@@ -119,7 +120,9 @@ def _child_log_values(sampler: SampledDraft, step: int, logq: jax.Array) -> jax.
         return sampler.log_value[step - 1][None, None, :]
     top1 = jnp.exp(jnp.max(logq, axis=-1))  # [B, n]
     prob_bin = jnp.searchsorted(jnp.asarray(PROB_EDGES, jnp.float32), top1, side="right")
-    return jnp.moveaxis(sampler.residual[step - 1][:, prob_bin], 0, -1)  # [K, B, n] -> [B, n, K]
+    table = sampler.residual[..., step - 1, :, :]  # [K, P] or [B, K, P] (per-row temperatures)
+    table = jnp.broadcast_to(table, (top1.shape[0],) + table.shape[-2:])[:, None]  # [B, 1, K, P]
+    return jnp.take_along_axis(table, prob_bin[:, :, None, None], axis=3)[..., 0]  # [B, n, K]
 
 
 def sampled_children(
@@ -141,6 +144,9 @@ def sampled_children(
     k = sampler.log_value.shape[1]
     s = sampler.sampling
 
+    def skip():
+        return greedy[0], greedy[2], jnp.zeros((b, n, vocab), jnp.float32)
+
     def draw():
         logq = processed_logprobs(logits, s.temperature, s.top_k, s.top_p)  # [B, n, V]
         keys = sampler.keys[:, slots]  # [B, n]
@@ -149,11 +155,9 @@ def sampled_children(
         in_support = jnp.isfinite(jnp.take_along_axis(logq, token, axis=2))
         value = score[:, :, None] + _child_log_values(sampler, step, logq)
         value = jnp.where(in_support, value, -jnp.inf)
-        return token.reshape(b, n * k).astype(jnp.int32), value.reshape(b, n * k), logq
-
-    def skip():
-        return greedy[0], greedy[2], jnp.zeros((b, n, vocab), jnp.float32)
+        drawn = token.reshape(b, n * k).astype(jnp.int32), value.reshape(b, n * k), logq
+        return select_rows(s.sampled_rows, drawn, skip())  # greedy rows of a mixed batch keep the top K
 
     # A cond: greedy runs skip the vocab sort and the noise.
-    token, value, logq = jax.lax.cond(s.temperature > 0, draw, skip)
+    token, value, logq = jax.lax.cond(s.any_sampled, draw, skip)
     return (token, greedy[1], value, greedy[3]), logq

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec.core.spec import SpecConfig
+from jaxspec.model.sampling import select_rows
 from jaxspec.speculation.sampled import SampledDraft, sampled_children
 from jaxspec.speculation.values import Calibration, node_log_values
 
@@ -61,7 +62,7 @@ class Expander:
     as a second feature a "both" calibration reads. Uncalibrated, the feature is the value; a calibration
     maps it (`values.node_log_values`)."""
 
-    temperature: jax.Array  # [] traced: picks a calibration's sampling map when > 0
+    temperature: jax.Array  # [] or [B] traced: picks a calibration's sampling map when > 0
     context: jax.Array | None  # [B] int32 context bin of each sequence (greedy values), None = pooled
     sampler: SampledDraft | None
     k: int = struct.field(pytree_node=False, default=1)  # children per expanded slot
@@ -114,7 +115,7 @@ class Expander:
             return (*columns, feature, slot_confidence), None
         columns, logq = sampled_children(logits, score, slots, depth, self.sampler, columns)
         drawn = jnp.exp(jnp.take_along_axis(logq, columns[0].reshape(b, n, k), axis=2)).reshape(b, n * k)
-        return (*columns, jnp.where(self.temperature > 0, drawn, feature), slot_confidence), logq
+        return (*columns, select_rows(self.temperature > 0, drawn, feature), slot_confidence), logq
 
 
 # (new token [B, n], parent [B, n] = index among the previous step's slots, step, carry)

@@ -46,6 +46,7 @@ import numpy as np
 from jaxspec.core.config import ModelConfig
 from jaxspec.core.spec import VALUE_SOURCES, SpecConfig
 from jaxspec.model.network import standard_layout
+from jaxspec.model.sampling import select_rows
 
 CALIBRATION_FILE = "calibration.json"  # the draft-probability values; other sources: `calibration_file`
 PROB_EDGES = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)  # 13 bins
@@ -305,7 +306,7 @@ def node_log_values(
     calibration: Calibration | None,
     depth: int,  # static: the depth of the children (1 = the root's)
     top_logp: jax.Array,  # [B, n, K] draft log-probs of each slot's top-K children, descending
-    temperature: jax.Array | None = None,  # [] traced; > 0 uses the sampling map nearest in temperature
+    temperature: jax.Array | None = None,  # [] or [B] traced; > 0 uses the sampling map nearest in temperature
     context: jax.Array | None = None,  # [B] int32 context bin (`context_bins`); None = the pooled greedy map
     confidence: jax.Array | None = None,  # [B, n, K] sigma(c) of each child's slot; read by "both" calibrations only
 ) -> jax.Array:
@@ -332,7 +333,9 @@ def node_log_values(
         parent_top1 = jnp.broadcast_to(own[..., :1], own.shape)  # siblings share it
         temps = jnp.asarray([m.temperature for m in calibration.sampling], jnp.float32)
         tables = np.stack([m.array() for m in calibration.sampling])  # [M, Db, R, P]
-        nearest = jnp.argmin(jnp.abs(temps - temperature))
-        per_map = jnp.stack([_lookup(t, depth, rank, parent_top1) for t in tables])  # [M, B, n, K]
-        value = jnp.where(temperature > 0, per_map[nearest], value)
+        per_map = jnp.stack([_lookup(t, depth, rank, parent_top1) for t in tables], axis=1)  # [B, M, n, K]
+        nearest = jnp.argmin(jnp.abs(temps - temperature[..., None]), axis=-1)  # [] or [B]
+        chosen = jnp.take_along_axis(per_map, jnp.broadcast_to(nearest, (per_map.shape[0],))[:, None, None, None],
+                                     axis=1)[:, 0]
+        value = select_rows(temperature > 0, chosen, value)
     return jnp.log(value)

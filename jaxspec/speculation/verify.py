@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec.model.sampling import Sampling, gumbel_choice, processed_logprobs
+from jaxspec.model.sampling import Sampling, gumbel_choice, processed_logprobs, select_rows
 from jaxspec.speculation.plan import TreePlan, build_plan
 from jaxspec.speculation.tree import Tree
 
@@ -405,13 +405,16 @@ def sampled_accept(
     if rule not in SAMPLED_RULES:
         raise ValueError(f"rule must be one of {tuple(SAMPLED_RULES)}, got {rule!r}")
     chain_rule, tree_rule = SAMPLED_RULES[rule]
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def greedy():
+        return greedy_accept(tree.tokens, tree.parent, jnp.argmax(logits, axis=-1).astype(jnp.int32), max_depth)
 
     def sampled():
         logp = processed_logprobs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
         if topk == 1:  # a chain: nodes 0..S in order
-            return chain_rule(tree.tokens, tree.q[:, 1:], logp, keys)
-        return tree_rule(tree.tokens, tree.parent, tree.rank, jnp.exp(tree.q), jnp.exp(logp), keys, max_depth, topk)
+            acc = chain_rule(tree.tokens, tree.q[:, 1:], logp, keys)
+        else:
+            acc = tree_rule(tree.tokens, tree.parent, tree.rank, jnp.exp(tree.q), jnp.exp(logp), keys, max_depth, topk)
+        return select_rows(sampling.sampled_rows, acc, greedy())  # a mixed batch's greedy rows walk the argmax
 
-    return jax.lax.cond(sampling.temperature > 0, sampled,
-                        lambda: greedy_accept(tree.tokens, tree.parent, greedy, max_depth))
+    return jax.lax.cond(sampling.any_sampled, sampled, greedy)
