@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "jaxspec"
 # `jaxspec.__main__`) is the API above them all; `jaxspec.testing` (test-only helpers) sits above checkpoint
 # (its release-folder writers use the checkpoint's numpy formats).
 ROOMS = ["core", "ops", "sharding", "layers", "model", "speculation", "checkpoint", "testing", "cost", "training",
-         "harness", "cli"]
+         "harness", "serve", "cli"]
 
 # Within and across the rooms, modules in finer ranks, lower first: a module may import modules of its own
 # rank or below, never above.
@@ -42,6 +42,7 @@ RANKS = [
     ("jaxspec.speculation",),
     ("jaxspec.speculation.cycle",),
     ("jaxspec.speculation.generate", "jaxspec.speculation.stages"),
+    ("jaxspec.speculation.slots",),
     # What runs the model: loading and measuring below, the loops that drive them above.
     ("jaxspec.checkpoint", "jaxspec.harness.stages", "jaxspec.harness.report", "jaxspec.harness.fit_values",
      "jaxspec.training.packing", "jaxspec.training.plots", "jaxspec.cost"),
@@ -49,6 +50,7 @@ RANKS = [
     ("jaxspec.cost.xla", "jaxspec.harness.eval", "jaxspec.training.train", "jaxspec.training.dspark"),
     ("jaxspec.harness.tune", "jaxspec.training.distill", "jaxspec.training.dspark_anchors", "jaxspec.harness.calibrate",
      "jaxspec.harness.calibrate_residual", "jaxspec.harness.calibrate_block"),
+    ("jaxspec.serve",),
     ("jaxspec.cli",),
     ("jaxspec", "jaxspec.__main__"),
 ]

@@ -27,11 +27,11 @@ import sys
 
 from rich.console import Console
 
-from jaxspec.cli import calibrate, cost, demo, distill, generate, plan, sweep, train, train_dspark, tune
+from jaxspec.cli import calibrate, cost, demo, distill, generate, plan, serve, sweep, train, train_dspark, tune
 from jaxspec.cli.common import add_compile_cache_arguments, enable_compile_cache
 
 PROG = "jaxspec"
-COMMANDS = (demo, generate, train, distill, train_dspark, sweep, tune, calibrate, plan, cost)
+COMMANDS = (demo, generate, serve, train, distill, train_dspark, sweep, tune, calibrate, plan, cost)
 
 
 class _Formatter(argparse.HelpFormatter):

@@ -173,13 +173,19 @@ def encode_items(items: list[dict[str, Any]], cfg: Any, tokenizer: Any, render: 
             if bad:
                 raise ValueError(f"{item['source']}: token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
         else:
-            ids = list(tokenizer.encode(text).ids)
-            if cfg.bos_id is not None and (not ids or ids[0] != cfg.bos_id):
-                ids = [cfg.bos_id, *ids]
+            ids = text_ids(text, cfg, tokenizer)
         if not ids:
             raise ValueError(f"{item['source']}: the prompt encodes to no tokens")
         item["text"], item["ids"] = text, ids
     return items
+
+
+def text_ids(text: str, cfg: Any, tokenizer: Any) -> list[int]:
+    """Token ids of a prompt text: BOS first when the config has one (as the models were trained)."""
+    ids = list(tokenizer.encode(text).ids)
+    if cfg.bos_id is not None and (not ids or ids[0] != cfg.bos_id):
+        ids = [cfg.bos_id, *ids]
+    return ids
 
 
 # ---- streaming ----------------------------------------------------------------------------------
