@@ -18,7 +18,7 @@ from jaxspec.model.state import DecodeState, init_state
 from jaxspec.sharding.rules import make_mesh
 from jaxspec.speculation.drafter import Draft, DraftSet
 from jaxspec.speculation.generate import GenerateOutput, generate, speculative_generate
-from jaxspec.speculation.inputs import DecodeOptions
+from jaxspec.speculation.inputs import DecodeOptions, SamplingParams
 
 __all__ = [
     "Checkpoint",
@@ -42,6 +42,7 @@ __all__ = [
     "memory_plan",
     "save_checkpoint",
     "shard_params",
+    "SamplingParams",
     "SpecConfig",
     "speculative_generate",
     "prefill_logits",
