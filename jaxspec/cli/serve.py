@@ -38,6 +38,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--model-name", default=None, help="the model id clients name (default: the folder's name)")
+    p.add_argument("--warm-up", action="store_true",
+                   help="compile every program (each group size and prompt width) before listening, so no request "
+                   "waits on a compile")
     p.add_argument("--drain-seconds", type=float, default=30.0,
                    help="on shutdown, how long live requests may finish before they are cancelled")
 
@@ -57,6 +60,10 @@ def build_app(args: argparse.Namespace, console: Console) -> Any:
         spec = UNTUNED_SPEC
     engine = Engine(model.params, cfg, draft=model.draft, spec=spec, num_slots=args.slots, max_len=args.max_len,
                     cycles_per_call=args.cycles_per_call, max_queue=args.max_queue)
+    if args.warm_up:
+        with console.status("compiling the engine's programs (--warm-up)"):
+            count = engine.warm_up()
+        console.print(f"warm-up: {count} programs compiled", highlight=False)
     render, how = chat_renderer(args.checkpoint)
     name = args.model_name or os.path.basename(os.path.normpath(os.path.expanduser(args.checkpoint)))
     console.print(f"[bold]jaxspec serve[/]: {model.description}; spec {engine.spec_name}, {args.slots} slots, "

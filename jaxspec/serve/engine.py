@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -120,7 +121,10 @@ class Engine:
             sp, self.models = speculator(params, cfg, chosen, chosen_draft, calibration, accept, 1.0)
             self.stepper = slots_lib.Speculative(sp)
             self.spec_name = sp.spec.name
-        self.slots = slots_lib.empty_slots(self.stepper, self.num_slots, self.max_len, STOP_WIDTH)
+        # committed to the device, as the programs' outputs are: jit keys its executables on committedness, and
+        # fresh slots would otherwise compile each program twice (once for them, once for what it returns)
+        self.slots = jax.device_put(slots_lib.empty_slots(self.stepper, self.num_slots, self.max_len, STOP_WIDTH),
+                                    jax.devices()[0])
         self.counters = Counters()
         self._ids = itertools.count(1)
         self._queue: collections.deque[Request] = collections.deque()
@@ -216,6 +220,28 @@ class Engine:
                 with self._lock:
                     self._finish(request, self._reason(request))
         return True
+
+    def warm_up(self, max_prompt: int | None = None) -> int:
+        """Compile every program a request up to `max_prompt` tokens (default: the longest that fits) can need
+        (insert for each group size and prompt width, run_cycles) before any request arrives, so none waits on
+        a compile -> programs compiled now. Call before `start`."""
+        before = slots_lib.compile_count()
+        longest = self.max_len - self.stepper.width - 1 if max_prompt is None else max_prompt
+        widths = sorted({length_bucket(n, self.max_len, minimum=64) for n in range(1, longest + 1)})
+        groups = sorted({min(next_power_of_two(n), next_power_of_two(self.num_slots))
+                         for n in range(1, self.num_slots + 1)})
+        for nb in groups:
+            for width in widths:  # every row a padding row: the slots are left as they are
+                zeros = jnp.zeros((nb,), jnp.int32)
+                keys = slots_lib.request_keys(zeros.astype(jnp.uint32), zeros.astype(jnp.uint32))
+                options = slots_lib.RowOptions(Sampling(jnp.zeros((nb,), jnp.float32), zeros,
+                                                        jnp.ones((nb,), jnp.float32), keys),
+                                               jnp.full((nb, STOP_WIDTH), -1, jnp.int32), jnp.ones((nb,), jnp.int32))
+                self.slots, _ = slots_lib.insert(self.stepper, self.models, self.slots,
+                                                 jnp.full((nb,), self.num_slots, jnp.int32),
+                                                 jnp.zeros((nb, width), jnp.int32), jnp.ones((nb,), jnp.int32), options)
+        self.slots, *_ = slots_lib.run_cycles(self.stepper, self.models, self.slots, self.cycles_per_call)
+        return slots_lib.compile_count() - before
 
     def run_until_done(self) -> None:
         """Run rounds on this thread until no request is queued or live."""
