@@ -223,23 +223,15 @@ class Engine:
 
     def warm_up(self, max_prompt: int | None = None) -> int:
         """Compile every program a request up to `max_prompt` tokens (default: the longest that fits) can need
-        (insert for each group size and prompt width, run_cycles) before any request arrives, so none waits on
-        a compile -> programs compiled now. Call before `start`."""
+        (insert for each prompt width, run_cycles) before any request arrives, so none waits on a compile
+        -> programs compiled now. Call before `start`."""
         before = slots_lib.compile_count()
         longest = self.max_len - self.stepper.width - 1 if max_prompt is None else max_prompt
         widths = sorted({length_bucket(n, self.max_len, minimum=64) for n in range(1, longest + 1)})
-        groups = sorted({min(next_power_of_two(n), next_power_of_two(self.num_slots))
-                         for n in range(1, self.num_slots + 1)})
-        for nb in groups:
-            for width in widths:  # every row a padding row: the slots are left as they are
-                zeros = jnp.zeros((nb,), jnp.int32)
-                keys = slots_lib.request_keys(zeros.astype(jnp.uint32), zeros.astype(jnp.uint32))
-                options = slots_lib.RowOptions(Sampling(jnp.zeros((nb,), jnp.float32), zeros,
-                                                        jnp.ones((nb,), jnp.float32), keys),
-                                               jnp.full((nb, STOP_WIDTH), -1, jnp.int32), jnp.ones((nb,), jnp.int32))
-                self.slots, _ = slots_lib.insert(self.stepper, self.models, self.slots,
-                                                 jnp.full((nb,), self.num_slots, jnp.int32),
-                                                 jnp.zeros((nb, width), jnp.int32), jnp.ones((nb,), jnp.int32), options)
+        for width in widths:  # a padding row (slot index num_slots): the slots are left as they are
+            dummy = Request(0, [0] * width, SamplingParams(max_tokens=1), None)
+            rows, tokens, lengths, options = self._row(dummy, self.num_slots)
+            self.slots, _ = slots_lib.insert(self.stepper, self.models, self.slots, rows, tokens, lengths, options)
         self.slots, *_ = slots_lib.run_cycles(self.stepper, self.models, self.slots, self.cycles_per_call)
         return slots_lib.compile_count() - before
 
@@ -305,44 +297,38 @@ class Engine:
                 self._finish(request, "cancelled")
 
     def _admit(self) -> None:
+        """Prefill queued requests into free slots, one request per `insert` call: a program per prompt width
+        only (grouping them would multiply the programs by the group sizes, past the program cache)."""
         free = [s for s in range(self.num_slots) if s not in self._live]
         with self._lock:
             group = [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
-        if not group:
-            return
-        n = len(group)
-        nb = min(next_power_of_two(n), next_power_of_two(self.num_slots))
-        # prompt widths from 64 up: fewer programs; the prefill loops over the chunks the longest prompt fills
-        width = length_bucket(max(len(r.prompt) for r in group), self.max_len, minimum=64)
-        tokens = np.zeros((nb, width), np.int32)
-        lengths = np.ones((nb,), np.int32)
-        rows = np.full((nb,), self.num_slots, np.int32)  # padding rows write nowhere
-        temperature, top_p = np.zeros((nb,), np.float32), np.ones((nb,), np.float32)
-        top_k, seeds = np.zeros((nb,), np.int32), np.zeros((2, nb), np.uint32)
-        stop, max_tokens = np.full((nb, STOP_WIDTH), -1, np.int32), np.ones((nb,), np.int32)
-        for i, (request, slot) in enumerate(zip(group, free, strict=False)):
-            p = request.params
-            tokens[i, : len(request.prompt)] = request.prompt
-            lengths[i], rows[i], max_tokens[i] = len(request.prompt), slot, p.max_tokens
-            temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k or 0, p.top_p or 1.0
-            seeds[:, i] = (request.seed & 0xFFFFFFFF, request.seed >> 32)
-            ids = ([] if self.eos_id is None else [self.eos_id]) + list(p.stop_token_ids)
-            stop[i, : len(ids)] = ids
+        for request, slot in zip(group, free, strict=False):
             request.slot = slot
-        keys = slots_lib.request_keys(jnp.asarray(seeds[0]), jnp.asarray(seeds[1]))
-        options = slots_lib.RowOptions(Sampling(jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p), keys),
-                                       jnp.asarray(stop), jnp.asarray(max_tokens))
-        self.slots, first = slots_lib.insert(self.stepper, self.models, self.slots, jnp.asarray(rows),
-                                             jnp.asarray(tokens), jnp.asarray(lengths), options)
-        first, done = np.asarray(first), np.asarray(self.slots.done)
-        for i, request in enumerate(group):
+            self.slots, first = slots_lib.insert(self.stepper, self.models, self.slots, *self._row(request, slot))
             self.counters.prompt_tokens += len(request.prompt)
-            self._deliver(request, [int(first[i])])
-            if done[request.slot]:
+            self._deliver(request, [int(first[0])])
+            if bool(self.slots.done[slot]):
                 with self._lock:
                     self._finish(request, self._reason(request))
             else:
-                self._live[request.slot] = request
+                self._live[slot] = request
+
+    def _row(self, request: Request, slot: int) -> tuple[Any, ...]:
+        """insert's arguments for one request: (rows, tokens, lengths, options), prompt width bucketed."""
+        p = request.params
+        # prompt widths from 64 up: fewer programs; the prefill loops over the chunks the prompt fills
+        tokens = np.zeros((1, length_bucket(len(request.prompt), self.max_len, minimum=64)), np.int32)
+        tokens[0, : len(request.prompt)] = request.prompt
+        stop = np.full((1, STOP_WIDTH), -1, np.int32)
+        ids = ([] if self.eos_id is None else [self.eos_id]) + list(p.stop_token_ids)
+        stop[0, : len(ids)] = ids
+        seeds = np.asarray([[request.seed & 0xFFFFFFFF], [request.seed >> 32]], np.uint32)
+        sampling = Sampling(jnp.asarray([p.temperature], jnp.float32), jnp.asarray([p.top_k or 0], jnp.int32),
+                            jnp.asarray([p.top_p or 1.0], jnp.float32),
+                            slots_lib.request_keys(jnp.asarray(seeds[0]), jnp.asarray(seeds[1])))
+        options = slots_lib.RowOptions(sampling, jnp.asarray(stop), jnp.asarray([p.max_tokens], jnp.int32))
+        return (jnp.asarray([slot], jnp.int32), jnp.asarray(tokens), jnp.asarray([len(request.prompt)], jnp.int32),
+                options)
 
     def _deliver(self, request: Request, new: list[int]) -> None:
         if not new:
