@@ -34,7 +34,7 @@ from jaxspec.model.sampling import Sampling
 from jaxspec.speculation import slots as slots_lib
 from jaxspec.speculation.drafter import Draft, DraftSet
 from jaxspec.speculation.generate import choose_draft, speculator
-from jaxspec.speculation.inputs import MAX_STOP_IDS, SamplingParams, length_bucket
+from jaxspec.speculation.inputs import MAX_STOP_IDS, SamplingParams, length_bucket, stop_array
 
 # on_update(new tokens, finish reason or None): called on the engine's thread after every round that gave
 # the request tokens, and once with its finish reason ("stop", "length" or "cancelled").
@@ -319,9 +319,8 @@ class Engine:
         # prompt widths from 64 up: fewer programs; the prefill loops over the chunks the prompt fills
         tokens = np.zeros((1, length_bucket(len(request.prompt), self.max_len, minimum=64)), np.int32)
         tokens[0, : len(request.prompt)] = request.prompt
-        stop = np.full((1, STOP_WIDTH), -1, np.int32)
-        ids = ([] if self.eos_id is None else [self.eos_id]) + list(p.stop_token_ids)
-        stop[0, : len(ids)] = ids
+        ids = (() if self.eos_id is None else (self.eos_id,)) + p.stop_token_ids
+        stop = stop_array(ids, STOP_WIDTH)[None, :]
         seeds = np.asarray([[request.seed & 0xFFFFFFFF], [request.seed >> 32]], np.uint32)
         sampling = Sampling(jnp.asarray([p.temperature], jnp.float32), jnp.asarray([p.top_k or 0], jnp.int32),
                             jnp.asarray([p.top_p or 1.0], jnp.float32),
