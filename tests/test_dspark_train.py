@@ -274,9 +274,12 @@ def test_train_dspark_command_trains_resumes_and_fine_tunes(small, tmp_path, cap
     common = ["--checkpoint", str(ckpt), "--data", str(data), "--blocks", "8", "--eval-every", "2",
               "--eval-blocks", "8", "--cache-batch", "4", "--eval-fraction", "0.25", "--warmup", "0"]
     run = ["train-dspark", *common, *sizes, "--run-dir", str(tmp_path / "run")]
-    assert main([*run, "--steps", "2"]) == 0
+    assert main([*run, "--steps", "2", "--why", "sized for a test"]) == 0
     info = json.loads((ckpt / "drafts" / "dspark" / "draft.json").read_text())
-    assert info["final"] and info["step"] == 2 and set(info["why"]) >= {"block_size", "markov_rank"}
+    assert info["final"] and info["step"] == 2 and info["why"]["draft"] == "sized for a test"
+    # the sizes set here carry the command's reason, not the default sizes' reasons
+    assert info["why"]["block_size"] == "4: set for this draft (sized for a test)"
+    assert info["why"]["markov_rank"].startswith("8: ") and info["why"]["num_stages"].startswith("1: each stage")
     assert main([*run, "--steps", "3"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "target rows from" in out and "resumed at step 2" in out

@@ -8,13 +8,16 @@ import argparse
 import dataclasses
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
 from jaxspec.cli.common import csv, load_model, positive, step_progress
 
-# Why these sizes for a 6-layer target (written into draft.json).
+if TYPE_CHECKING:
+    from jaxspec.core.dspark import DSparkConfig
+
+# Why the default sizes for a 6-layer target (written into draft.json for the sizes left at their default).
 WHY = {
     "num_stages": "1: each stage is a full V4 block, so one stage already costs ~1/6 of a 6-layer target step "
                   "(V4-Flash: 3 stages / 43 layers, 7%); a second would make drafting 1/3 of a verify and halve "
@@ -27,6 +30,18 @@ WHY = {
     "noise_token_id": "2, <|pad|>: a special token that encoding text never produces and the target never "
                       "emits (V4 uses the unused id 128799)",
 }
+
+
+def reasons(dcfg: DSparkConfig, num_layers: int, why: str | None) -> dict[str, str]:
+    """draft.json's "why": WHY for each size left at its default, the value and --why for the others."""
+    default = {"block_size": 8, "noise_token_id": 2, "markov_rank": 64, "num_stages": 1,
+               "target_layers": tuple(range(num_layers - 3, num_layers))}
+    said = f" ({why})" if why else ""
+    out = {k: text if getattr(dcfg, k) == default[k] else f"{getattr(dcfg, k)}: set for this draft{said}"
+           for k, text in WHY.items()}
+    if why:
+        out["draft"] = why
+    return out
 
 
 def add_parser(subparsers: Any) -> None:
@@ -50,6 +65,8 @@ def add_parser(subparsers: Any) -> None:
                    help="captured target layers (default: the last three)")
     p.add_argument("--markov-rank", type=int, default=64, help="rank r of the Markov head's bigram W1 W2^T")
     p.add_argument("--noise-token", type=int, default=2, help="noise slot token id (default 2, <|pad|>)")
+    p.add_argument("--why", default=None, metavar="TEXT",
+                   help="why this draft's sizes and budget, written into draft.json (default: none)")
     p.add_argument("--init", default="target",
                    help="target: stages start as copies of the target's last layers (default); random: fresh; "
                         "or the name of one of the checkpoint's DSpark drafts to fine-tune (its sizes are kept: "
@@ -145,7 +162,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     def export(params, record):
         thin = [h for h in record["history"] if "heldout" in h or h["step"] % 10 == 0]
         info = {"recipe": "dspark (DeepSpec, docs/dspark.md)", "dspark_config": dataclasses.asdict(dcfg),
-                "why": WHY, "init": args.init, "data": os.path.abspath(args.data),
+                "why": reasons(dcfg, cfg.num_layers, args.why), "init": args.init, "data": os.path.abspath(args.data),
                 "argv": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
                 **record, "history": thin}
         folder = save_draft(args.checkpoint, args.draft_name, stored, params, info, config=dcfg)
