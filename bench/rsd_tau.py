@@ -26,9 +26,9 @@ import numpy as np
 DATASETS = ("gsm8k", "mbpp", "sharegpt")
 
 
-def load(checkpoint: str, num_prompts: int):
-    """-> (cfg, params, held-out prompts, the checkpoint's draft with its calibration); float32 and the CPU's
-    expert layout on a CPU."""
+def load(checkpoint: str, num_prompts: int, draft: str | None = None):
+    """-> (cfg, params, held-out prompts, the checkpoint's draft (or its drafts/`draft`/) with its calibration);
+    float32 and the CPU's expert layout on a CPU."""
     import jax
 
     from jaxspec.checkpoint import load_checkpoint
@@ -36,7 +36,7 @@ def load(checkpoint: str, num_prompts: int):
     from jaxspec.training.data import HELDOUT_SPLITS, load_dataset
 
     cpu = jax.default_backend() == "cpu"
-    ckpt = load_checkpoint(checkpoint, dtype="float32" if cpu else None, cpu_experts=True)
+    ckpt = load_checkpoint(checkpoint, draft=draft, dtype="float32" if cpu else None, cpu_experts=True)
     prompts = []
     for name in DATASETS:
         examples = load_dataset(name, HELDOUT_SPLITS[name])[:num_prompts]
@@ -184,6 +184,8 @@ def main() -> None:
     p.add_argument("--plot", default=None, metavar="JSONL", help="only draw the figure of a finished file")
     p.add_argument("--calibration", default=None, metavar="JSON",
                    help="node values file (e.g. results/rsd/residual_values.json); default: the checkpoint's")
+    p.add_argument("--draft", default=None, metavar="NAME",
+                   help="the checkpoint's drafts/NAME/ (e.g. dspark) instead of its own draft")
     p.add_argument("--seeds", default="0", help="comma-separated rng seeds; tau of each is a record")
     args = p.parse_args()
     if args.plot:
@@ -197,7 +199,7 @@ def main() -> None:
             r = json.loads(line)
             done.add((r["spec"], r["rule"], r["temperature"], r["top_p"], "tau" in r, r.get("calibration"),
                       r.get("seed", 0)))
-    cfg, params, prompts, draft = load(args.checkpoint, args.prompts)
+    cfg, params, prompts, draft = load(args.checkpoint, args.prompts, args.draft)
     calibration = None
     if args.calibration:
         from jaxspec.speculation.values import load_calibration
@@ -215,6 +217,8 @@ def main() -> None:
                         r = measure_tau(params, cfg, prompts, spec, rule, t, top_p, args.new_tokens, args.batch, seed,
                                         calibration, draft)
                     r["calibration"] = args.calibration
+                    if args.draft:
+                        r["draft"] = args.draft
                     print(json.dumps({k: v for k, v in r.items() if k not in ("rank_histogram", "per_sequence")}),
                           flush=True)
                     with open(out, "a") as f:

@@ -17,6 +17,12 @@ with measured rates: {"rate": [[P(rank 0 | parent accepted), P(rank 1 | parent a
 (the layout of `results/report_regime/acceptance.json`'s per-dataset "rate").
 
 Trees are grown as jaxspec grows them and valued by their path acceptance (`jaxspec.cost.acceptance`).
+
+`--heldout FILE --draft NAME` adds the regime projection (docs/dspark.md, "In DeepSeek's regime"): tau of
+the chain and of the best tree at each D as `heldout_acceptance.py` measured them for that draft (mean of
+GSM8K / MBPP / ShareGPT; trees ranked per cycle, which the static rates above cannot express), scaled by
+2.74 / tau(the block's full chain) so the chain accepts what the release's does, over the model's cycle
+time of each spec on 8 x H200 at --regime-batches: TPOT = cycle / tau, beside SGLang's published chain.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ from jaxspec.cost.project import row
 from jaxspec.cost.terms import Setup, default_dspark
 
 PER_POSITION = (0.579, 0.447, 0.316, 0.237, 0.158)  # vLLM, V4-Flash-0731, greedy, k = 5
+RELEASE_TAU = 1.0 + sum(PER_POSITION)  # 2.74: the release chain's accepted length, bonus included
+MEAN_OVER = ("gsm8k", "mbpp", "sharegpt")
 SIBLING_RANGE = (0.10, 0.25, 0.50)
 
 
@@ -119,7 +127,7 @@ def projection(rates_by_sibling: dict[str, list[list[float]]], batches, context:
         cycles = {}
         for d in budgets:
             chain = SpecConfig(min(d, dcfg.block_size + 1) - 1, 1, min(d, dcfg.block_size + 1))
-            trees = [SpecConfig(steps, 2, d) for steps in (4, 5)]  # K = 2, S = 4..5
+            trees = [SpecConfig(steps, 2, d) for steps in (4, 5) if steps < d]  # K = 2, S = 4..5
             for spec in [chain, *trees]:
                 if spec.name not in cycles:
                     r = row(s, spec, hw, lat, dcfg)
@@ -142,6 +150,62 @@ def projection(rates_by_sibling: dict[str, list[list[float]]], batches, context:
                             "tokens_per_s": {"ar": b / ar, "chain": b * tau_c / cycles[chain.name][0],
                                              "tree": b * best["tau"] / cycles[best["spec"]][0]}})
     return out
+
+
+def measured_taus(path: str, draft: str) -> dict[str, float]:
+    """Mean tau over MEAN_OVER of every spec `draft` ran on all three datasets."""
+    by: dict[str, dict[str, float]] = {}
+    for r in json.loads(Path(path).read_text()):
+        if r["draft"] == draft and r["dataset"] in MEAN_OVER:
+            by.setdefault(r["spec"], {})[r["dataset"]] = r["tau"]
+    return {spec: sum(v.values()) / len(v) for spec, v in by.items() if len(v) == len(MEAN_OVER)}
+
+
+def regime_projection(taus: dict[str, float], batches, context: int, budgets) -> dict:
+    """Chain vs best measured tree at each D, tau scaled to the release's chain, TPOT from the cycle model."""
+    cfg = ModelConfig.preset("v4-flash")
+    dcfg = default_dspark(cfg)
+    hw, lat, mesh = latency.hardware("h200"), latency.H200, (1, 8, 1)
+    block_chain = SpecConfig(dcfg.block_size, 1, dcfg.block_size + 1).name
+    if block_chain not in taus:
+        raise SystemExit(f"the records lack the block's full chain {block_chain}, which sets the scale")
+    scale = RELEASE_TAU / taus[block_chain]
+    rows = []
+    for b in batches:
+        s = Setup(cfg, mesh, b, context, "fp8", "fp4", 0.0, "even")
+        ar = row(s, None, hw, lat).step_seconds
+        for d in budgets:
+            chain = SpecConfig(min(d, dcfg.block_size + 1) - 1, 1, min(d, dcfg.block_size + 1)).name
+            trees = [n for n in taus if SpecConfig.parse(n).topk > 1 and SpecConfig.parse(n).num_draft_tokens == d
+                     and not SpecConfig.parse(n).widths]
+            if chain not in taus or not trees:
+                continue
+            best = max(trees, key=taus.__getitem__)
+            cells = {}
+            for label, name in (("chain", chain), ("tree", best)):
+                spec = SpecConfig.parse(name)
+                cyc = row(s, SpecConfig(spec.num_steps, spec.topk, spec.num_draft_tokens), hw, lat, dcfg).step_seconds
+                tau = taus[name] * scale
+                cells[label] = {"spec": name, "tau_measured": taus[name], "tau": tau, "cycle_ms": 1e3 * cyc,
+                                "tpot_ms": 1e3 * cyc / tau, "speedup": tau * ar / cyc}
+            rows.append({"batch": b, "D": d, "ar_ms": 1e3 * ar, **cells,
+                         "tree_over_chain_tpot": cells["chain"]["tpot_ms"] / cells["tree"]["tpot_ms"] - 1.0})
+    return {"scale": scale, "block_chain": block_chain, "rows": rows}
+
+
+def regime_markdown(proj: dict, context: int, source: str) -> list[str]:
+    lines = [f"In the regime: V4-Flash-0731 with DSpark (block 5, 3 stages) on 8 x H200 (TP8 EP8, FP8 / FP4 as "
+             f"released, context {context}); tau measured on tiny-v4 with {source}, scaled by "
+             f"{proj['scale']:.3f} so that the full chain {proj['block_chain']} accepts {RELEASE_TAU:.2f} "
+             "(the release's); SGLang publishes 1.70-1.88 ms for its chain at concurrency 1 (8 x B200)", "",
+             "| concurrency | D | AR ms | chain (tau) | cycle ms | TPOT ms | best tree (tau) | cycle ms | TPOT ms "
+             "| tree over chain (tokens/s) |", "|---:|---:|---:|---|---:|---:|---|---:|---:|---:|"]
+    for r in proj["rows"]:
+        c, t = r["chain"], r["tree"]
+        lines.append(f"| {r['batch']} | {r['D']} | {r['ar_ms']:.2f} | {c['spec']} ({c['tau']:.2f}) | "
+                     f"{c['cycle_ms']:.2f} | {c['tpot_ms']:.2f} | {t['spec']} ({t['tau']:.2f}) | "
+                     f"{t['cycle_ms']:.2f} | {t['tpot_ms']:.2f} | {100 * (c['tpot_ms'] / t['tpot_ms'] - 1):+.1f}% |")
+    return lines
 
 
 # ---- output ------------------------------------------------------------------------------------
@@ -232,6 +296,10 @@ def main() -> None:
     p.add_argument("--batches", default="1,4,16,64")
     p.add_argument("--budgets", default="5,6,7,8")
     p.add_argument("--out", default="results/dspark")
+    p.add_argument("--heldout", default=None, metavar="JSON", help="heldout_acceptance.py records (regime projection)")
+    p.add_argument("--draft", default="dspark-regime", help="the draft of --heldout's records to project")
+    p.add_argument("--regime-batches", default="1,32")
+    p.add_argument("--regime-budgets", default="5,6,7,8,12,16")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -251,6 +319,13 @@ def main() -> None:
     (out / "cost_projection.json").write_text(json.dumps({"context": args.context, "rates": rates, "rows": rows},
                                                          indent=1) + "\n")
     lines += ["", *projection_markdown(rows, args.context, source)]
+    if args.heldout:
+        batches = [int(b) for b in args.regime_batches.split(",")]
+        budgets = [int(d) for d in args.regime_budgets.split(",")]
+        proj = regime_projection(measured_taus(args.heldout, args.draft), batches, args.context, budgets)
+        (out / "cost_regime.json").write_text(json.dumps({"context": args.context, "heldout": args.heldout,
+                                                          "draft": args.draft, **proj}, indent=1) + "\n")
+        lines += ["", *regime_markdown(proj, args.context, f"{args.draft} ({args.heldout})")]
     (out / "cost_projection.md").write_text("\n".join(lines) + "\n")
     figure(rows, out / "cost_projection.png")
     print("\n".join(lines))

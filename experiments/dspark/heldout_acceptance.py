@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--datasets", default="gsm8k,mbpp,sharegpt")
     ap.add_argument("--runs", default=",".join(f"{d}:{s}" for d, s in RUNS), help="draft:spec,...")
     ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--offset", type=int, default=0, help="skip this many prompts of each held-out split first")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--max-prompt-tokens", type=int, default=192)
@@ -53,7 +54,7 @@ def main() -> None:
     records = json.load(open(args.out)) if os.path.isfile(args.out) else []
     done = {(r["dataset"], r["draft"], r["spec"]) for r in records}
     for dataset in args.datasets.split(","):
-        examples = load_dataset(dataset, HELDOUT_SPLITS[dataset])[: args.num_prompts]
+        examples = load_dataset(dataset, HELDOUT_SPLITS[dataset])[args.offset : args.offset + args.num_prompts]
         prompts = encode_prompts(ck.tokenizer, examples, args.max_prompt_tokens)
         reference = None
         for name, spec in runs:
@@ -81,6 +82,7 @@ def main() -> None:
                                  for i in range(args.exact)]
                 exact = [tokens[i] == reference[i] for i in range(args.exact)]
             rec = {"dataset": dataset, "draft": name, "spec": spec, "num_prompts": len(prompts),
+                   **({"offset": args.offset} if args.offset else {}),
                    "new_tokens": args.new_tokens, "stop_at_eos": args.stop_at_eos,
                    "tokens": sum(map(len, tokens)), "tau": stats["mean_accepted_length"],
                    "per_depth_acceptance": stats["per_depth_acceptance"], "cycles": stats["cycles"],

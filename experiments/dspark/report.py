@@ -4,13 +4,15 @@ the best run of every draft at each D, and per-position acceptance. Means are ov
 GSM8K, MBPP and ShareGPT (the training mixture's held-out splits); HumanEval, never trained on, is its own
 column beside them. The best tree at each D is chosen by that mean.
 
-    python experiments/dspark/report.py [experiments/dspark/heldout.json]
+    python experiments/dspark/report.py [experiments/dspark/heldout.json] [--draft dspark]
+
+--draft names the DSpark draft whose trees and chains the second table sets side by side.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from collections import defaultdict
 
 from jaxspec.core.spec import SpecConfig
@@ -19,8 +21,11 @@ MEAN_OVER = ("gsm8k", "mbpp", "sharegpt")
 
 
 def main() -> None:
-    path = sys.argv[1] if len(sys.argv) > 1 else "experiments/dspark/heldout.json"
-    records = json.load(open(path))
+    ap = argparse.ArgumentParser()
+    ap.add_argument("path", nargs="?", default="experiments/dspark/heldout.json")
+    ap.add_argument("--draft", default="dspark", help="the DSpark draft of the tree-over-chain table")
+    args = ap.parse_args()
+    records = json.load(open(args.path))
     present = {r["dataset"] for r in records}
     datasets = [d for d in MEAN_OVER if d in present] + sorted(present - set(MEAN_OVER))
     mean_over = [d for d in datasets if d in MEAN_OVER]
@@ -44,7 +49,7 @@ def main() -> None:
     print("|---:|---|---|---:|---|")
     by_d: dict[int, list[tuple[str, dict[str, float]]]] = defaultdict(list)
     for (draft, spec), row in tau.items():
-        if draft == "dspark" and len(row) == len(datasets):
+        if draft == args.draft and len(row) == len(datasets):
             by_d[SpecConfig.parse(spec).num_draft_tokens].append((spec, row))
     every_chain = sorted(((SpecConfig.parse(s).num_draft_tokens, s, r) for rows in by_d.values() for s, r in rows
                           if SpecConfig.parse(s).topk == 1), key=lambda x: x[0])

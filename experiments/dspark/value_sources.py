@@ -56,10 +56,11 @@ def main() -> None:
     ap.add_argument("--train-prompts", type=int, default=64, help="train-split prompts per dataset")
     ap.add_argument("--heldout-prompts", type=int, default=32, help="test-split prompts per dataset")
     ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--draft", default="dspark", help="the checkpoint's DSpark draft folder name")
     ap.add_argument("--out", default="experiments/dspark/value_sources.json")
     ap.add_argument("--samples", default=None, help="also save the collected samples (.npz) there")
     args = ap.parse_args()
-    ck = js.load_checkpoint(args.checkpoint, draft="dspark", dtype="float32")
+    ck = js.load_checkpoint(args.checkpoint, draft=args.draft, dtype="float32")
     splits = {"train": TRAIN_SPLITS, "heldout": HELDOUT_SPLITS}
     counts = {"train": args.train_prompts, "heldout": args.heldout_prompts}
     samples = {}
@@ -81,8 +82,8 @@ def main() -> None:
     train, heldout = samples["train"], samples["heldout"]
     if args.samples:
         np.savez(args.samples, **{f"{part}_{k}": v for part, s in samples.items() for k, v in s.items()})
-    result = {"datasets": args.datasets, "steps": args.steps, "train_nodes": int(train["label"].size),
-              "heldout_nodes": int(heldout["label"].size), "sources": {}}
+    result = {"draft": args.draft, "datasets": args.datasets, "steps": args.steps,
+              "train_nodes": int(train["label"].size), "heldout_nodes": int(heldout["label"].size), "sources": {}}
     for source, (prob, second) in features(train).items():
         value_map = fit_map("greedy", 0.0, train["depth"], train["rank"], prob, train["label"], second)
         hp, hs = features(heldout)[source]
