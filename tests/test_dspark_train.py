@@ -241,6 +241,40 @@ def test_shipped_dspark_draft_loads():
     assert isinstance(both, Calibration) and both.feature == "both" and dict(both.meta)["draft"] == "dspark"
 
 
+def test_shipped_regime_draft_loads_at_the_releases_sizes():
+    """drafts/dspark-regime (docs/dspark.md, "In DeepSeek's regime"): block 5 and Markov rank 256 as
+    released, its own calibrations (both value sources), and draft.json saying why."""
+    import json
+    import os
+
+    from jaxspec.speculation.values import Calibration
+
+    path = os.path.join(os.path.dirname(__file__), "..", "checkpoints", "tiny-v4")
+    ck = js.load_checkpoint(path, draft="dspark-regime", dtype="float32")
+    dcfg = ck.draft.drafter.config
+    assert (dcfg.block_size, dcfg.markov_rank, dcfg.num_stages) == (5, 256, 1)
+    assert ck.draft.name == "dspark-regime" and isinstance(ck.draft.calibration, Calibration)
+    both = ck.draft.calibration_for("both")
+    assert both.feature == "both" and dict(both.meta)["draft"] == "dspark-regime"
+    info = json.load(open(os.path.join(path, "drafts", "dspark-regime", "draft.json")))
+    assert info["final"] and info["step"] == 350 and "V4-Flash-0731" in info["why"]["draft"]
+
+
+@pytest.mark.long  # ~45 s; CI: the load above and DSpark trees == generate on the test model
+def test_shipped_regime_draft_tree_is_generate():
+    import os
+
+    from jaxspec.training.tokenizer import encode
+
+    path = os.path.join(os.path.dirname(__file__), "..", "checkpoints", "tiny-v4")
+    ck = js.load_checkpoint(path, draft="dspark-regime", dtype="float32")
+    prompt = [encode(ck.tokenizer, "Question: Tom has 3 apples and buys 5 more. How many apples?\nAnswer:")]
+    want = js.generate(ck.params, ck.cfg, prompt, max_new_tokens=16)
+    out = js.speculative_generate(ck.params, ck.cfg, prompt, "s5_k3_d8_vb", max_new_tokens=16, draft=ck.draft)
+    assert out.tokens[0, : int(out.lengths[0])].tolist() == want.tokens[0, : int(want.lengths[0])].tolist()
+    assert out.stats["cycles"] < 16
+
+
 @pytest.mark.long  # ~45 s (the 6-layer checkpoint's loop compiles); CI: the load above, DSpark chains and trees
 # greedy == generate on the test model and on a release folder (test_dspark_speculation.py)
 def test_shipped_dspark_draft_loads_and_its_greedy_chain_is_generate():
