@@ -113,6 +113,11 @@ def _b200_diagnostic(points, ar_points) -> dict:
     return out
 
 
+def chain_at(d: int, dcfg) -> SpecConfig:
+    """The chain a budget of D verified tokens allows: as deep as D, at most the block."""
+    return SpecConfig(min(d, dcfg.block_size + 1) - 1, 1, min(d, dcfg.block_size + 1))
+
+
 # ---- the tree projection -----------------------------------------------------------------------
 
 
@@ -126,7 +131,7 @@ def projection(rates_by_sibling: dict[str, list[list[float]]], batches, context:
         ar = row(s, None, hw, lat).step_seconds
         cycles = {}
         for d in budgets:
-            chain = SpecConfig(min(d, dcfg.block_size + 1) - 1, 1, min(d, dcfg.block_size + 1))
+            chain = chain_at(d, dcfg)
             trees = [SpecConfig(steps, 2, d) for steps in (4, 5) if steps < d]  # K = 2, S = 4..5
             for spec in [chain, *trees]:
                 if spec.name not in cycles:
@@ -175,9 +180,9 @@ def regime_projection(taus: dict[str, float], batches, context: int, budgets) ->
         s = Setup(cfg, mesh, b, context, "fp8", "fp4", 0.0, "even")
         ar = row(s, None, hw, lat).step_seconds
         for d in budgets:
-            chain = SpecConfig(min(d, dcfg.block_size + 1) - 1, 1, min(d, dcfg.block_size + 1)).name
-            trees = [n for n in taus if SpecConfig.parse(n).topk > 1 and SpecConfig.parse(n).num_draft_tokens == d
-                     and not SpecConfig.parse(n).widths]
+            chain = chain_at(d, dcfg).name
+            parsed = {n: SpecConfig.parse(n) for n in taus}
+            trees = [n for n, sp in parsed.items() if sp.topk > 1 and sp.num_draft_tokens == d and not sp.widths]
             if chain not in taus or not trees:
                 continue
             best = max(trees, key=taus.__getitem__)

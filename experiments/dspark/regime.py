@@ -14,9 +14,8 @@ import argparse
 import json
 
 import numpy as np
-
-RELEASE = (0.579, 0.447, 0.316, 0.237, 0.158)
-MEAN_OVER = ("gsm8k", "mbpp", "sharegpt")
+from cost_projection import MEAN_OVER  # run as a script: its folder is on the path
+from cost_projection import PER_POSITION as RELEASE
 
 
 def main() -> None:
