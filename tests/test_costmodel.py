@@ -166,7 +166,7 @@ def _one_line_error(argv):
     (["cost", "--calibrate", "--calibration", "/nonexistent/points.json"], "does not exist"),
     (["cost", "--preset", "test", "--overlap", "1.5"], "--overlap"),
     (["cost", "--preset", "test", "--kernels", "mla=3"], "--kernels takes KIND=N"),
-    (["cost", "--preset", "v41-flash", "--tau", "3"], "does not model V4.1"),
+    (["cost", "--preset", "v41-flash", "--tau", "3"], "no MTP block and drafts with DSpark"),
 ])
 def test_bad_input_is_one_line(argv, expected):
     assert expected in _one_line_error(argv)

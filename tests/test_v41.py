@@ -270,6 +270,36 @@ def test_the_kernels_equal_the_jnp_paths(loaded, tokens, one_shot):
     assert _rel(got, one_shot[:, :24]) <= STATE_TOL
 
 
+@pytest.mark.parametrize("qat", [False, True])
+def test_the_expert_paths_agree(qat):
+    """V4.1's three expert paths on the same assignments, some held elsewhere (index >= E): the gathered
+    one (decode), the dense one (many tokens), the grouped-matmul kernel; with the QAT roundings on, each
+    assignment's weight still scales the SwiGLU output before its FP8 rounding."""
+    from jaxspec.layers import moe as moe_lib
+    from jaxspec.layers import v41_moe
+
+    cfg = js.ModelConfig.preset("v41-test")
+    cfg = cfg.replace(v41=dataclasses.replace(cfg.v41, qat=qat))
+    # Weights and inputs on a coarse grid, so every path's matmuls before the FP8 rounding are exact
+    # and a rounding cannot flip between programs that sum in another order.
+    experts = jax.tree.map(lambda w: jnp.round(w * 200.0) / 16.0,
+                           moe_lib.init_moe(cfg, jax.random.key(3), hash_routed=False).experts)
+    n, k, e = 40, cfg.num_experts_per_tok, cfg.n_routed_experts
+    kx, ki, kw = jax.random.split(jax.random.key(4), 3)
+    x = jax.random.randint(kx, (n, cfg.hidden_size), -2, 3).astype(jnp.float32) / 4.0
+    # distinct experts per token, as routing picks them; e and e + 1: held elsewhere
+    indices = jnp.argsort(jax.random.uniform(ki, (n, e + 2)), axis=1)[:, :k].astype(jnp.int32)
+    weights = jax.random.uniform(kw, (n, k), minval=0.2, maxval=1.5)
+    gathered = v41_moe.gathered_qat_experts(experts, cfg, x, indices, weights)
+    dense = v41_moe.dense_qat_experts(experts, cfg, x, indices, weights)
+    kernel = v41_moe.kernel_qat_experts(experts, cfg, x, indices, weights)
+    assert float(jnp.max(jnp.abs(gathered))) > 1e-3
+    assert _rel(dense, gathered) <= 1e-6
+    assert _rel(kernel, gathered) <= 1e-6
+    alone = v41_moe.gathered_qat_experts(experts, cfg, x, jnp.where(indices < e, indices, 0), weights)
+    assert _rel(alone, gathered) > 1e-3  # the experts held elsewhere were really dropped
+
+
 def _random_tree(rng, num_nodes, max_depth):
     parent, depth = [0], [0]
     for _ in range(1, num_nodes):

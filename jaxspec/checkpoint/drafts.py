@@ -34,6 +34,7 @@ from jaxspec.core.config import ModelConfig
 from jaxspec.core.dspark import DSparkConfig
 from jaxspec.core.spec import VALUE_SOURCES
 from jaxspec.model.dspark import DSparkParams, abstract_dspark_params
+from jaxspec.model.dspark_v41 import V41DSparkParams
 from jaxspec.model.network import MTPParams, abstract_params
 from jaxspec.speculation.auto import TUNING_FILE, Tuning, load_tuning
 from jaxspec.speculation.drafter import Draft, Unreadable
@@ -136,7 +137,7 @@ def _unreadable(path: str, error: Exception) -> Unreadable:
 def draft_of(name: str, params: Any, config: DSparkConfig | None, calibration: Any, tuning: Any,
              value_calibrations: Any = None) -> Draft:
     """The Draft of an MTP block (a checkpoint's own, or drafts/<name>/mtp) or of a DSpark drafter."""
-    if isinstance(params, DSparkParams):
+    if isinstance(params, (DSparkParams, V41DSparkParams)):
         return dspark_draft(params, config, name, calibration, tuning, value_calibrations)
     return Draft(name, MTPDrafter(), params, calibration, tuning, dict(value_calibrations or {}))
 
@@ -148,7 +149,8 @@ def abstract_mtp(cfg: ModelConfig) -> MTPParams:
     return mtp
 
 
-def save_draft(path: str | os.PathLike, name: str, cfg: ModelConfig, params: MTPParams | DSparkParams,
+def save_draft(path: str | os.PathLike, name: str, cfg: ModelConfig,
+               params: MTPParams | DSparkParams | V41DSparkParams,
                info: dict[str, Any] | None = None, config: DSparkConfig | None = None) -> str:
     """Write a draft's parameters (an MTP block, or a DSpark drafter with its `config`), cast to the dtypes
     of `cfg` (the checkpoint's config.json), as draft `name` of the checkpoint folder `path`, replacing an
@@ -159,7 +161,7 @@ def save_draft(path: str | os.PathLike, name: str, cfg: ModelConfig, params: MTP
     if not name or name in (DEFAULT_DRAFT, ALL_DRAFTS) or os.sep in name or name.startswith("."):
         raise ValueError(f"a draft name must be a plain folder name other than {DEFAULT_DRAFT!r} and {ALL_DRAFTS!r}, "
                          f"got {name!r}")
-    if isinstance(params, DSparkParams):
+    if isinstance(params, (DSparkParams, V41DSparkParams)):
         if config is None:
             raise ValueError("a DSpark draft needs its DSparkConfig (config=)")
         kind, expected = DSPARK, abstract_dspark_params(cfg, config)

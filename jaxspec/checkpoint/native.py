@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jaxspec.checkpoint import drafts, errors
 from jaxspec.core.config import ModelConfig
 from jaxspec.core.dspark import DSparkConfig
+from jaxspec.core.v41 import V41Layout
 from jaxspec.model.dspark import abstract_dspark_params
 from jaxspec.model.network import ModelParams, abstract_params, cpu_layout
 from jaxspec.model.placement import param_shardings, sharded_abstract
@@ -57,7 +58,10 @@ def _cfg_from_json(data: dict[str, Any]) -> ModelConfig:
     unknown = sorted(set(data) - names)
     if unknown:
         raise ValueError(f"config.json has unknown ModelConfig fields {unknown}")
-    return ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+    if isinstance(fields.get("v41"), dict):  # asdict wrote V4.1's layout as a nested dict
+        fields["v41"] = V41Layout(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields["v41"].items()})
+    return ModelConfig(**fields)
 
 
 def save_checkpoint(path: str | os.PathLike, cfg: ModelConfig, params: ModelParams, tokenizer: Any = None,
@@ -169,8 +173,8 @@ def load_checkpoint(
             raise ValueError(f"{tok_path} is damaged or not a tokenizer: {errors.one_line(e)}") from None
     found = []  # (name, params, config, sidecar values): the values are checked against the stored layout
     for name, folder, (own, config) in zip(names, folders, stored, strict=True):
-        if own is None and params.mtp is None:
-            continue  # no MTP block: no default draft
+        if own is None and getattr(params, "mtp", None) is None:
+            continue  # no MTP block (V4.1 has none): no default draft
         if own is not None:
             expected = abstract_params(cfg).mtp if config is None else abstract_dspark_params(cfg, config)
             own = jax.tree.map(lambda x, a: x.astype(a.dtype), own, expected)

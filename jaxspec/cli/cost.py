@@ -136,10 +136,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
         return run_calibrate(args, console)
     _check_args(args)
     cfg = ModelConfig.preset(args.preset)
-    if cfg.v41 is not None:  # its terms (Engram lookups, shared pools, two-level top-k) are not written yet
-        raise ValueError(f"jaxspec cost does not model V4.1 ({args.preset}) yet: its stage table would count the "
-                         "Engram tables as weights read whole and no shared-pool or top-k terms; "
-                         f"`jaxspec plan --preset {args.preset}` counts its memory")
+    if cfg.v41 is not None and args.draft == "mtp":
+        raise ValueError(f"{args.preset} is a V4.1 model: it has no MTP block and drafts with DSpark (--draft dspark)")
     if args.format == "json":  # the tables and notes go nowhere; the numbers to stdout at the end (`emit`)
         console = Console(file=io.StringIO())
     taus, args.tau_source = tau_source(args)

@@ -14,10 +14,6 @@ from jaxspec.cli.tables import add_format_argument, compact, print_json
 
 DEVICE_GIB = 140.0  # an H200 as nvidia-smi reports it (143,771 MiB)
 # DeepSeek-V4-Flash's DSpark drafter as released (its config.json's dspark_* keys; jaxspec.core.dspark).
-V4_FLASH_DSPARK = dict(block_size=5, noise_token_id=128799, target_layers=(40, 41, 42), markov_rank=256,
-                       num_stages=3)
-
-
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "plan",
@@ -36,8 +32,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="prefill chunk, a power of two (default: jaxspec.model.prefill.prefill_chunk of the preset)")
     p.add_argument("--draft", choices=("mtp", "dspark"), default="mtp",
-                   help="the draft to count: the model's own MTP block, or DeepSeek-V4-Flash's DSpark drafter "
-                   "(block 5, 3 stages, rank 256, target layers 40-42; v4-flash only) with its per-stage rings")
+                   help="the draft to count: the model's own MTP block, or the DSpark drafter DeepSeek released "
+                   "(block 5, 3 stages, rank 256; v4-flash: target layers 40-42, v41-flash: 37-39 and the stages' "
+                   "own 128 experts) with its per-stage rings")
     p.add_argument("--device-memory", type=float, default=DEVICE_GIB, metavar="GIB",
                    help="memory of one device, for the fits / does-not-fit verdict (default 140: an H200; an "
                    "H100 has 80)")
@@ -89,17 +86,18 @@ def run(args: argparse.Namespace, console: Console) -> int:
         from jaxspec.model.prefill import check_chunk
 
         check_chunk(args.prefill_chunk)
+    cfg = ModelConfig.preset(args.preset)
     draft = None
     if args.draft == "dspark":
-        if not args.preset.startswith("v4-flash"):
-            raise ValueError(f"--draft dspark counts DeepSeek-V4-Flash's released drafter; --preset {args.preset} "
-                             "has none known (use --preset v4-flash, or --draft mtp)")
-        from jaxspec.core.dspark import DSparkConfig
+        if not args.preset.startswith(("v4-flash", "v41-flash")):
+            raise ValueError(f"--draft dspark counts the DSpark drafter DeepSeek released for V4-Flash and "
+                             f"V4.1-Flash; --preset {args.preset} has none known (use --preset v4-flash / v41-flash, "
+                             "or --draft mtp)")
+        from jaxspec.cost.terms import default_dspark
 
-        draft = DSparkConfig(**V4_FLASH_DSPARK)
+        draft = default_dspark(cfg)
     if args.prefill and args.devices > 1:
         _simulate_devices(args.devices)
-    cfg = ModelConfig.preset(args.preset)
     if args.mesh is None:
         shape = sharding.default_mesh_shape(args.devices, cfg)
     else:
@@ -117,8 +115,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     peak = plan.bytes_per_device + (temp[1] if temp else 0)
     fits = peak <= args.device_memory * gib
     what = "its MTP block" if args.draft == "mtp" else "its DSpark drafter"
-    if cfg.v41 is not None:
-        what = "none counted (V4.1's DSpark stages are not supported yet)"
+    if draft is None and not cfg.has_mtp:
+        what = "none (no MTP block; --draft dspark counts its DSpark drafter)"
     if args.format == "json":
         print_json({
             "preset": args.preset, "weights": args.weights, "experts": args.experts, "draft": args.draft,

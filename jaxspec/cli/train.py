@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -81,6 +82,17 @@ def run(args: argparse.Namespace, console: Console) -> int:
     tok_lib.check_tokenizer(tok, base.vocab_size)
     tok.save(tok_path)
     cfg = base.replace(bos_id=tok_lib.BOS_ID, eos_id=tok_lib.EOS_ID)
+    init = None
+    if cfg.v41 is not None and cfg.v41.engram_layers:
+        # Engram hashes tokenizer-normalized classes: derive them from this tokenizer, as a release's are
+        from jaxspec.checkpoint.v41_load import derive_token_map
+        from jaxspec.model.network import init_params
+
+        token_map = derive_token_map(tok_path)
+        cfg = cfg.replace(v41=dataclasses.replace(cfg.v41, engram_compressed_vocab=int(token_map.max()) + 1))
+        init = init_params(cfg, jax.random.key(args.seed)).replace(
+            engram_token_map=jax.numpy.asarray(token_map, jax.numpy.int32))
+        console.print(f"Engram: {cfg.v41.engram_compressed_vocab} normalized classes of {cfg.vocab_size} ids")
     opt = OptConfig(lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup, steps=args.steps,
                     weight_decay=args.weight_decay, clip=args.clip, mtp_weight=args.mtp_weight,
                     unlikelihood_weight=args.unlikelihood_weight)
@@ -100,7 +112,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         train_loop(cfg, opt, sampler, eval_rows, batch=args.batch, run_dir=run_dir, out=args.out, tokenizer=tok,
                    resume=not args.fresh, time_budget_s=budget, eval_every=args.eval_every,
                    save_every=args.save_every, seed=args.seed, unigram=uni, ship_dtype=args.ship_dtype,
-                   log=bar.console.print, on_step=on_step,
+                   log=bar.console.print, on_step=on_step, init=init,
                    extra_meta={"argv": list(sys.argv[1:]), "preset": args.preset, "batch": args.batch,
                                "seq_len": args.seq_len})
     console.print(f"done: checkpoint in {args.out}, curve in {args.out}/loss.csv")

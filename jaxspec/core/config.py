@@ -402,4 +402,4 @@ _TINY = ModelConfig(
 )
 
 _PRESETS = {"test": _TEST, "tiny": _TINY, "v4-flash": _flash(), "v4-pro": _pro(),
-            **{name: ModelConfig(**v41_preset_fields(name)) for name in ("v41-flash", "v41-test")}}
+            **{name: ModelConfig(**v41_preset_fields(name)) for name in ("v41-flash", "v41-test", "tiny-v41")}}

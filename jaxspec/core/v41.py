@@ -207,6 +207,30 @@ _V41_TEST = dict(
 
 
 
+# `tiny-v41`: the CPU-trainable V4.1, `tiny`'s widths (vocab, d, heads, window 32, 8 experts top-2) in
+# v41-test's 8-layer plan (every layer kind), so a prompt + 128 new tokens crosses the window, many
+# ratio-2 pairs and candidate blocks. Top-16 of 6 candidate blocks of 8 (V4.1-Flash: 512 of 2,048 x 8);
+# 2- to 4-grams as released, 4 heads of 32 over ~4.1K-row buckets (a few n-grams share a row, as at
+# scale). Continuous (no QAT roundings): trained and checked in float32. `jaxspec train` sets the
+# Engram classes from its tokenizer (`engram_compressed_vocab` below is a placeholder).
+_TINY_V41_LAYOUT = V41Layout(
+    ratios=(0, 0, 2, 2, 2, 1, 1, 1), kv_sources=(2, 5), index_sources=(2, 5, 7),
+    candidate_source=5, candidate_topk_blocks=6, candidate_block_size=8,
+    engram_layers=(1, 4), engram_num_embeddings=(49796, 50980), engram_max_ngram=4, engram_n_heads=4,
+    engram_head_dim=32, engram_vocab_size=4096, engram_compressed_vocab=2048, engram_pad_id=2, qat=False,
+)
+_TINY_V41 = dict(
+    vocab_size=2048, hidden_size=256, num_layers=8, num_heads=8, head_dim=64, rope_head_dim=16,
+    q_lora_rank=96, o_groups=2, o_lora_rank=64, sliding_window=32,
+    layer_types=tuple(_TINY_V41_LAYOUT.kind(i) for i in range(8)),
+    index_n_heads=8, index_head_dim=32, index_topk=16,
+    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, num_hash_layers=0,
+    rms_norm_eps=1e-20, num_mtp_layers=0, max_position_embeddings=8192, v41=_TINY_V41_LAYOUT,
+)
+
+
 def v41_preset_fields(name: str) -> dict[str, Any]:
-    """`ModelConfig` fields of the V4.1 presets: "v41-flash" (the release's numbers), "v41-test"."""
-    return {"v41-flash": _v41_flash, "v41-test": lambda: dict(_V41_TEST)}[name]()
+    """`ModelConfig` fields of the V4.1 presets: "v41-flash" (the release's numbers), "v41-test" (every
+    layer kind at test size), "tiny-v41" (CPU-trainable)."""
+    return {"v41-flash": _v41_flash, "v41-test": lambda: dict(_V41_TEST),
+            "tiny-v41": lambda: dict(_TINY_V41)}[name]()

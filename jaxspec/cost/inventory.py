@@ -28,8 +28,9 @@ from jaxspec.sharding.active import as_tuple
 from jaxspec.sharding.rules import DATA, TENSOR
 
 # Leaves a pass reads by row (a gather), not whole: the embedding, the hash layers' token -> expert
-# table and the compressor's in-block position bias.
-GATHERED = ("embed", "tid2eid", "ape")
+# table, the compressor's in-block position bias, and V4.1's Engram tables (each token reads
+# (N-1) x H rows of each, `V41Layout.engram_hash_columns`) and its token -> Engram class map.
+GATHERED = ("embed", "tid2eid", "ape", "table", "engram_token_map")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +62,8 @@ def _unit_name(path: str) -> str:
         return f"layers.{parts[1]}"
     if parts[0] == "mtp":
         return "mtp_head" if parts[1] in ("hc_head", "norm") else "mtp"
-    if parts[0] in ("embed", "head"):
-        return "embed" if parts[0] == "embed" else "vocab"
+    if parts[0] in ("embed", "head", "engram_token_map"):
+        return "vocab" if parts[0] == "head" else "embed"
     return "head"  # the main hc_head and final norm
 
 
@@ -99,7 +100,8 @@ def _accumulate(cfg: ModelConfig, sizes: dict[str, int], stored: list, plain: li
         for unit in unit_of(path):
             u = slot(unit)
             if name in GATHERED:
-                u["row_bytes"] += math.prod(x.shape[1:]) * np.dtype(x.dtype).itemsize / ways[0]  # mean device
+                rows = cfg.v41.engram_hash_columns if name == "table" else 1  # rows one token reads
+                u["row_bytes"] += rows * math.prod(x.shape[1:]) * np.dtype(x.dtype).itemsize / ways[0]  # mean device
                 if name == "tid2eid":
                     u["hash_routed"] = True
             elif ".ffn.experts." in path:
@@ -258,6 +260,7 @@ def state_layers(cfg: ModelConfig, mesh: tuple[int, int, int], batch: int, conte
     specs = jax.tree.leaves(state_specs(cfg, state, sizes), is_leaf=lambda s: isinstance(s, P))
     flat = jax.tree_util.tree_flatten_with_path(state)[0]
     acc: dict[str, dict[str, float]] = {}
+    index_bytes: dict[str, float] = {}  # V4.1 owners: their index keys (read whole by each index source)
     for (path, x), spec in zip(flat, specs, strict=True):
         p = _path_str(path)
         if not p.startswith(("layers.", "mtp.", "ring.")):
@@ -272,7 +275,12 @@ def state_layers(cfg: ModelConfig, mesh: tuple[int, int, int], batch: int, conte
         rows_per_seq = shard[1]
         per_seq_row = nbytes / shard[0] / rows_per_seq  # one row of one sequence
         a = acc.setdefault(unit, {"read_bytes": 0.0, "entry_bytes": 0.0, "entries": 0, "write_row_bytes": 0.0})
-        if field == "comp_kv":
+        if cfg.v41 is not None and field in ("comp_kv", "idx_kv"):  # an owner's pool: read by role, below
+            if field == "comp_kv":
+                a["entries"], a["entry_bytes"] = x.shape[1], per_seq_row
+            else:
+                index_bytes[unit] = nbytes
+        elif field == "comp_kv":
             a["entries"] = x.shape[1]
             a["entry_bytes"] = per_seq_row
             if not g.indexed:  # HCA reads every entry; CSA what its indexer picks (terms.layer_pass)
@@ -281,4 +289,20 @@ def state_layers(cfg: ModelConfig, mesh: tuple[int, int, int], batch: int, conte
             a["read_bytes"] += nbytes
         written = per_seq_row / ratio if field in ("comp_kv", "idx_kv") else per_seq_row
         a["write_row_bytes"] += written
+    if cfg.v41 is not None:
+        _v41_reads(cfg, acc, index_bytes)
     return {k: LayerState(**v) for k, v in acc.items()}
+
+
+def _v41_reads(cfg: ModelConfig, acc: dict[str, dict[str, float]], index_bytes: dict[str, float]) -> None:
+    """V4.1's shared pools: only the kv sources hold a pool and its index keys; every compressed layer
+    reads its owner's pool by the entries its top-k picks (entries / entry_bytes: the owner's), and each
+    index source scores all of the owner's index keys (read whole). The layers between keep a ring only."""
+    v = cfg.v41
+    for i, ratio in enumerate(v.ratios):
+        if not ratio:
+            continue
+        owner, a = acc[f"layers.{v.owner(i)}"], acc[f"layers.{i}"]
+        a["entries"], a["entry_bytes"] = owner["entries"], owner["entry_bytes"]
+        if i in v.index_sources:
+            a["read_bytes"] += index_bytes[f"layers.{v.owner(i)}"]

@@ -44,8 +44,14 @@ HARDWARE = {
 # log-softmax max and sum, the vocab top-k and the confidence head; in the verify one hc-mean per captured
 # layer ("capture"); in the commit main_proj and main_norm ("dspark_ctx") and per stage wkv, kv_norm +
 # RoPE and the ring write ("dspark_kv").
+# V4.1's compressed layers by role, by analogy with V4's counts (not fitted, not counted from a program):
+# "reuse" a window layer plus the gather of the picked entries (23); "owner" the compressor, index keys
+# and indexer of a CSA layer (34); "reindex" the indexer without compressor (28); an Engram layer adds
+# "engram" (class map gather, hash, row gather, wkv, gate norms and dot, add: 6), the candidate source
+# "candidates" (block maxima, block top-k, mask: 3).
 DEFAULT_KERNELS = {"sliding": 22, "hca": 26, "csa": 34, "head": 4, "mtp_kv": 6, "mtp_in": 5, "draft_sample": 5,
-                   "draft_expand": 3, "dspark_in": 1, "markov": 6, "capture": 1, "dspark_ctx": 2, "dspark_kv": 3}
+                   "draft_expand": 3, "dspark_in": 1, "markov": 6, "capture": 1, "dspark_ctx": 2, "dspark_kv": 3,
+                   "reuse": 23, "owner": 34, "reindex": 28, "engram": 6, "candidates": 3}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -110,16 +110,28 @@ def check_setup(cfg: ModelConfig, mesh: tuple[int, int, int], batch: int, contex
         raise ValueError(f"context must be in [2, {cfg.max_position_embeddings}], got {context}")
 
 
-def _attention_keys(cfg: ModelConfig, kind: str, tokens: int, prior: int, st: LayerState) -> tuple[float, float]:
-    """-> (keys one token's heads read, index keys it scores) on a layer of `kind`."""
+def selection(cfg: ModelConfig, name: str) -> tuple[bool, bool]:
+    """-> (the unit's attention reads top-k picked entries, it scores the index keys itself). V4: a CSA
+    layer does both, HCA reads every entry. V4.1: every compressed layer reads the top-k of its owner's
+    pool; only the index sources score (the layers after one reuse its picks); a DSpark stage neither."""
+    if not name.startswith("layers."):
+        return False, False
+    layer = int(name.split(".")[1])
+    if cfg.v41 is not None:
+        return cfg.v41.ratios[layer] > 0, layer in cfg.v41.index_sources
+    indexed = cfg.geometry(cfg.layer_types[layer]).indexed
+    return indexed, indexed
+
+
+def _attention_keys(cfg: ModelConfig, name: str, tokens: int, prior: int, st: LayerState) -> tuple[float, float]:
+    """-> (keys one token's heads read, index keys it scores) on unit `name`."""
     keys = cfg.sliding_window + tokens + prior  # committed ring + the new (and scratch) tokens
-    g = cfg.geometry(kind)
-    if g.compressed and not g.indexed:
-        keys += st.entries + tokens  # every committed entry + branch-local candidates
-        return keys, 0.0
-    if g.indexed:
+    picks, scores = selection(cfg, name)
+    if picks:
         keys += min(cfg.index_topk, st.entries + tokens) + tokens
-        return keys, st.entries + tokens
+        return keys, (st.entries + tokens) if scores else 0.0
+    if st.entries:
+        keys += st.entries + tokens  # every committed entry + branch-local candidates
     return keys, 0.0
 
 
@@ -139,15 +151,16 @@ def layer_pass(s: Setup, name: str, tokens: int, prior: int = 0, commit: int = 0
     also reads; `commit` tokens per sequence written to its state."""
     cfg, u = s.cfg, s.units(draft)[name]
     st = s.state()["ring" if name.startswith("dspark.") else name]
-    kind = cfg.layer_types[int(name.split(".")[1])] if name.startswith("layers.") else "sliding"
+    kind = launch_kind(cfg, name)
     n = s.rows * tokens  # tokens on this device's data shard
-    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    moe = draft.stage_config(cfg) if name.startswith("dspark.") else cfg  # V4.1's stages: their own MoE
+    e, k = moe.n_routed_experts, moe.num_experts_per_tok
     overlap = 0.0 if u.hash_routed else s.overlap
     mean = routing.expected_mean_per_device(e, k, n, u.expert_groups, overlap)
     busiest = routing.expected_max_per_device(e, k, n, u.expert_groups, overlap)
-    keys, index_keys = _attention_keys(cfg, kind, tokens, prior, st)
+    keys, index_keys = _attention_keys(cfg, name, tokens, prior, st)
     selected = 0.0
-    if cfg.geometry(kind).indexed:  # CSA reads only the entries its tokens select (at most all of them)
+    if selection(cfg, name)[0]:  # top-k layers read only the entries their tokens pick (at most all of them)
         selected = s.rows * min(st.entries, tokens * min(cfg.index_topk, st.entries)) * st.entry_bytes
     nbytes = {
         "weights": u.dense_bytes,
@@ -173,7 +186,27 @@ def layer_pass(s: Setup, name: str, tokens: int, prior: int = 0, commit: int = 0
     elif g > 1:  # dispatch + combine of the routed assignments over the expert devices
         coll["all_to_all"] = (2, 2.0 * (g - 1) / g * n * k * d * s.act_bytes)
     busy = nbytes["weights"] + busiest * u.expert_bytes + nbytes["rows"] + nbytes["state_read"] + nbytes["state_write"]
-    return Costs(nbytes, busy, flops, coll, {kind: 1}, 0)
+    passes = {kind: 1}
+    if cfg.v41 is not None and name.startswith("layers."):
+        layer = int(name.split(".")[1])
+        if layer in cfg.v41.engram_layers:  # its own kernels beside the attention's and the MoE's
+            passes["engram"] = 1
+        if layer == cfg.v41.candidate_source:  # the block maxima, the block top-k and the candidate mask
+            passes["candidates"] = 1
+    return Costs(nbytes, busy, flops, coll, passes, 0)
+
+
+def launch_kind(cfg: ModelConfig, name: str) -> str:
+    """The kernel-count kind of unit `name` (`latency.DEFAULT_KERNELS`): a main layer's kind, V4.1's
+    compressed layers by role ("owner": compressor and indexer, "reindex": an indexer over the owner's
+    keys, "reuse": the owner's pool through the last picks), "sliding" for a draft block."""
+    if not name.startswith("layers."):
+        return "sliding"
+    layer = int(name.split(".")[1])
+    v = cfg.v41
+    if v is None or not v.ratios[layer]:
+        return cfg.layer_types[layer]
+    return "owner" if layer in v.kv_sources else "reindex" if layer in v.index_sources else "reuse"
 
 
 def head_pass(s: Setup, tokens: int, mtp: bool = False, draft: DSparkConfig | None = None) -> Costs:
@@ -242,6 +275,9 @@ def stage_table(s: Setup, spec: SpecConfig | None, draft: DSparkConfig | None = 
         return {"ar": main_pass(s, 1, commit=1)}
     if draft is not None:
         return dspark_table(s, spec, draft)
+    if not s.cfg.has_mtp:
+        raise ValueError("this model has no MTP block (V4.1 drafts with DSpark): give the DSpark drafter "
+                         "(--draft dspark)")
     slots = 1 + (spec.num_steps - 1) * spec.topk
     draft = EMPTY
     for step in range(1, spec.num_steps + 1):
@@ -260,14 +296,18 @@ def stage_table(s: Setup, spec: SpecConfig | None, draft: DSparkConfig | None = 
 
 
 def default_dspark(cfg: ModelConfig) -> DSparkConfig:
-    """The DSpark drafter DeepSeek ships for a V4 target (docs/dspark.md, "What a release holds"), sized to `cfg`: block
-    5, 3 stages, the target's last three layers captured (V4-Flash 40-42, V4-Pro 58-60), Markov rank 256
+    """The DSpark drafter DeepSeek ships for a V4 / V4.1 target (docs/dspark.md, "What a release holds"), sized to
+    `cfg`: block 5, 3 stages, the target's last three layers captured (V4-Flash 40-42 outputs, V4-Pro 58-60,
+    V4.1-Flash 37-39 inputs; V4.1's stages with their own 128-expert top-3 MoE), Markov rank 256
     (512 at V4-Pro's width; at most the hidden size on toy configs), noise token 128799 (the last id on
     vocabularies smaller than V4's)."""
     rank = 512 if cfg.hidden_size >= 7168 else min(256, cfg.hidden_size)
     layers = tuple(range(max(cfg.num_layers - 3, 0), cfg.num_layers))
     noise = 128799 if cfg.vocab_size > 128799 else cfg.vocab_size - 1
-    return DSparkConfig(block_size=5, noise_token_id=noise, target_layers=layers, markov_rank=rank, num_stages=3)
+    # V4.1's stages run their own MoE, 128 experts top-3 (where the target has at least that many)
+    own = cfg.v41 is not None and cfg.n_routed_experts >= 128
+    return DSparkConfig(block_size=5, noise_token_id=noise, target_layers=layers, markov_rank=rank, num_stages=3,
+                        n_routed_experts=128 if own else None, num_experts_per_tok=3 if own else None)
 
 
 def check_dspark(cfg: ModelConfig, spec: SpecConfig, draft: DSparkConfig) -> None:

@@ -91,7 +91,7 @@ def dense_experts(
     token needs. The reference the sparse paths are tested against; the model runs it only where the
     backend has no grouped matmul (see `sparse_experts`)."""
     num_experts = experts.w1.shape[0]
-    combine = _combine(indices, weights, num_experts)
+    combine = combine_weights(indices, weights, num_experts)
     # One matmul per expert (the expert axis as the batch axis) reads each weight in its stored
     # [E, d, I] layout; a single [N, d] x [d, E*I] matmul would copy every weight transposed first.
     per_expert = (((2,), (1,)), ((0,), (0,)))  # contract the feature axis, batch over experts
@@ -240,7 +240,7 @@ def union_experts(
     Stacked weights work too, but a static slice of them is copied first (`unstack_experts`)."""
     n, d = x.shape
     num_experts = num_experts_of(experts)
-    combine = _combine(indices, weights, num_experts)  # [N, E]
+    combine = combine_weights(indices, weights, num_experts)  # [N, E]
     used = jnp.zeros((num_experts + 1,), bool).at[jnp.minimum(indices, num_experts).reshape(-1)].set(True)
     out = jnp.zeros((n, d), jnp.float32)
     for e in range(num_experts):
@@ -305,7 +305,7 @@ def blocked_experts(
     return out
 
 
-def _combine(indices: jax.Array, weights: jax.Array, num_experts: int) -> jax.Array:
+def combine_weights(indices: jax.Array, weights: jax.Array, num_experts: int) -> jax.Array:
     """[N, k] assignments -> [N, E] fp32 routing weight of each expert (0: not selected; indices >= E,
     held elsewhere, dropped)."""
     n = indices.shape[0]

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.core.config import ModelConfig
-from jaxspec.layers.moe import MLPParams, MoEParams, clamped_swiglu, route, sorted_assignments
+from jaxspec.layers.moe import MLPParams, MoEParams, clamped_swiglu, combine_weights, route, sorted_assignments
 from jaxspec.ops import fakequant, quant
 from jaxspec.ops.pallas.grouped_matmul import grouped_matmul
 from jaxspec.sharding.active import routed_experts
@@ -42,6 +42,27 @@ def gathered_qat_experts(
     return out.reshape(n, k, d).sum(axis=1)
 
 
+def dense_qat_experts(
+    experts: MLPParams, cfg: ModelConfig, x: jax.Array, indices: jax.Array, weights: jax.Array
+) -> jax.Array:
+    """The same with every expert on every token, an unselected one's routing weight 0 (its rounded
+    hidden is then exactly 0) -> [N, d] fp32: E/k times the work, no copy of any weight. Many tokens
+    (training, prefill) on small expert counts, where gathering each assignment's weights would copy
+    them N*k times."""
+    num_experts = experts.w1.shape[0]
+    combine = combine_weights(indices, weights, num_experts)  # [N, E]
+    per_expert = (((2,), (1,)), ((0,), (0,)))  # contract the feature axis, batch over experts
+    rows = jnp.broadcast_to(x, (num_experts, *x.shape))  # [E, N, d]
+    gate = jax.lax.dot_general(rows, quant.dequantize(experts.w1), per_expert)  # [E, N, I]
+    up = jax.lax.dot_general(rows, quant.dequantize(experts.w3), per_expert)
+    flat = combine.T.reshape(-1)  # [E*N]
+    e, n, i = gate.shape
+    hidden = _hidden(gate.reshape(e * n, i), up.reshape(e * n, i), flat, cfg, x.dtype).reshape(e, n, i)
+    out = jax.lax.dot_general(hidden, quant.dequantize(experts.w2), per_expert,
+                              preferred_element_type=jnp.float32)  # [E, N, d]
+    return jnp.sum(out, axis=0)
+
+
 def kernel_qat_experts(
     experts: MLPParams, cfg: ModelConfig, x: jax.Array, indices: jax.Array, weights: jax.Array
 ) -> jax.Array:
@@ -63,9 +84,13 @@ def kernel_qat_experts(
 def qat_experts(experts: MLPParams, cfg: ModelConfig, x: jax.Array, indices: jax.Array,
                 weights: jax.Array) -> jax.Array:
     """`cfg.kernels == "pallas"`: the grouped-matmul kernel (compiled for CUDA, interpreted elsewhere);
-    "xla": the gathered path."""
-    fn = kernel_qat_experts if cfg.kernels == "pallas" else gathered_qat_experts
-    return fn(experts, cfg, x, indices, weights)
+    "xla": the gathered path while the assignments are few (decode, draft, a small verify), the dense one
+    beyond (the rule of V4's many-expert CPU path, `moe.cpu_experts_path`: gathering copies each
+    assignment's weights, so past 1.5 E assignments running every expert reads less)."""
+    if cfg.kernels == "pallas":
+        return kernel_qat_experts(experts, cfg, x, indices, weights)
+    dense = 2 * indices.size > 3 * experts.w1.shape[0]
+    return (dense_qat_experts if dense else gathered_qat_experts)(experts, cfg, x, indices, weights)
 
 
 def qat_moe(p: MoEParams, cfg: ModelConfig, x: jax.Array) -> jax.Array:

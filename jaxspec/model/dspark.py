@@ -107,7 +107,7 @@ def abstract_dspark_params(cfg: ModelConfig, dcfg: DSparkConfig, weights: str = 
     """ShapeDtypeStructs of `init_dspark_params(cfg, dcfg)`; weights "fp8": the leaves a release stores
     FP8 / FP4 block-scaled as it stores them (as `network.abstract_params`)."""
     params = jax.eval_shape(lambda: init_dspark_params(cfg, dcfg, jax.random.key(0)))
-    return release_weights(params, weights, experts)
+    return release_weights(params, weights, experts, v41=cfg.v41 is not None)
 
 
 def init_dspark_state(cfg: ModelConfig, dcfg: DSparkConfig, batch: int) -> DSparkState:

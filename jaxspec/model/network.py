@@ -83,6 +83,7 @@ class ForwardOutput:
     # (V4.1): DSpark's context rows (docs/dspark.md "What a release holds"), concatenated in `capture`
     # order; None without capture.
     captured: jax.Array | None = None
+    final: jax.Array | None = None  # [B, T, d] the normed rows the head reads (logits = final @ head)
 
 
 def init_block(cfg: ModelConfig, key: jax.Array, kind: str, hash_routed: bool) -> BlockParams:
@@ -136,12 +137,15 @@ def abstract_params(cfg: ModelConfig, weights: str = "plain", experts: str = "fp
     """ShapeDtypeStructs of `init_params(cfg)`. weights "fp8": the leaves DeepSeek's release stores
     quantized are BlockScaled as it stores them (`ops.quant.release_layout`; `experts` "fp4" for the
     instruct release's routed experts, "fp8" for the Base release's)."""
-    return release_weights(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))), weights, experts)
+    return release_weights(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))), weights, experts,
+                           v41=cfg.v41 is not None)
 
 
-def release_weights(params: Any, weights: str, experts: str = "fp4") -> Any:
+def release_weights(params: Any, weights: str, experts: str = "fp4", v41: bool = False) -> Any:
     """Abstract parameters (any declared tree) with weights "fp8": the leaves DeepSeek's release stores
-    quantized as BlockScaled (`ops.quant.release_layout`); "plain": unchanged."""
+    quantized as BlockScaled (`ops.quant.release_layout`); "plain": unchanged. `v41`: a V4.1 release,
+    which stores every FP8 weight in 32 x 32 blocks, those of the modules it shares with V4 (the shared
+    expert) too."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
     if weights == "plain":
@@ -150,6 +154,8 @@ def release_weights(params: Any, weights: str, experts: str = "fp4") -> Any:
     def quantized(x, names, tag, path):
         if tag is None:
             return x
+        if v41 and tag == "fp8":
+            tag = "fp8_32"
         block, fmt, scale_dtype = release_layout(tag, x.shape, experts)
         return abstract_block_scaled(x.shape, x.dtype, block, fmt, scale_dtype)
 
@@ -203,11 +209,16 @@ def causal_context(committed: jax.Array, valid: jax.Array, band: int = 0) -> Att
     )
 
 
-def head_logits(params: ModelParams, cfg: ModelConfig, streams: jax.Array, final: Any = None) -> jax.Array:
-    """[B, T, hc, d] streams -> [B, T, V] fp32 logits: hc_head + norm, then the shared head. `final`:
-    a draft's own hc_head and norm (its params: MTPParams, ...), None = the target's."""
+def head_rows(params: ModelParams, cfg: ModelConfig, streams: jax.Array, final: Any = None) -> jax.Array:
+    """[B, T, hc, d] streams -> [B, T, d] the rows the head reads: hc_head, then the norm. `final`: a
+    draft's own hc_head and norm (its params: MTPParams, ...), None = the target's."""
     top = params if final is None else final
-    x = rms_norm(hc_head(top.hc_head, cfg, streams), top.norm, cfg.rms_norm_eps)
+    return rms_norm(hc_head(top.hc_head, cfg, streams), top.norm, cfg.rms_norm_eps)
+
+
+def head_logits(params: ModelParams, cfg: ModelConfig, streams: jax.Array, final: Any = None) -> jax.Array:
+    """[B, T, hc, d] streams -> [B, T, V] fp32 logits: `head_rows`, then the shared head."""
+    x = head_rows(params, cfg, streams, final)
     return jnp.einsum("btd,dv->btv", x, params.head, preferred_element_type=jnp.float32)
 
 
@@ -279,8 +290,8 @@ def forward(
     if bad:
         raise ValueError(f"capture must hold layer ids in [0, {cfg.num_layers}), got {bad}")
     if isinstance(params, V41Params):
-        logits, hidden, rows, captured = forward_v41(params, cfg, state, tokens, ctx, capture)
-        return ForwardOutput(logits=logits, hidden=hidden, rows=rows, captured=captured)
+        logits, hidden, rows, captured, final = forward_v41(params, cfg, state, tokens, ctx, capture)
+        return ForwardOutput(logits=logits, hidden=hidden, rows=rows, captured=captured, final=final)
     streams = jnp.broadcast_to(params.embed[tokens][:, :, None, :], (*tokens.shape, cfg.hc_mult, cfg.hidden_size))
     all_rows, taps = [], {}
     for i, kind in enumerate(cfg.layer_types):
@@ -289,8 +300,9 @@ def forward(
         if i in capture:
             taps[i] = jnp.mean(streams.astype(jnp.float32), axis=2).astype(streams.dtype)  # [B, T, d]
     captured = jnp.concatenate([taps[i] for i in capture], axis=-1) if capture else None
-    return ForwardOutput(logits=head_logits(params, cfg, streams), hidden=streams, rows=tuple(all_rows),
-                         captured=captured)
+    final = head_rows(params, cfg, streams)
+    return ForwardOutput(logits=jnp.einsum("btd,dv->btv", final, params.head, preferred_element_type=jnp.float32),
+                         hidden=streams, rows=tuple(all_rows), captured=captured, final=final)
 
 
 def extend(

@@ -103,10 +103,11 @@ def forward_v41(
     tokens: jax.Array,  # [B, T] int32
     ctx: AttentionContext,  # dense (band = 0): visible and ancestor_at_depth [B, T, T]
     capture: tuple[int, ...] = (),
-) -> tuple[jax.Array, jax.Array, V41Rows, jax.Array | None]:
+) -> tuple[jax.Array, jax.Array, V41Rows, jax.Array | None, jax.Array]:
     """-> logits [B, T, V] fp32, final streams [B, T, hc, d], the rows for `state_v41.commit_v41_state`,
-    and with `capture` (static layer ids) the hc means of the streams *entering* those layers (after
-    their Engram), concatenated [B, T, len(capture) * d]: V4.1's DSpark taps layer inputs."""
+    with `capture` (static layer ids) the hc means of the streams *entering* those layers (after their
+    Engram), concatenated [B, T, len(capture) * d] (V4.1's DSpark taps layer inputs), and the normed
+    rows the head reads [B, T, d]."""
     v = cfg.v41
     if ctx.band:
         raise ValueError("the V4.1 forward reads a dense context (band = 0)")
@@ -130,8 +131,9 @@ def forward_v41(
         streams, pre, (layer_rows, share) = block_v41(p, cfg, streams, pre, attend)
         rows.append(layer_rows)
     captured = jnp.concatenate([taps[i] for i in capture], axis=-1) if capture else None
-    return head_v41(params.norm, params.head, cfg, streams, pre)[0], streams, \
-        V41Rows(layers=tuple(rows), ngram_ids=own), captured
+    logits, collapsed = head_v41(params.norm, params.head, cfg, streams, pre)
+    return logits, streams, V41Rows(layers=tuple(rows), ngram_ids=own), captured, \
+        rms_norm(collapsed, params.norm, cfg.rms_norm_eps)
 
 
 def first_mix(shape: tuple[int, ...], cfg: ModelConfig) -> jax.Array:

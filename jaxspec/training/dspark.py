@@ -48,13 +48,11 @@ from flax import struct
 from jaxspec.core.config import ModelConfig
 from jaxspec.core.dspark import DSparkConfig
 from jaxspec.core.programs import bounded_jit
-from jaxspec.layers.mhc import hc_head
 from jaxspec.model import dspark as dspark_model
 from jaxspec.model import network as model_lib
 from jaxspec.model import state as state_lib
 from jaxspec.model.dspark import DSparkParams
 from jaxspec.model.network import ModelParams
-from jaxspec.ops.norms import rms_norm
 from jaxspec.training.optim import Schedule, StepClock, adamw, resume_from, save_state, state_manager
 
 # ---- the training forward (the inference forward, batched over anchors) ----------------------------
@@ -202,13 +200,13 @@ class Cache:
 def target_rows(target: ModelParams, cfg: ModelConfig, capture: tuple[int, ...], tokens: jax.Array
                 ) -> tuple[jax.Array, jax.Array]:
     """The frozen target over tokens [B, T] from an empty state -> (captured [B, T, n*d], final normed
-    hidden [B, T, d]: its logits are hidden @ head, bit for bit `forward`'s)."""
+    hidden [B, T, d]: its logits are hidden @ head, `forward`'s)."""
     b, t = tokens.shape
     state = state_lib.init_state(cfg, b, t)
     out = model_lib.forward(target, cfg, state, tokens, model_lib.causal_context(state.length, jnp.ones((b, t), bool)),
                             capture=capture)
-    final = rms_norm(hc_head(target.hc_head, cfg, out.hidden), target.norm, cfg.rms_norm_eps)
-    return jax.lax.stop_gradient(out.captured).astype(jnp.float32), jax.lax.stop_gradient(final).astype(jnp.float32)
+    return (jax.lax.stop_gradient(out.captured).astype(jnp.float32),
+            jax.lax.stop_gradient(out.final).astype(jnp.float32))
 
 
 def build_cache(
@@ -309,6 +307,8 @@ def init_from_target(target: ModelParams, cfg: ModelConfig, dcfg: DSparkConfig, 
     stage) and whose hc_head / norm are the target's: the stage then begins as a layer that already
     reads the target's streams. main_proj and the heads stay random."""
     params = dspark_model.init_dspark_params(cfg, dcfg, key)
+    if cfg.v41 is not None:
+        return _init_v41_from_target(params, target, cfg, dcfg)
     stages = []
     for s, stage in enumerate(params.stages):
         # stacked experts, as the drafter stores them (a CPU load may hand the target's unstacked)
@@ -319,6 +319,19 @@ def init_from_target(target: ModelParams, cfg: ModelConfig, dcfg: DSparkConfig, 
         attn = src.attn.replace(compressor=None, indexer=None)
         stages.append(src.replace(attn=attn))
     return params.replace(stages=tuple(stages), hc_head=target.hc_head, norm=target.norm)
+
+
+def _init_v41_from_target(params: Any, target: Any, cfg: ModelConfig, dcfg: DSparkConfig) -> Any:
+    """V4.1's: the stages start as the target's last layers (attention without compressor or indexer,
+    mHC, norms; the experts too where the stages' MoE has the target's size, else fresh), no Engram;
+    the norm is the target's (V4.1 has no hc_head)."""
+    same_moe = dcfg.stage_config(cfg).n_routed_experts == cfg.n_routed_experts
+    stages = []
+    for s, stage in enumerate(params.stages):
+        src = target.layers[cfg.num_layers - dcfg.num_stages + s]
+        stages.append(src.replace(attn=src.attn.replace(compressor=None, indexer=None), engram=None,
+                                  ffn=src.ffn if same_moe else stage.ffn))
+    return params.replace(stages=tuple(stages), norm=target.norm)
 
 
 def init_train_state(params: DSparkParams, tc: DSparkTrainConfig) -> DSparkTrainState:

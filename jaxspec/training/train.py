@@ -80,11 +80,11 @@ class TrainState:
     step: jax.Array  # [] int32
 
 
-def init_train_state(cfg: ModelConfig, opt: OptConfig, key: jax.Array) -> TrainState:
-    """Fresh fp32 params (init_params) and AdamW moments."""
+def init_train_state(cfg: ModelConfig, opt: OptConfig, key: jax.Array, params: Any = None) -> TrainState:
+    """AdamW moments for `params` (default: fresh fp32 `init_params`)."""
     if cfg.dtype != "float32":
         raise ValueError(f"train in float32 (cfg.dtype={cfg.dtype!r}); cast to bfloat16 only when shipping")
-    params = model_lib.init_params(cfg, key)
+    params = model_lib.init_params(cfg, key) if params is None else params
     leaves = jax.tree.leaves(params)
     trainable = [leaves[i] for i in _float_index(params)]
     return TrainState(params=params, opt_state=_tx(opt).init(trainable), step=jnp.zeros((), jnp.int32))
@@ -343,14 +343,16 @@ def train_loop(
     log: Callable[[str], None] = print,
     extra_meta: dict[str, Any] | None = None,
     on_step: Callable[[int, int], None] | None = None,
+    init: Any = None,
 ) -> tuple[TrainState, list[dict[str, Any]]]:
     """Run until opt.steps or the time budget; -> (final state, history). Saves and exports on the
-    way; `on_step(done, total)` after every step (a progress bar)."""
+    way; `on_step(done, total)` after every step (a progress bar); `init`: the params a fresh run
+    starts from (default `init_params(cfg, key(seed))`)."""
     _check_loop_arguments(eval_rows, batch, eval_every, ship_dtype)
     save_every = save_every or eval_every
     os.makedirs(run_dir, exist_ok=True)
     mgr = state_manager(run_dir)
-    ts, history, elapsed0 = resume_from(mgr, init_train_state(cfg, opt, jax.random.key(seed)), resume, log)
+    ts, history, elapsed0 = resume_from(mgr, init_train_state(cfg, opt, jax.random.key(seed), init), resume, log)
     step_fn = make_train_step(cfg, opt)
     eval_fn = make_eval_step(cfg)
     clock = StepClock(opt, elapsed0, time_budget_s, on_step)
