@@ -222,6 +222,32 @@ def dspark_run(params, mesh) -> dict:
             "tau": one.stats["mean_accepted_length"]}
 
 
+def v41_dspark_run(mesh) -> dict:
+    """DeepSeek-V4.1 (v41-test: every layer kind, Engram, shared pools, candidates; continuous) with its own
+    DSpark drafter right about half the time (`testing.v41_mixed_acceptance`), a K = 2 tree on the mesh and
+    unsharded."""
+    import dataclasses
+
+    from jaxspec.core.dspark import DSparkConfig
+    from jaxspec.speculation.dspark import dspark_draft
+    from jaxspec.testing import v41_mixed_acceptance
+
+    cfg = js.ModelConfig.preset("v41-test", dtype="float32")
+    cfg = cfg.replace(v41=dataclasses.replace(cfg.v41, qat=False))
+    dcfg = DSparkConfig(block_size=5, noise_token_id=cfg.vocab_size - 1, target_layers=(5, 6, 7),
+                        markov_rank=cfg.hidden_size)
+    params, dp = v41_mixed_acceptance(js.init_params(cfg, jax.random.key(0)), cfg, dcfg, jax.random.key(1))
+    draft = dspark_draft(dp, dcfg)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (9, 14, 21, 6)]
+    one = js.speculative_generate(params, cfg, prompts, "s4_k2_d8", max_new_tokens=16, draft=draft)
+    many = js.speculative_generate(js.shard_params(params, cfg, mesh), cfg, prompts, "s4_k2_d8", max_new_tokens=16,
+                                   draft=draft, mesh=mesh)
+    ref = js.generate(params, cfg, prompts, max_new_tokens=16)
+    return {"single": one.tokens.tolist(), "sharded": many.tokens.tolist(), "generate": ref.tokens.tolist(),
+            "tau": one.stats["mean_accepted_length"]}
+
+
 def harness_run(params, mesh) -> dict:
     """What `jaxspec calibrate / sweep / tune --mesh` run: calibration's chain-cycle records and a sweep
     batch (`run_batch` given the mesh) on the mesh and on one device."""
@@ -310,6 +336,7 @@ def main() -> None:
     if "--long" in sys.argv:  # CI holds the per-shard kernel (above) and the one-device Pallas loop (test_pallas)
         result["pallas_loop"] = pallas_loop(params, mesh)
     result["dspark"] = dspark_run(params, mesh)
+    result["v41_dspark"] = v41_dspark_run(mesh)
     result["harness"] = harness_run(params, mesh)
     result["controls"] = controls()
     result["extras_seconds"] = time.perf_counter() - t0

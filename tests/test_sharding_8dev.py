@@ -5,7 +5,7 @@ subprocess with `jax_num_cpu_devices=8`: for meshes (data, tensor, expert) (2,4,
 (every axis; the long tier adds the one-axis meshes (8,1,1) and (1,8,1)) it runs `generate` and
 `speculative_generate` (s2_k2_d4, drafts accepted at every depth) next to the unsharded run, inspects
 the compiled speculative loop's HLO, loads checkpoints into shardings, runs a Pallas kernel per shard,
-a DSpark tree, and calibration / sweep batches on a mesh; the tests below assert on its JSON report.
+a DSpark tree (on V4 and on V4.1), and calibration / sweep batches on a mesh; the tests below assert on its JSON report.
 """
 
 from __future__ import annotations
@@ -126,6 +126,12 @@ def test_pallas_attention_in_the_sharded_loop(report):
 def test_a_dspark_tree_on_the_mesh_is_the_single_device_run(report):
     r = report["dspark"]
     assert r["sharded"] == r["single"] and r["tau"] > 1.5, r
+
+
+def test_a_v41_dspark_tree_on_the_mesh_is_the_single_device_run(report):
+    # V4.1's shared pools, candidates, Engram and QAT-expert layout split over (2, 2, 2), its own drafter
+    r = report["v41_dspark"]
+    assert r["sharded"] == r["single"] == r["generate"] and r["tau"] > 1.3, r
 
 
 def test_calibration_and_sweep_batches_on_the_mesh_are_the_single_device_run(report):
