@@ -232,3 +232,29 @@ def test_v41_step_for_cuda_holds_the_kernels(t):
     assert calls["grouped_matmul_plain"] == 3 * cfg.num_layers, calls  # w1, w3, w2 of every layer's experts
     assert calls["sinkhorn"] == 2 * cfg.num_layers, calls
     assert not expert_stack_dots(text, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+
+
+def test_v41_dspark_tree_cycle_for_cuda_holds_the_kernels():
+    """A V4.1 DSpark tree cycle (v41-test: every role, Engram; its own drafter, 2 stages with their own
+    4-expert MoE) lowered for CUDA: the verify's tree attention over the window ("none", layers 0-1) and the
+    shared pools ("sparse", layers 2-7), the grouped matmul for the target's and the stages' experts, the
+    Sinkhorn kernel per sub-layer, no dense expert stack. The ratio-2 pair and ratio-1 rows pool as jnp ops,
+    and a stage's block attention (its ring and 5 block keys) is jnp too (docs/v41.md)."""
+    cfg = js.ModelConfig.preset("v41-test", kernels="pallas")
+    dcfg = DSparkConfig(block_size=5, noise_token_id=cfg.vocab_size - 1, target_layers=(5, 6, 7),
+                        markov_rank=cfg.hidden_size, num_stages=2, n_routed_experts=4, num_experts_per_tok=2)
+    params = jax.eval_shape(lambda: js.init_params(cfg, jax.random.key(0)))
+    models = Models(target=params, draft=abstract_dspark_params(cfg, dcfg))
+    sp = Speculator(cfg, js.SpecConfig.parse("s4_k2_d8"), DSparkDrafter(dcfg))
+    settings = jax.eval_shape(Sampling.create)
+    state = jax.eval_shape(lambda m, t, n, g: prefill(sp, m, t, n, 256, g), models, S((2, 16), I32), S((2,), I32),
+                           settings)
+    text = export_for_cuda(speculative_cycle, sp, models, state, settings, S((2,), jnp.bool_), static_argnums=(0,))
+    calls = kernel_calls(text)
+    assert {"tree_attention_none", "tree_attention_sparse"} <= set(calls), calls
+    assert calls["tree_attention_none"] == 2 and calls["tree_attention_sparse"] == 6, calls
+    # w1, w3, w2 of every target layer's experts in the verify, and of both stages' in the draft
+    assert calls["grouped_matmul_plain"] == 3 * (cfg.num_layers + dcfg.num_stages), calls
+    assert calls["sinkhorn"] == 2 * (cfg.num_layers + dcfg.num_stages), calls
+    for experts in (cfg.n_routed_experts, dcfg.n_routed_experts):
+        assert not expert_stack_dots(text, experts, cfg.hidden_size, cfg.moe_intermediate_size)
