@@ -35,7 +35,7 @@ from jaxspec.core.config import ModelConfig
 from jaxspec.core.dspark import DSparkConfig
 from jaxspec.core.spec import SpecConfig
 from jaxspec.model.dspark import abstract_dspark_params
-from jaxspec.model.network import WEIGHTS, Models, abstract_params
+from jaxspec.model.network import WEIGHTS, Models, abstract_params, without_mtp
 from jaxspec.model.runner import lower_program
 from jaxspec.model.sampling import Sampling
 from jaxspec.model.state import abstract_state
@@ -110,7 +110,7 @@ def _abstract_inputs(cfg: ModelConfig, spec: SpecConfig | None, batch: int, cont
         sp = Speculator(cfg, spec, MTPDrafter() if draft is None else DSparkDrafter(draft))
         sp.drafter.check(cfg, spec)
         own = params.mtp if draft is None else abstract_dspark_params(cfg, draft)
-        models = Models(target=params.replace(mtp=None), draft=own)
+        models = Models(target=without_mtp(params), draft=own)
         draft_state = jax.eval_shape(lambda: sp.drafter.init_state(cfg, batch, context))
         full = SpecState(target=state, draft=draft_state, root=out["last"],
                          stats=jax.eval_shape(lambda: SpecStats.zeros(spec, batch)))

@@ -25,7 +25,7 @@ from jaxspec.core.config import ModelConfig
 from jaxspec.core.programs import bounded_jit
 from jaxspec.core.spec import SpecConfig
 from jaxspec.harness.fit_values import expected_calibration_error, fit_map, predict
-from jaxspec.model.network import ModelParams, Models
+from jaxspec.model.network import ModelParams, Models, without_mtp
 from jaxspec.model.runner import on_mesh
 from jaxspec.model.sampling import Sampling, processed_logprobs
 from jaxspec.speculation.cycle import (
@@ -219,7 +219,7 @@ def collect(
         raise ValueError(f"values='both' reads each slot's runner-up: topk must be >= 2, got {topk}")
     sampling = Sampling.create(temperature, key=jax.random.key(seed))
     sp = chain_speculator(cfg, draft, num_steps, "target", values)
-    models = Models(target=params.replace(mtp=None), draft=draft.params)
+    models = Models(target=without_mtp(params), draft=draft.params)
     parts: dict[str, list[np.ndarray]] = {f: [] for f in FIELDS}
     loop = on_mesh(_collect_loop, mesh, batch_size)
     for top_logp, label, mask, confidence, context in chain_cycles_in_slices(

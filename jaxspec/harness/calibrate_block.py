@@ -30,7 +30,7 @@ from jaxspec.core.config import ModelConfig
 from jaxspec.core.programs import bounded_jit
 from jaxspec.harness.calibrate import chain_cycles_in_slices, chain_speculator, sampled_chain_records
 from jaxspec.harness.fit_values import fit_map
-from jaxspec.model.network import ModelParams, Models
+from jaxspec.model.network import ModelParams, Models, without_mtp
 from jaxspec.model.sampling import Sampling
 from jaxspec.speculation.cycle import Speculator
 from jaxspec.speculation.drafter import Draft
@@ -117,7 +117,7 @@ def collect_block(
     draft = draft_of(params, cfg, draft)
     sampling = Sampling.create(temperature, top_p=top_p, key=jax.random.key(seed))
     sp = chain_speculator(cfg, draft, num_steps, "block")
-    models = Models(target=params.replace(mtp=None), draft=draft.params)
+    models = Models(target=without_mtp(params), draft=draft.params)
     parts: dict[str, list[np.ndarray]] = {f: [] for f in FIELDS}
     for label, weight, top1 in chain_cycles_in_slices(
         sp, prompts, cycles, batch_size,

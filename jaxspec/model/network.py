@@ -254,6 +254,11 @@ def _on_one_cpu(x: Any) -> bool:
     return len(devices) == 1 and next(iter(devices)).platform == "cpu"
 
 
+def without_mtp(params: Any) -> Any:
+    """The target's parameters without its MTP block (a cycle passes the draft apart); V4.1's have none."""
+    return params.replace(mtp=None) if isinstance(params, ModelParams) else params
+
+
 def check_params(params: Any, cfg: ModelConfig) -> None:
     """ValueError unless `params` is a ModelParams of `cfg`'s vocabulary, width and depth (cheap: a
     dict, or another model's weights, fails here in one line instead of deep inside a trace)."""

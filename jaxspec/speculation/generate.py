@@ -24,7 +24,7 @@ from jaxspec.core.config import ModelConfig
 from jaxspec.core.programs import bounded_jit
 from jaxspec.core.spec import SpecConfig
 from jaxspec.model import state as state_lib
-from jaxspec.model.network import ModelParams, Models, check_params, extend
+from jaxspec.model.network import ModelParams, Models, check_params, extend, without_mtp
 from jaxspec.model.prefill import chunked_prefill
 from jaxspec.model.runner import on_mesh, pad_batch
 from jaxspec.model.sampling import Sampling, sample_tokens
@@ -271,7 +271,7 @@ def speculator(params: ModelParams, cfg: ModelConfig, spec: Any, draft: Draft, c
         _warn_uncalibrated(spec)
     sp = Speculator(cfg, spec, draft.drafter, Policy.choose(accept, temperature, values))
     # The draft travels as draft.params; a V4 target's own MTP block is left out of the target.
-    models = Models(target=params.replace(mtp=None) if isinstance(params, ModelParams) else params, draft=draft.params)
+    models = Models(target=without_mtp(params), draft=draft.params)
     return sp, models
 
 
