@@ -147,3 +147,47 @@ def test_sampled_v41_dspark_rows_follow_the_target(confident, spec, setting):
     statistics), and the same tokens fail them under a 1.25x temperature."""
     cfg, params, draft = confident
     check_rows_follow_the_target(params, cfg, draft, spec, setting, min_tau=1.3)
+
+
+def _tiny_v41():
+    import os
+
+    return os.path.join(os.path.dirname(__file__), "..", "checkpoints", "tiny-v41")
+
+
+def test_shipped_tiny_v41_is_v41_with_its_drafter():
+    """checkpoints/tiny-v41 (docs/v41.md, "A trained tiny-v41"): every V4.1 layer role, Engram classes derived
+    from its tokenizer, the continuous model; its DSpark drafter (block 5, Markov rank 256) with calibrations
+    of both value sources."""
+    import json
+    import os
+
+    from jaxspec.checkpoint.v41_load import derive_token_map
+    from jaxspec.speculation.values import Calibration
+
+    ck = js.load_checkpoint(_tiny_v41(), draft="dspark", dtype="float32")
+    v = ck.cfg.v41
+    assert set(ck.cfg.layer_types) == {"sliding", "pool2", "pool1"} and v.engram_layers and not v.qat
+    assert v.candidate_source in v.index_sources and any(v.uses_candidates(i) for i in range(ck.cfg.num_layers))
+    classes = derive_token_map(os.path.join(_tiny_v41(), "tokenizer.json"))
+    assert np.asarray(ck.params.engram_token_map).tolist() == classes.tolist()
+    assert v.engram_compressed_vocab == int(classes.max()) + 1
+    assert isinstance(ck.draft.drafter, DSparkDrafter) and isinstance(ck.draft.params, V41DSparkParams)
+    dcfg = ck.draft.drafter.config
+    assert (dcfg.block_size, dcfg.markov_rank) == (5, 256)
+    assert isinstance(ck.draft.calibration, Calibration) and ck.draft.calibration_for("both").feature == "both"
+    info = json.load(open(os.path.join(_tiny_v41(), "training.json")))
+    assert info["final"] and info["last_eval"]["heldout_main"] < info["unigram_heldout"] - 2.0
+
+
+@pytest.mark.long  # ~2 minutes (the 8-layer loop compiles); CI: the identity grid at V4.1 geometry
+def test_shipped_tiny_v41_tree_is_generate():
+    from jaxspec.training.tokenizer import encode
+
+    ck = js.load_checkpoint(_tiny_v41(), draft="dspark", dtype="float32")
+    prompt = [encode(ck.tokenizer, "Question: Tom has 3 apples and buys 5 more. How many apples?\nAnswer:")]
+    want = js.generate(ck.params, ck.cfg, prompt, max_new_tokens=24)
+    for spec in ("s5_k1_d6", "s5_k3_d8_vb"):
+        out = js.speculative_generate(ck.params, ck.cfg, prompt, spec, max_new_tokens=24, draft=ck.draft)
+        assert out.tokens[0, : int(out.lengths[0])].tolist() == want.tokens[0, : int(want.lengths[0])].tolist()
+        assert out.stats["cycles"] < 24  # it drafts tokens the target accepts
