@@ -213,19 +213,14 @@ _V41_TEST = dict(
 # 2- to 4-grams as released, 4 heads of 32 over ~4.1K-row buckets (a few n-grams share a row, as at
 # scale). Continuous (no QAT roundings): trained and checked in float32. `jaxspec train` sets the
 # Engram classes from its tokenizer (`engram_compressed_vocab` below is a placeholder).
-_TINY_V41_LAYOUT = V41Layout(
-    ratios=(0, 0, 2, 2, 2, 1, 1, 1), kv_sources=(2, 5), index_sources=(2, 5, 7),
-    candidate_source=5, candidate_topk_blocks=6, candidate_block_size=8,
-    engram_layers=(1, 4), engram_num_embeddings=(49796, 50980), engram_max_ngram=4, engram_n_heads=4,
-    engram_head_dim=32, engram_vocab_size=4096, engram_compressed_vocab=2048, engram_pad_id=2, qat=False,
+_TINY_V41_LAYOUT = dataclasses.replace(
+    _V41_TEST_LAYOUT, candidate_topk_blocks=6, candidate_block_size=8, engram_num_embeddings=(49796, 50980),
+    engram_max_ngram=4, engram_n_heads=4, engram_vocab_size=4096, engram_compressed_vocab=2048, qat=False,
 )
 _TINY_V41 = dict(
-    vocab_size=2048, hidden_size=256, num_layers=8, num_heads=8, head_dim=64, rope_head_dim=16,
-    q_lora_rank=96, o_groups=2, o_lora_rank=64, sliding_window=32,
-    layer_types=tuple(_TINY_V41_LAYOUT.kind(i) for i in range(8)),
-    index_n_heads=8, index_head_dim=32, index_topk=16,
-    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, num_hash_layers=0,
-    rms_norm_eps=1e-20, num_mtp_layers=0, max_position_embeddings=8192, v41=_TINY_V41_LAYOUT,
+    _V41_TEST, vocab_size=2048, hidden_size=256, num_heads=8, q_lora_rank=96, o_lora_rank=64, sliding_window=32,
+    index_n_heads=8, index_topk=16, moe_intermediate_size=256, max_position_embeddings=8192, bos_id=None,
+    eos_id=None, v41=_TINY_V41_LAYOUT,
 )
 
 
