@@ -101,3 +101,15 @@ def test_spec_depths_the_verify_cannot_reach(name, match):
         js.SpecConfig.parse(name)
     assert "\n" not in str(e.value)
     assert js.SpecConfig.parse("s3_k9_d4").num_steps == 3  # every depth reachable, wide or not
+
+
+def test_spec_names_the_greedy_draft_set():
+    """'_gs' draws a sampled tree's children as the greedy draft set; a chain cannot (its one child would be
+    the argmax, not a draw)."""
+    spec = js.SpecConfig.parse("s7_k2_d8_w4_vb_gs")
+    assert (spec.children, spec.values, spec.widths) == ("greedy", "both", (4, 8))
+    assert spec.name == "s7_k2_d8_w4_vb_gs" and js.SpecConfig.parse("s7_k2_d8").children == "gumbel"
+    with pytest.raises(ValueError, match="needs topk >= 2"):
+        js.SpecConfig.parse("s7_k1_d8_gs")
+    with pytest.raises(ValueError, match="children must be one of"):
+        js.SpecConfig(3, 2, 5, children="argmax")

@@ -52,6 +52,7 @@ TREES = {
     "chain": ([0, 0, 1, 2], [0, 0, 0, 0]),
     "k2": ([0, 0, 0, 1, 1, 3, 3], [0, 0, 1, 0, 1, 0, 1]),
     "k4": ([0, 0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 2, 3, 0, 1, 2, 3]),
+    "mixed": ([0, 0, 0, 1, 2, 3, 3], [0, 0, 1, 0, 0, 0, 1]),  # nodes 1 and 2 keep one child, 0 and 3 two
 }
 # (temperature, top-k, top-p): top-k 4 leaves a K = 4 node's later draws outside q's support (skipped)
 SETTINGS = {"t0.6": (0.6, None, None), "t0.6_p0.9": (0.6, None, 0.9), "t1": (1.0, None, None),
@@ -96,17 +97,19 @@ def _sibling_without_residual(t, q, x):
     return t, q_next
 
 
-@functools.partial(jax.jit, static_argnums=(5, 6, 8, 9))
-def _rows(target, draft, parent, rank, depth, n, chain, sampling, variant, rule):
+@functools.partial(jax.jit, static_argnums=(5, 6, 8, 9, 10))
+def _rows(target, draft, parent, rank, depth, n, chain, sampling, variant, rule, greedy_set=False):
     """n rows: draft the tree level by level with `sampled_children`, accept, continue past the cycle
     with exact target draws -> ([n, 3] tokens, accepted [n]). Wrong variants: "non_prefix", the kept
     children are draws 2..K+1, not a prefix of the sampling order; "no_residual", a rejection leaves
-    the target distribution as it was (traced with `_step_without_residual` in its place)."""
+    the target distribution as it was (traced with `_step_without_residual` in its place); "as_drawn",
+    the greedy draft set verified as if its argmax had been drawn from q. `greedy_set`: children drawn
+    as the greedy draft set."""
     d = parent.shape[0]
     cycle = jnp.zeros((n,), jnp.int32)
     keys = node_keys(jax.random.fold_in(sampling.key, 99), cycle, d)
     width = TREE_K + 1
-    sampler = SampledDraft(sampling, keys, jnp.zeros((MAX_DEPTH, width), jnp.float32))
+    sampler = SampledDraft(sampling, keys, jnp.zeros((MAX_DEPTH, width), jnp.float32), greedy_set=greedy_set)
     unused = jnp.zeros((n, d * width), jnp.int32)  # the top-K children, used at temperature 0 only
     tokens = jnp.zeros((n, d), jnp.int32).at[:, 0].set(3)
     q = jnp.zeros((n, d, VOCAB), jnp.float32)
@@ -135,7 +138,7 @@ def _rows(target, draft, parent, rank, depth, n, chain, sampling, variant, rule)
         tree_rule = traversal_accept if rule == "block" else recursive_rejection_accept
         try:  # the swap lasts this trace only (variant is static: its own compiled program)
             acc = tree_rule(tokens, parent_a, rank_a, jnp.exp(q), jnp.exp(logp),
-                            node_keys(sampling.key, cycle, d), MAX_DEPTH, TREE_K)
+                            node_keys(sampling.key, cycle, d), MAX_DEPTH, TREE_K, greedy_set and variant != "as_drawn")
         finally:
             verify._residual_step = _EXACT_STEP
             verify._sibling_rejected = _EXACT_SIBLING
@@ -152,20 +155,23 @@ def _rows(target, draft, parent, rank, depth, n, chain, sampling, variant, rule)
     return out, acc.num_accepted
 
 
-def check_rule(tree, setting, variant="exact", seed=0, n=N, rule="residual"):
+def check_rule(tree, setting, variant="exact", seed=0, n=N, rule="residual", greedy_set=False):
     """-> (p-value of the first 3 tokens against the target's joint law, mean accepted drafts)."""
     temperature, top_k, top_p = SETTINGS[setting]
     target, draft = markov_model(seed)
     sampling = Sampling.create(temperature, top_k=top_k, top_p=top_p, key=jax.random.key(seed + 1))
     parent, rank, depth = (jnp.asarray(x) for x in padded_tree(tree))
-    out, accepted = _rows(target, draft, parent, rank, depth, n, tree == "chain", sampling, variant, rule)
+    out, accepted = _rows(target, draft, parent, rank, depth, n, tree == "chain", sampling, variant, rule,
+                          greedy_set)
     p = reference_probs(target[:NUM_EMITTED], temperature, top_k, top_p)  # [3, V(prev), V], the numpy law
     joint = p[0, 3][:, None, None] * p[1][:, :, None] * p[2][None, :, :]
     cells = np.ravel_multi_index(tuple(np.asarray(out).T), (VOCAB,) * NUM_EMITTED)
     return chi_square_p(cells, joint.reshape(-1)), float(np.mean(accepted))
 
 
-GRID = [(t, s) for t in TREES for s in SETTINGS]
+GRID = [(t, s) for t in TREES if t != "mixed" for s in SETTINGS]
+# the greedy draft set: trees only, a node with one kept child (its argmax alone) beside pairs
+GREEDY_GRID = [(t, s) for t in ("k2", "k4", "mixed") for s in ("t1", "t0.6_p0.9", "t1_k4")]
 RULES = ("block", "residual")
 
 
@@ -183,6 +189,20 @@ def test_sampled_rules_are_exact(tree, setting, rule):
 def test_sampled_rules_are_exact_second_model(tree, setting, rule):
     p, accepted = check_rule(tree, setting, seed=5, rule=rule)
     assert p > ALPHA, (p, accepted)
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("tree,setting", GREEDY_GRID)
+def test_greedy_draft_set_is_exact(tree, setting, rule):
+    """Children drawn as the greedy draft set (argmax of q first, draws without it after) and verified with
+    the argmax as a point mass tried after its sibling: the joint law of the first 3 tokens is the target's;
+    verified as if the argmax had been drawn from q, it is not."""
+    p, accepted = check_rule(tree, setting, rule=rule, greedy_set=True)
+    assert p > ALPHA, (p, accepted)
+    assert accepted > 0.8, accepted
+    if (tree, setting) == ("k2", "t1"):
+        p, accepted = check_rule(tree, setting, "as_drawn", rule=rule, greedy_set=True)
+        assert p < ALPHA, (p, accepted)
 
 
 WRONG = [("k2", "no_residual", r) for r in RULES] + [("k2", "non_prefix", r) for r in RULES] + [

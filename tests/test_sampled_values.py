@@ -82,19 +82,20 @@ class _Forbidden(Expander):
         return (token, parent, value, rank, feature, confidence), logq
 
 
-@functools.partial(jax.jit, static_argnums=(2, 4, 6))
-def _synthetic_cycle(target, draft, n, sampling, values, own_prob, rule):
+@functools.partial(jax.jit, static_argnums=(2, 4, 6, 7))
+def _synthetic_cycle(target, draft, n, sampling, values, own_prob, rule, spec=SPEC):
     """n rows of one cycle: the engine's beam (`tree.grow_beam`) over the Markov draft with sampled
     children, pruned, accepted, continued with exact target draws -> (first 3 tokens [n, 3], accepted [n], tree)."""
-    s_steps, k = SPEC.num_steps, SPEC.topk
+    s_steps, k = spec.num_steps, spec.topk
     cycle = jnp.zeros((n,), jnp.int32)
-    sampler = make_sampled_draft(SPEC, sampling, cycle, None, Policy(rule, values).sampled_maps())
+    sampler = make_sampled_draft(spec, sampling, cycle, None, Policy(rule, values).sampled_maps())
     root = jnp.asarray(ROOTS, jnp.int32)[jnp.arange(n) % len(ROOTS)]
     expander = _Forbidden(sampling.temperature, None, sampler, k, values, own_prob=own_prob)
-    pool = grow_beam(SPEC, expander, root, lambda tok, parent, step, carry: (draft[step - 1][tok], None, carry), None)
-    tree = prune_to_budget(pool, root, SPEC.num_draft_tokens)
-    keys = node_keys(sampling.key, cycle, SPEC.num_draft_tokens)
-    acc = sampled_accept(tree, target[tree.depth, tree.tokens], s_steps, k, sampling, keys, rule)
+    pool = grow_beam(spec, expander, root, lambda tok, parent, step, carry: (draft[step - 1][tok], None, carry), None)
+    tree = prune_to_budget(pool, root, spec.num_draft_tokens)
+    keys = node_keys(sampling.key, cycle, spec.num_draft_tokens)
+    acc = sampled_accept(tree, target[tree.depth, tree.tokens], s_steps, k, sampling, keys, rule,
+                         spec.children == "greedy")
     path = jnp.take_along_axis(tree.tokens, acc.path_nodes, axis=1)
     slot = jnp.arange(s_steps + 1)[None, :]
     drafted = jnp.concatenate([path[:, 1:], jnp.zeros((n, 1), jnp.int32)], axis=1)
@@ -107,13 +108,13 @@ def _synthetic_cycle(target, draft, n, sampling, values, own_prob, rule):
     return out, acc.num_accepted, tree
 
 
-def check_synthetic(temperature, variant="exact", n=20_480, seed=0, rule="block"):
+def check_synthetic(temperature, variant="exact", n=20_480, seed=0, rule="block", spec=SPEC):
     target, draft = markov_model(seed)
     sampling = Sampling.create(temperature, key=jax.random.key(seed + 1))
     # each rule reads its own maps: the step table under both modes
     values = calibration_with([step_map(1.0), step_map(1.0, "block")])
     out, accepted, tree = _synthetic_cycle(target, draft, n, sampling, values,
-                                           jnp.asarray(variant == "own_prob"), rule)
+                                           jnp.asarray(variant == "own_prob"), rule, spec)
     p = np.exp(np.asarray(processed_logprobs(target[:NUM_EMITTED], jnp.float32(temperature), jnp.int32(0),
                                              jnp.float32(1.0)), np.float64))
     p /= p.sum(-1, keepdims=True)
@@ -140,6 +141,18 @@ def test_value_driven_shapes_sample_the_target(temperature, rule):
     assert len(shapes) >= 4, shapes  # the value reads the draft: the shape varies per row
     assert set(np.sum(parent[:, 1:] == 0, axis=1).tolist()) == {1, 2}  # the root branches or not
     assert_prefixes(parent[:2000], rank[:2000])
+    assert p > ALPHA, (p, accepted)
+    assert accepted > 0.8, accepted
+
+
+@pytest.mark.parametrize("rule", ["block", "residual"])
+def test_value_driven_greedy_sets_sample_the_target(rule):
+    """The greedy draft set (s3_k2_d5_gs: each node's argmax, then draws without it) in the engine's beam with
+    shapes that vary per row, so that some argmaxes stand alone and some have their drawn sibling."""
+    spec = js.SpecConfig.parse("s3_k2_d5_gs")
+    p, accepted, tree = check_synthetic(1.0, rule=rule, spec=spec)
+    parent = np.asarray(tree.parent)
+    assert set(np.sum(parent[:, 1:] == 0, axis=1).tolist()) == {1, 2}  # the root's argmax alone or with a draw
     assert p > ALPHA, (p, accepted)
     assert accepted > 0.8, accepted
 

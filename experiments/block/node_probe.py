@@ -8,7 +8,10 @@ drawn from; p: the target after its parent), the exact per-node acceptance of ea
 - chain                1 - TV = sum min(p, q)
 - rrs_with             recursive rejection with replacement, K = 2 (SpecInfer)
 - rrs_without          recursive rejection without replacement, K = 2 (jaxspec's "residual" trees), exact
-- greedy_set           {argmax q, one draw from q without it} with its maximal coupling (Hu et al. / SpecHub)
+- greedy_set           {argmax q, one draw from q without it} with its maximal coupling (Hu et al. / SpecHub),
+                       which is what jaxspec's `_gs` trees verify (the draw first, the argmax after it)
+- argmax_alone         the greedy set's argmax kept without its sibling: p(argmax q)
+- draw_then_argmax     {x ~ q, then argmax q (a second draw where x was the argmax)}, tried in that order
 - ot_iid               the optimal K = 2 verifier for i.i.d. drafts: min_H p(H) + 1 - q(H)^2 over prefixes by p/q
 - ot_without           the same for draws without replacement (prefix search, capped by the inclusion bound)
 
@@ -17,7 +20,7 @@ verification (1 - prod_{j >= d} (1 - h_j)) and the sequence-level ceiling sum_x 
 (estimated without bias from the drafted chain: E_q min(1, p/q)). Expected tau = 1 + sum_d reach_d.
 
     python experiments/block/node_probe.py --checkpoint checkpoints/tiny-v4 --temperatures 1.0,0.6 \\
-        [--rule block] [--prompts 32] [--cycles 12] [--steps 7] [--out results/block/node_probe.json]
+        [--rule block] [--prompts 32] [--cycles 12] [--steps 7] [--draft NAME] [--out results/block/node_probe.json]
 """
 
 from __future__ import annotations
@@ -33,11 +36,12 @@ import numpy as np
 
 from jaxspec.core.programs import bounded_jit
 from jaxspec.harness.calibrate import chain_cycles_in_slices, chain_speculator, sampled_chain_records
-from jaxspec.model.network import Models
+from jaxspec.model.network import Models, without_mtp
 from jaxspec.model.sampling import Sampling
 from jaxspec.speculation.verify import block_terms
 
-NODE_RULES = ("chain", "rrs_with", "rrs_without", "greedy_set", "ot_iid", "ot_without")
+NODE_RULES = ("chain", "rrs_with", "rrs_without", "greedy_set", "argmax_alone", "draw_then_argmax", "ot_iid",
+              "ot_without")
 CHAIN_RULES = ("token", "block", "ceiling")
 
 
@@ -68,6 +72,12 @@ def node_rates(p, q):
     q_rest = jnp.where(jnp.arange(q.shape[-1])[None, :] == hub, 0.0, q) / jnp.maximum(1.0 - q_hub, 1e-12)
     greedy_set = jnp.take_along_axis(p, hub, -1)[:, 0] + jnp.sum(
         jnp.where(jnp.arange(q.shape[-1])[None, :] == hub, 0.0, jnp.minimum(p, q_rest)), -1)
+    p_hub = jnp.take_along_axis(p, hub, -1)[:, 0]
+    # x ~ q first; its rejection leaves p2 whatever x was; then the argmax (a point mass) where x was not it,
+    # else a second draw from q without the argmax
+    rejected_hub = jnp.maximum(q_hub[:, 0] - p_hub, 0.0)
+    draw_then_argmax = (alpha + (tv[:, 0] - rejected_hub) * jnp.take_along_axis(p2, hub, -1)[:, 0]
+                        + rejected_hub * jnp.sum(jnp.minimum(p2, q_rest), -1))
     order = jnp.argsort(jnp.where(q > 0, p / jnp.where(q > 0, q, 1.0), jnp.inf), axis=-1)
     ps, qs = jnp.take_along_axis(p, order, -1), jnp.take_along_axis(q, order, -1)
     cp, cq = jnp.cumsum(ps, -1), jnp.cumsum(qs, -1)
@@ -81,7 +91,7 @@ def node_rates(p, q):
     inclusion = q * (1.0 + jnp.sum(odds, -1, keepdims=True) - odds)  # P(x among the two draws)
     ot_without = jnp.minimum(ot_without, jnp.sum(jnp.minimum(p, inclusion), -1))
     return {"chain": alpha, "rrs_with": rrs_with, "rrs_without": rrs_without, "greedy_set": greedy_set,
-            "ot_iid": ot_iid, "ot_without": ot_without}
+            "argmax_alone": p_hub, "draw_then_argmax": draw_then_argmax, "ot_iid": ot_iid, "ot_without": ot_without}
 
 
 def chain_reach(tokens, logq, logp):
@@ -113,7 +123,7 @@ def _probe_loop(models, sp, prompt_tokens, prompt_lengths, shape, sampling):
 
 def probe(cfg, params, draft, prompts, temperature, rule, steps, cycles, batch, top_p=None, seed=0) -> dict:
     sp = chain_speculator(cfg, draft, steps, rule)
-    models = Models(target=params.replace(mtp=None), draft=draft.params)
+    models = Models(target=without_mtp(params), draft=draft.params)
     sampling = Sampling.create(temperature, top_p=top_p, key=jax.random.key(seed))
     nodes = {k: [] for k in NODE_RULES}
     reach = {k: [] for k in CHAIN_RULES}
@@ -148,6 +158,7 @@ def main() -> None:
     p.add_argument("--cycles", type=int, default=12)
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--batch", type=int, default=48)
+    p.add_argument("--draft", default=None, help="a drafter under the checkpoint's drafts/ (default: its own)")
     p.add_argument("--out", default="results/block/node_probe.json")
     args = p.parse_args()
     import sys
@@ -155,7 +166,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from rsd_tau import load
 
-    cfg, params, prompts, draft = load(args.checkpoint, args.prompts)
+    cfg, params, prompts, draft = load(args.checkpoint, args.prompts, args.draft)
     records = [probe(cfg, params, draft, prompts, float(t), args.rule, args.steps, args.cycles, args.batch, args.top_p)
                for t in args.temperatures.split(",")]
     for r in records:

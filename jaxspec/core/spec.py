@@ -1,5 +1,5 @@
 """The tree speculation shape, `SpecConfig` (`sS_kK_dD`), and the choices it names (SCORES,
-VALUE_SOURCES). Frozen and hashable: a static argument of `jax.jit`."""
+VALUE_SOURCES, CHILDREN). Frozen and hashable: a static argument of `jax.jit`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ if TYPE_CHECKING:
 SCORES = ("auto", "calibrated", "draft")
 VALUE_SOURCES = ("draft", "confidence", "both")
 VALUE_SUFFIXES = {"draft": "", "confidence": "_vc", "both": "_vb"}  # the spec name's mark of its value source
+# how a sampled draft's K children are drawn: "gumbel", K draws without replacement (Gumbel-top-K); "greedy",
+# the greedy draft set: the draft's argmax, then draws without replacement from the rest (spec suffix "_gs")
+CHILDREN = ("gumbel", "greedy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +34,8 @@ class SpecConfig:
     values: a node's value feature, "draft" (its draft probability), "confidence" (a drafter's
     confidence head; name suffix "_vc") or "both" (a calibration over the two together; suffix "_vb");
     speculation/tree.py `Expander`.
+    children: how a sampled draft (temperature > 0) draws a node's children (CHILDREN; "greedy" is suffix
+    "_gs", trees only): speculation/sampled.py, docs/block_verification.md.
     """
 
     num_steps: int
@@ -40,6 +45,7 @@ class SpecConfig:
     widths: tuple[int, ...] = ()
     width_threshold: float = 0.1
     values: str = "draft"
+    children: str = "gumbel"
 
     def __post_init__(self):
         for name in ("num_steps", "topk", "num_draft_tokens"):
@@ -54,6 +60,11 @@ class SpecConfig:
         object.__setattr__(self, "widths", widths)
         if self.values not in VALUE_SOURCES:
             raise ValueError(f"values must be one of {', '.join(VALUE_SOURCES)}, got {self.values!r}")
+        if self.children not in CHILDREN:
+            raise ValueError(f"children must be one of {', '.join(CHILDREN)}, got {self.children!r}")
+        if self.children == "greedy" and self.topk < 2:
+            raise ValueError("the greedy draft set (children='greedy', suffix '_gs') needs topk >= 2: a chain's one "
+                             "child is a draw from the draft, never its argmax")
         if not 0.0 < self.width_threshold < 1.0:
             raise ValueError(f"width_threshold must be in (0, 1), got {self.width_threshold}")
         if d < 2:
@@ -82,20 +93,20 @@ class SpecConfig:
     def name(self) -> str:
         base = f"s{self.num_steps}_k{self.topk}_d{self.num_draft_tokens}"
         base += "_w" + ".".join(str(w) for w in self.widths[:-1]) if len(self.widths) > 1 else ""
-        return base + VALUE_SUFFIXES[self.values]
+        return base + VALUE_SUFFIXES[self.values] + ("_gs" if self.children == "greedy" else "")
 
     @classmethod
     def parse(cls, name: str) -> SpecConfig:
         """'s15_k2_d16', 's15_k2_d16_w4.8' for widths (4, 8, 16) chosen per cycle, '_vc' valued by confidence,
-        '_vb' by both (draft probability and confidence)."""
-        match = re.fullmatch(r"s(\d+)_k(\d+)_d(\d+)(?:_w(\d+(?:\.\d+)*))?(_vc|_vb)?", str(name).strip())
+        '_vb' by both (draft probability and confidence), '_gs' sampled children as the greedy draft set."""
+        match = re.fullmatch(r"s(\d+)_k(\d+)_d(\d+)(?:_w(\d+(?:\.\d+)*))?(_vc|_vb)?(_gs)?", str(name).strip())
         if not match:
             raise ValueError(f"spec name must look like 's3_k2_d6' (steps, topk, draft tokens) or 's15_k2_d16_w4.8' "
                              f"(per-cycle widths), got {name!r}")
         s, k, d = (int(g) for g in match.groups()[:3])
         widths = () if match.group(4) is None else (*(int(w) for w in match.group(4).split(".")), d)
         values = {suffix: source for source, suffix in VALUE_SUFFIXES.items()}[match.group(5) or ""]
-        return cls(s, k, d, widths=widths, values=values)
+        return cls(s, k, d, widths=widths, values=values, children="greedy" if match.group(6) else "gumbel")
 
     def validate_for(self, cfg: ModelConfig) -> None:
         """What the target fixes; what the draft fixes is its drafter's `check`."""

@@ -8,7 +8,9 @@ min(1, p(x)/q(x)) and resample the residual on rejection, which accepts with 1 -
 Each expanded slot draws its K children without replacement by Gumbel-top-K over its processed
 draft log-probabilities (temperature, top-k, top-p exactly as the target's, `processed_logprobs`):
 the order of the perturbed scores is the sampling order, so rank r is the (r+1)-th draw. The slot's
-log q is kept for the verifier (`verify.sampled_accept`).
+log q is kept for the verifier (`verify.sampled_accept`). A spec with `children="greedy"` (suffix "_gs")
+draws the greedy draft set instead (Hu et al., ICLR 2025): rank 0 is the argmax of q, ranks 1.. are draws
+without replacement from q without it; the verifiers know each child's law from its rank.
 
 Which candidates are expanded and kept follows their *value*: the parent's value plus an estimate
 of log P(child of rank r at depth d accepted | parent reached) (`log_value` [S, K]), never the
@@ -53,6 +55,7 @@ class SampledDraft:
     # [S, K, P] ([B, S, K, P] with per-row temperatures) float32 or None: the same per bin of the parent's
     # processed top-1 draft probability (PROB_EDGES); when given it replaces log_value
     residual: jax.Array | None = None
+    greedy_set: bool = struct.field(pytree_node=False, default=False)  # rank 0 is q's argmax (SpecConfig.children)
 
 
 def prior_log_values(spec: SpecConfig) -> np.ndarray:
@@ -110,7 +113,8 @@ def make_sampled_draft(
     # rise with the rank (a noisy calibration might), and <= 0 keeps a kept node's ancestors kept.
     log_value = jax.lax.cummin(jnp.minimum(jnp.asarray(log_value, jnp.float32), 0.0), axis=1)
     table = residual_table(residual, spec, sampling.temperature) if residual else None
-    return SampledDraft(sampling, draft_keys(sampling.key, cycle, spec), log_value, table)
+    return SampledDraft(sampling, draft_keys(sampling.key, cycle, spec), log_value, table,
+                        greedy_set=spec.children == "greedy")
 
 
 def _child_log_values(sampler: SampledDraft, step: int, logq: jax.Array) -> jax.Array:  # logq: [B, n, V]
@@ -136,9 +140,9 @@ def sampled_children(
     """-> ((token, parent, value, rank) [B, n*K], log q [B, n, V]).
 
     Temperature 0 returns `greedy` untouched (and log q zeros). Otherwise the K children of each slot
-    are its Gumbel-top-K draws in sampling order; a child beyond the support of q (top-k / top-p left
-    fewer than K tokens) gets value -inf, so it is kept only where nothing else is left and the
-    verifier skips it.
+    are its Gumbel-top-K draws in sampling order (the greedy draft set: q's argmax, then Gumbel-top-(K-1)
+    of the rest); a child beyond the support of q (top-k / top-p left fewer than K tokens) gets value
+    -inf, so it is kept only where nothing else is left and the verifier skips it.
     """
     b, n, vocab = logits.shape
     k = sampler.log_value.shape[1]
@@ -151,7 +155,11 @@ def sampled_children(
         logq = processed_logprobs(logits, s.temperature, s.top_k, s.top_p)  # [B, n, V]
         keys = sampler.keys[:, slots]  # [B, n]
         noise = jax.vmap(jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32)))(keys)
-        _, token = jax.lax.top_k(logq + noise, k)  # [B, n, K] sampling order, without replacement
+        perturbed = logq + noise
+        if sampler.greedy_set:  # the argmax first, whatever its noise; the rest drawn as before, without it
+            hub = jnp.argmax(logq, axis=-1)[..., None]  # [B, n, 1]
+            perturbed = jnp.where(jnp.arange(vocab) == hub, jnp.inf, perturbed)
+        _, token = jax.lax.top_k(perturbed, k)  # [B, n, K] sampling order, without replacement
         in_support = jnp.isfinite(jnp.take_along_axis(logq, token, axis=2))
         value = score[:, :, None] + _child_log_values(sampler, step, logq)
         value = jnp.where(in_support, value, -jnp.inf)

@@ -230,6 +230,48 @@ def _residual_step(p, q, x, coin, try_it):
     return ok, p, q
 
 
+def _one_hot(x, vocab):  # x [B, 1] -> [B, V] the point mass at x: the law of a deterministic child
+    return (jnp.arange(vocab)[None, :] == x).astype(jnp.float32)
+
+
+def _tried_order(children, exists, greedy_set: bool):
+    """children, exists [..., K] of a node in rank order -> the same in the order they are tried, and
+    [..., K] bool: is the child the greedy draft set's argmax (a point mass) at that position.
+
+    Draws from q (Gumbel-top-K) are tried in rank order. The greedy draft set {a = argmax q, y ~ q without a,
+    ...} tries y first (its law q without a) and the argmax second, against what y's rejection left: that
+    order accepts p(a) + sum_{x != a} min(p(x), q_a(x)), the most any verifier of {a, y} can (Hu et al.,
+    ICLR 2025), where the argmax first would accept p(a) + sum min(p(x), (1 - p(a)) q_a(x)). An argmax kept
+    without siblings is tried alone (accepted with its target probability)."""
+    k = children.shape[-1]
+    hub = jnp.zeros(children.shape, bool)
+    if not greedy_set or k < 2:
+        return children, exists, hub
+    pair = exists[..., 1:2]
+
+    def swap(a):
+        return jnp.concatenate([a[..., 1:2], a[..., :1], a[..., 2:]], axis=-1)
+
+    at = jnp.arange(k)
+    return (jnp.where(pair, swap(children), children), jnp.where(pair, swap(exists), exists),
+            jnp.where(pair, at == 1, at == 0) & exists[..., :1])
+
+
+def _draws_start(q, hub_token, pair, greedy_set: bool):
+    """q [B, V] the node's draft and, for the greedy draft set, its argmax token [B, 1] and pair [B] (a drawn
+    sibling is kept) -> the law of the first child tried that is a draw: q, or q without the argmax."""
+    if not greedy_set:
+        return q
+    return jnp.where(pair[:, None], _draft_without(q, hub_token), q)
+
+
+def _child_law(q, x, is_hub):
+    """The law a child x [B, 1] was drawn from: the point mass at x for the greedy set's argmax, else the
+    current q [B, V] (the draft without the siblings drawn before it); and q after the child: without x."""
+    law = jnp.where(is_hub[:, None], _one_hot(x, q.shape[-1]), q)
+    return law, _draft_without(q, x)
+
+
 def _draft_without(q, x):
     """q [B, V] with the drawn x [B, 1] removed and renormalised: the law of the next draw without replacement."""
     rest = jnp.where(jnp.arange(q.shape[-1])[None, :] == x, 0.0, q)
@@ -246,12 +288,14 @@ def recursive_rejection_accept(
     keys: jax.Array,  # [B, D] typed keys, independent per (sequence, cycle, node)
     max_depth: int,
     topk: int,
+    greedy_set: bool = False,
 ) -> Acceptance:
     """RSD-S: at the reached node try its children in sampling order, accepting x_i with probability
     min(1, p_i(x_i) / q_i(x_i)), where p_1, q_1 are the target and draft distributions there and each
     rejection moves to p_{i+1} = norm(max(p_i - q_i, 0)), q_{i+1} = q_i without x_i (renormalised).
     The walk enters an accepted child; where all children are rejected it emits a draw from the last
-    p (the target itself at a node without children). S * K gathers of [B, V], no host loop."""
+    p (the target itself at a node without children). S * K gathers of [B, V], no host loop.
+    `greedy_set`: rank 0 is q's argmax, a point mass, tried after rank 1 (`_tried_order`)."""
     b, d = tokens.shape
     nodes = jnp.arange(d)
     coins, noise = _coins_and_noise(keys, target_probs.shape[-1])
@@ -273,11 +317,16 @@ def recursive_rejection_accept(
         nxt = current
         if depth < max_depth:
             q = draft_probs[batch, jnp.argmax(is_child & (rank == 0), axis=1)]
+            slots = [is_child & (rank == j) for j in range(topk)]
+            by_rank = jnp.stack([jnp.argmax(c, axis=1) for c in slots], 1).astype(jnp.int32)  # [B, K]
+            children, exists, hub = _tried_order(by_rank, jnp.stack([jnp.any(c, axis=1) for c in slots], 1), greedy_set)
+            q = _draws_start(q, tokens[batch, by_rank[:, 0]][:, None], exists[:, 0] & hub[:, 1], greedy_set)
             for j in range(topk):
-                sibling = is_child & (rank == j)
-                child = jnp.argmax(sibling, axis=1).astype(jnp.int32)
-                ok, p, q = _residual_step(p, q, tokens[batch, child], coins[batch, child],
-                                          alive & ~found & jnp.any(sibling, axis=1))
+                child = children[:, j]
+                law, q_next = _child_law(q, tokens[batch, child][:, None], hub[:, j])
+                ok, p, _ = _residual_step(p, law, tokens[batch, child], coins[batch, child],
+                                          alive & ~found & exists[:, j])
+                q = jnp.where((alive & ~found & exists[:, j])[:, None], q_next, q)
                 nxt = jnp.where(ok, child, nxt)
                 found = found | ok
         bonus = jnp.where(alive & ~found, emit(p, current), bonus)
@@ -324,6 +373,7 @@ def traversal_accept(
     keys: jax.Array,  # [B, D] typed keys, independent per (sequence, cycle, node)
     max_depth: int,
     topk: int,
+    greedy_set: bool = False,
 ) -> Acceptance:
     """Sequence-level verification of a sampled tree (block verification's tree form, in the spirit of
     Weng et al.'s Traversal Verification; docs/block_verification.md derives it and proves it exact).
@@ -336,7 +386,8 @@ def traversal_accept(
     post-order (a node after its subtree, siblings in rank order) whose coin u_n < a_n; a leaf has a_n =
     w_n, the root a = 1. On a chain this is `chain_block_accept`; at depth 1 recursive rejection. The
     weights are a function of the draft and the target alone (D sequential [B, V] steps of K siblings);
-    only the coins decide where the traversal stops."""
+    only the coins decide where the traversal stops. `greedy_set`: rank 0 is q's argmax, a point mass, tried
+    after rank 1 (`_tried_order`); post-order follows the order the siblings are tried."""
     b, d = tokens.shape
     vocab = target_probs.shape[-1]
     nodes = jnp.arange(d, dtype=jnp.int32)
@@ -344,22 +395,31 @@ def traversal_accept(
     coins, noise = _coins_and_noise(keys, vocab)
     is_child = (parent[:, None, :] == nodes[None, :, None]) & (nodes[None, None, :] != nodes[None, :, None])
     slots = [is_child & (rank[:, None, :] == j) for j in range(topk)]  # [B, D(node), D(child)] per rank
-    child = jnp.stack([jnp.argmax(s, axis=-1) for s in slots], axis=-1).astype(jnp.int32)  # [B, D, K]
+    by_rank = jnp.stack([jnp.argmax(s, axis=-1) for s in slots], axis=-1).astype(jnp.int32)  # [B, D, K]
     exists = jnp.stack([jnp.any(s, axis=-1) for s in slots], axis=-1)  # [B, D, K]
+    child, exists, hub = _tried_order(by_rank, exists, greedy_set)
+    tried = rank  # the position of each node among its siblings in the order they are tried
+    if greedy_set:
+        tried = jnp.zeros_like(rank)
+        for j in range(topk):  # [B, D]: child[b, n, j] is tried j-th
+            tried = jnp.where(exists[:, :, j][batch[:, None], parent] & (child[:, :, j][batch[:, None], parent]
+                                                                          == nodes[None, :]), j, tried)
 
     def node_step(i, carry):
         weight, left, rest = carry  # [B, D] weights, [B, D] a_n, [B, D, V] the final T of each node
         t = weight[:, i, None] * target_probs[:, i]  # [B, V]
-        q = draft_probs[batch, child[:, i, 0]]
+        q = _draws_start(draft_probs[batch, by_rank[:, i, 0]], tokens[batch, by_rank[:, i, 0]][:, None],
+                         hub[:, i, 1], greedy_set)  # what the node's first drawn child came from
         for j in range(topk):
             c = child[:, i, j]
             x = tokens[batch, c][:, None]
-            qx = jnp.take_along_axis(q, x, axis=1)[:, 0]
+            law, q_next = _child_law(q, x, hub[:, i, j])
+            qx = jnp.take_along_axis(law, x, axis=1)[:, 0]
             tx = jnp.take_along_axis(t, x, axis=1)[:, 0]
             has = exists[:, i, j] & (qx > 0)  # beyond q's support: not a draw (and no later sibling is)
             w_c = jnp.minimum(1.0, tx / jnp.where(has, qx, 1.0))
             weight = weight.at[batch, c].set(jnp.where(has, w_c, weight[batch, c]))
-            t_next, q_next = _sibling_rejected(t, q, x)
+            t_next, _ = _sibling_rejected(t, law, x)
             t = jnp.where(has[:, None], t_next, t)
             q = jnp.where(has[:, None], q_next, q)
         left = left.at[:, i].set(jnp.sum(t, axis=-1))
@@ -371,7 +431,7 @@ def traversal_accept(
     weight, left, rest = jax.lax.fori_loop(0, d, node_step, init)
     candidate = (coins < left) | (nodes[None, :] == 0)
     plan = build_plan(parent, jnp.zeros((b,), jnp.int32), max_depth)  # ancestors and depths
-    last = _post_order_first(candidate, plan, rank, max_depth)
+    last = _post_order_first(candidate, plan, tried, max_depth)
     depth = plan.depth[batch, last]  # [B] the accepted node's depth
     k = jnp.arange(max_depth + 1)[None, :]
     path_nodes = jnp.where(k <= depth[:, None], plan.ancestor_at_depth[batch, last, : max_depth + 1],
@@ -398,6 +458,7 @@ def sampled_accept(
     sampling: Sampling,
     keys: jax.Array,  # [B, D] typed keys, independent per (sequence, cycle, node)
     rule: str,
+    greedy_set: bool = False,
 ) -> Acceptance:
     """Exact sampling of a sampled draft by `rule` (static): "block", block verification for K = 1 and its
     tree form (`traversal_accept`) for trees; "residual", the token rule for K = 1 and recursive rejection
@@ -414,7 +475,8 @@ def sampled_accept(
         if topk == 1:  # a chain: nodes 0..S in order
             acc = chain_rule(tree.tokens, tree.q[:, 1:], logp, keys)
         else:
-            acc = tree_rule(tree.tokens, tree.parent, tree.rank, jnp.exp(tree.q), jnp.exp(logp), keys, max_depth, topk)
+            acc = tree_rule(tree.tokens, tree.parent, tree.rank, jnp.exp(tree.q), jnp.exp(logp), keys, max_depth, topk,
+                            greedy_set)
         return select_rows(sampling.sampled_rows, acc, greedy())  # a mixed batch's greedy rows walk the argmax
 
     return jax.lax.cond(sampling.any_sampled, sampled, greedy)
