@@ -4,7 +4,8 @@ An FP4-quantized official-layout checkpoint (4 shards + index) is loaded into a 
 expert 4) mesh spanning both processes: each process reads only the tensors and slices its own
 devices hold. The gathered parameters and greedy `speculative_generate` tokens equal a
 single-process, single-device run. tests/multiprocess_worker.py runs in three subprocesses at once
-(the two cluster processes and the reference).
+(the two cluster processes and the reference). A tiny DeepSeek-V4.1 release folder loads the same way
+(`load_release(mesh=...)`: each process places the shards its devices hold).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import pytest
 import jaxspec as js
 from jaxspec.checkpoint import save_hf_checkpoint
 from jaxspec.checkpoint.safetensors_io import open_folder
-from jaxspec.testing import high_acceptance, randomize
+from jaxspec.testing import high_acceptance, randomize, write_v41_release
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # 8 heads / groups / experts: split over tensor 2 x expert 4 (as tests/sharding_worker.py).
@@ -42,7 +43,7 @@ def run(run_once):
     root = run_once("multiprocess", _run_processes)
     ckpt, out = root / "ckpt", root / "out"
     reports = {name: json.load(open(out / f"{name}.json")) for name in ("process0", "process1", "single")}
-    return reports, np.load(out / "process0.npz"), np.load(out / "single.npz"), open_folder(str(ckpt))
+    return reports, np.load(out / "process0.npz"), np.load(out / "single.npz"), open_folder(str(ckpt)), out
 
 
 def _run_processes(root):
@@ -50,10 +51,12 @@ def _run_processes(root):
     out.mkdir()
     params = high_acceptance(randomize(js.init_params(CFG, jax.random.key(0)), jax.random.key(1)))
     save_hf_checkpoint(ckpt, CFG, params, quantize="fp4", max_shard_bytes=96 * 1024)
+    write_v41_release(root / "v41")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
                         " --xla_llvm_disable_expensive_passes=true").strip()
-    worker = [sys.executable, os.path.join(HERE, "multiprocess_worker.py"), str(ckpt), str(out)]
+    worker = [sys.executable, os.path.join(HERE, "multiprocess_worker.py"), str(ckpt), str(out), "--v41",
+              str(root / "v41")]
     port = _free_port()
     procs = [subprocess.Popen(worker + ["--process-id", str(i), "--port", str(port)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
@@ -78,7 +81,7 @@ def test_cluster_of_two_processes(run):
 
 
 def test_gathered_params_equal_single_process_load(run):
-    _, gathered, single, _ = run
+    _, gathered, single, *_ = run
     assert sorted(gathered.files) == sorted(single.files)
     for k in single.files:
         assert gathered[k].dtype == single[k].dtype and gathered[k].shape == single[k].shape, k
@@ -95,7 +98,7 @@ def test_speculative_tokens_equal_single_process(run):
 
 
 def test_each_process_reads_only_what_its_devices_hold(run):
-    reports, _, _, folder = run
+    reports, _, _, folder, _ = run
     p0, p1 = reports["process0"], reports["process1"]
     # experts: one per device over expert x tensor; each process reads exactly the 4 it holds
     for r in (p0, p1):
@@ -124,3 +127,16 @@ def test_each_process_reads_only_what_its_devices_hold(run):
     for r in (p0, p1):
         dup = sum(v for k, v in r["bytes_read"].items() if k.endswith("wo_a.scale"))
         assert sum(r["bytes_read"].values()) - dup == replicated + split // 2
+
+
+def test_a_v41_release_loads_across_processes(run):
+    """load_release(mesh=...) of a V4.1 folder over both processes: every leaf in its declared sharding, the
+    gathered target and drafter bitwise the single-process load, the same greedy tokens."""
+    reports, *_, out = run
+    gathered, single = np.load(out / "process0_v41.npz"), np.load(out / "single_v41.npz")
+    assert sorted(gathered.files) == sorted(single.files) and len(single.files) > 50
+    for k in single.files:
+        assert gathered[k].dtype == single[k].dtype and gathered[k].tobytes() == single[k].tobytes(), k
+    for name in ("process0", "process1"):
+        assert reports[name]["v41_shardings_ok"]
+        assert reports[name]["v41_tokens"] == reports["single"]["v41_tokens"]

@@ -134,6 +134,14 @@ def test_a_v41_dspark_tree_on_the_mesh_is_the_single_device_run(report):
     assert r["sharded"] == r["single"] == r["generate"] and r["tau"] > 1.3, r
 
 
+def test_a_v41_release_folder_loads_over_the_mesh(report):
+    # load_release(mesh=...): every leaf in its declared sharding (many split over all 8 devices), the same
+    # values and prefill logits as one device, the DSpark drafter loaded with it
+    r = report["v41_release"]
+    assert r["in_place"] and r["same_leaves"] and r["draft"] and r["split_leaves"] > 10, r
+    assert r["prefill_max_abs_diff"] < 1e-4, r
+
+
 def test_calibration_and_sweep_batches_on_the_mesh_are_the_single_device_run(report):
     # `jaxspec calibrate / sweep / tune --mesh`: the params sharded, the batch over "data".
     r = report["harness"]

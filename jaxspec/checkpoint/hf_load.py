@@ -441,7 +441,7 @@ def read_params(ck: HFCheckpoint, weights: str, mesh: Any = None, rules: dict[st
             parts = [(f"{ours}.{part}", tuple(getattr(stored[ours], part).shape),
                       functools.partial(ck.read_stored, ours, part)) for part in ("data", "scale")]
         for key, shape, read in parts:
-            placed[key] = jnp.asarray(read(())) if mesh is None else _place(read, shape, shardings[key])
+            placed[key] = jnp.asarray(read(())) if mesh is None else place_region(read, shape, shardings[key])
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     return jax.tree_util.tree_unflatten(treedef, [placed[jax.tree_util.keystr(p)] for p, _ in flat])
 
@@ -452,7 +452,7 @@ def _with_stored(abstract: Any, stored: dict[str, BlockScaled]) -> Any:
     return jax.tree_util.tree_unflatten(treedef, [stored.get(jax.tree_util.keystr(p), x) for p, x in flat])
 
 
-def _place(read: Any, shape: tuple[int, ...], sharding: Any) -> jax.Array:
+def place_region(read: Any, shape: tuple[int, ...], sharding: Any) -> jax.Array:
     """A global array of `shape` in `sharding`, reading each distinct slice held by this process's
     devices once (replicas share it)."""
     held: dict[Any, np.ndarray] = {}

@@ -7,6 +7,11 @@ because at V4.1-Flash's size they are 196 GB: a step gathers its 24 rows per tok
 those (`layers.engram.table_rows`). The vision tower's tensors are skipped with one printed line (the
 text model is what jaxspec runs); the DSpark stages (`mtp.*`) load as V4.1's DSpark drafter
 (`model.dspark_v41`); any other tensor the model has no place for is a one-line error.
+
+Every leaf is assembled in host memory first (dequantized, transposed, experts stacked) and then placed: on
+the default device, or over a mesh with each device given only its shard (`jax.make_array_from_callback`:
+with several processes, each places the shards its own devices hold). Host memory therefore holds the
+model once in the run dtype while it loads, where V4's loader reads each shard's region from the files.
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ import json
 import os
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.checkpoint import quant as ckpt_quant
+from jaxspec.checkpoint.hf_load import place_region
 from jaxspec.checkpoint.safetensors_io import Folder, Reader, open_folder
 from jaxspec.core.config import ModelConfig
 from jaxspec.core.dspark import DSparkConfig
@@ -27,6 +34,7 @@ from jaxspec.layers.mhc import HyperConnParams
 from jaxspec.layers.moe import MLPParams, MoEParams
 from jaxspec.layers.v41_attention import PoolAttentionParams, PoolCompressorParams, PoolIndexerParams
 from jaxspec.model.dspark_v41 import V41DSparkParams
+from jaxspec.model.placement import param_shardings
 from jaxspec.model.v41 import V41BlockParams, V41Params
 from jaxspec.ops.quant import BlockScaled
 
@@ -106,12 +114,25 @@ class _Tensors:
             return ckpt_quant.dequantize(q, self.raw(f"{name}.scale").astype(np.float32), block)
         return q.astype(np.float32)
 
-    def linear(self, name: str, dtype: Any = None) -> jnp.ndarray:
+    def linear(self, name: str, dtype: Any = None) -> np.ndarray:
         """An [out, in] linear as our [in, out]."""
-        return jnp.asarray(self.weight(name).T, dtype or self.dtype)
+        return _host(self.weight(name).T, dtype or self.dtype)
 
-    def vector(self, name: str, dtype: Any = jnp.float32) -> jnp.ndarray:
-        return jnp.asarray(self.raw(name).astype(np.float32), dtype)
+    def vector(self, name: str, dtype: Any = jnp.float32) -> np.ndarray:
+        return _host(self.raw(name).astype(np.float32), dtype)
+
+
+def _host(x: np.ndarray, dtype: Any = None) -> np.ndarray:
+    """A leaf in host memory (in `dtype`), placed once the whole tree is built (`_placed`)."""
+    return np.ascontiguousarray(x if dtype is None else np.asarray(x, jnp.dtype(dtype)))
+
+
+def _placed(tree: Any, cfg: ModelConfig, mesh: Any, rules: dict[str, Any] | None) -> Any:
+    """`tree` of host arrays on the default device, or over `mesh` by the params' declared axes."""
+    if mesh is None:
+        return jax.tree.map(jnp.asarray, tree)
+    shardings = param_shardings(cfg, mesh, rules, tree)
+    return jax.tree.map(lambda x, s: place_region(lambda index: x[index], x.shape, s), tree, shardings)
 
 
 def _attention(t: _Tensors, cfg: ModelConfig, prefix: str, layer: int | None) -> PoolAttentionParams:
@@ -132,7 +153,7 @@ def _attention(t: _Tensors, cfg: ModelConfig, prefix: str, layer: int | None) ->
                                     weights_proj=t.linear(f"{a}.indexer.weights_proj"))
     return PoolAttentionParams(
         wq_a=t.linear(f"{a}.wq_a"), q_norm=t.vector(f"{a}.q_norm.weight"), wq_b=t.linear(f"{a}.wq_b"),
-        wkv=t.linear(f"{a}.wkv"), kv_norm=t.vector(f"{a}.kv_norm.weight"), wo_a=jnp.asarray(wo_a, t.dtype),
+        wkv=t.linear(f"{a}.wkv"), kv_norm=t.vector(f"{a}.kv_norm.weight"), wo_a=_host(wo_a, t.dtype),
         wo_b=t.linear(f"{a}.wo_b"), sink=t.vector(f"{a}.attn_sink"), compressor=compressor, indexer=indexer)
 
 
@@ -146,12 +167,12 @@ def _moe(t: _Tensors, cfg: ModelConfig, prefix: str) -> MoEParams:
     if cfg.n_shared_experts:
         shared = MLPParams(*(t.linear(f"{f}.shared_experts.{w}") for w in ("w1", "w3", "w2")))
     return MoEParams(
-        gate=jnp.asarray(t.weight(f"{f}.gate").T, jnp.float32), gate_bias=t.vector(f"{f}.gate.bias"), tid2eid=None,
-        experts=MLPParams(*(jnp.asarray(np.stack(w), t.dtype) for w in experts)), shared=shared)
+        gate=_host(t.weight(f"{f}.gate").T, jnp.float32), gate_bias=t.vector(f"{f}.gate.bias"), tid2eid=None,
+        experts=MLPParams(*(_host(np.stack(w), t.dtype) for w in experts)), shared=shared)
 
 
 def _hyper(t: _Tensors, prefix: str) -> HyperConnParams:
-    return HyperConnParams(fn=jnp.asarray(t.raw(f"{prefix}_fn").astype(np.float32).T),
+    return HyperConnParams(fn=_host(t.raw(f"{prefix}_fn").astype(np.float32).T),
                            base=t.vector(f"{prefix}_base"), scale=t.vector(f"{prefix}_scale"))
 
 
@@ -159,7 +180,7 @@ def _engram(t: _Tensors, cfg: ModelConfig, layer: int) -> EngramParams:
     e = f"layers.{layer}.engram"
     data, scale = t.raw(f"{e}.embed.weight"), t.raw(f"{e}.embed.scale")
     pad = ((0, cfg.v41.engram_table_rows(layer) - data.shape[0]), (0, 0))  # rows split evenly over a mesh
-    table = BlockScaled(data=jnp.asarray(np.pad(data, pad)), scale=jnp.asarray(np.pad(scale, pad)),
+    table = BlockScaled(data=_host(np.pad(data, pad)), scale=_host(np.pad(scale, pad)),
                         block=ROW_BLOCK, dtype=str(t.dtype))
     return EngramParams(table=table, wkv=t.linear(f"{e}.wkv"), q_weight=t.vector(f"{e}.q_weight", t.dtype),
                         k_weight=t.vector(f"{e}.k_weight", t.dtype))
@@ -193,17 +214,19 @@ def _dspark(t: _Tensors, cfg: ModelConfig, config: dict[str, Any]) -> tuple[V41D
         main_proj=t.linear("mtp.0.main_proj"), main_norm=t.vector("mtp.0.main_norm.weight"),
         stages=tuple(_block(t, scfg, f"mtp.{s}", None) for s in range(stages)),
         norm=t.vector(f"{last}.norm.weight"),
-        markov_w1=jnp.asarray(t.weight(f"{last}.markov_head.embed"), t.dtype),
+        markov_w1=_host(t.weight(f"{last}.markov_head.embed"), t.dtype),
         markov_w2=t.linear(f"{last}.markov_head.head"),
-        confidence=jnp.asarray(t.weight(f"{last}.confidence_head.proj").T, jnp.float32))
+        confidence=_host(t.weight(f"{last}.confidence_head.proj").T, jnp.float32))
     return params, dcfg
 
 
 def load_v41(
-    path: str | os.PathLike, config: dict[str, Any], dtype: str | None = None, with_draft: bool = True
+    path: str | os.PathLike, config: dict[str, Any], dtype: str | None = None, with_draft: bool = True,
+    mesh: Any = None, rules: dict[str, Any] | None = None,
 ) -> tuple[ModelConfig, V41Params, tuple[V41DSparkParams, DSparkConfig] | None]:
     """(cfg, params, (draft params, DSpark config) or None) of a V4.1 release folder whose config.json is
-    `config` (see the module docstring); `with_draft` False leaves the `mtp.*` tensors unread."""
+    `config` (see the module docstring); `with_draft` False leaves the `mtp.*` tensors unread; `mesh` /
+    `rules` place both trees over a mesh (as `shard_params` would, without a whole copy on one device)."""
     path = os.fspath(path)
     cfg = ModelConfig.from_hf_config(config)
     cfg = cfg.replace(dtype=dtype or cfg.dtype)
@@ -211,9 +234,9 @@ def load_v41(
     layers = [_block(t, cfg, f"layers.{i}", i) for i in range(cfg.num_layers)]
     token_map = engram_token_map(path, cfg)
     params = V41Params(
-        embed=jnp.asarray(t.weight("embed"), t.dtype), layers=tuple(layers), norm=t.vector("norm.weight"),
-        head=jnp.asarray(t.weight("head").T, t.dtype),
-        engram_token_map=None if token_map is None else jnp.asarray(token_map))
+        embed=_host(t.weight("embed"), t.dtype), layers=tuple(layers), norm=t.vector("norm.weight"),
+        head=_host(t.weight("head").T, t.dtype),
+        engram_token_map=None if token_map is None else _host(token_map))
     draft = _dspark(t, cfg, config.get("text_config", config)) if with_draft else None
     left = sorted(set(t.folder.tensors) - t.used)
     vision = [k for k in left if k.startswith(_SKIPPED)]
@@ -223,4 +246,7 @@ def load_v41(
         raise ValueError(f"{path!r} holds {len(unknown)} tensors the V4.1 model has no place for, e.g. {unknown[0]!r}")
     if vision:
         print(f"load_release: skipped the vision tower ({len(vision)} tensors): jaxspec runs the text model")
+    params = _placed(params, cfg, mesh, rules)
+    if draft is not None:
+        draft = (_placed(draft[0], cfg, mesh, rules), draft[1])
     return cfg, params, draft

@@ -24,8 +24,11 @@ from jaxspec.core.config import ModelConfig
 from jaxspec.model.network import ModelParams, Models, check_logits_inputs
 from jaxspec.model.placement import param_shardings, shard_params
 from jaxspec.model.prefill import chunked_logits, jitted_chunked_logits, prefill_chunk
+from jaxspec.model.v41 import V41Params
 from jaxspec.sharding.active import activate, is_dynamic
 from jaxspec.sharding.rules import DATA, check_mesh, check_rules
+
+PARAMS = (ModelParams, V41Params, Models)  # arguments placed by their parameter shardings, not split by rows
 
 # The owner of the sharded programs in `jaxspec.core.programs`' bounded LRU (their compile count).
 SHARDED = "jaxspec.model.runner"
@@ -45,7 +48,7 @@ def _program(
     data_split = mesh.shape[DATA] > 1 and batch % mesh.shape[DATA] == 0
     rows = NamedSharding(mesh, P(DATA))
     for i in dynamic:
-        if isinstance(args[i], (ModelParams, Models)):
+        if isinstance(args[i], PARAMS):
             args[i] = shard_params(args[i], cfg, mesh, rules)
         elif data_split:
             # Batch rows go to their data shard before the call (an explicit-axis reshard); inside,
@@ -91,7 +94,7 @@ def _build_program(raw, mesh, rules, cfg, args, static, batch):
     # Global shapes, as traced without a mesh (the unsharded types: no data-split inputs).
     out_shapes = jax.eval_shape(fn, *jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), dyn_args))
     if data_manual:
-        in_specs = tuple(P() if isinstance(a, (ModelParams, Models)) else jax.tree.map(batch_spec, a) for a in dyn_args)
+        in_specs = tuple(P() if isinstance(a, PARAMS) else jax.tree.map(batch_spec, a) for a in dyn_args)
         # Scalars (step counters) come back per shard, [data], and are reduced by `post`.
         out_specs = jax.tree.map(lambda s: P(DATA) if s.ndim == 0 else batch_spec(s), out_shapes)
 
@@ -111,7 +114,7 @@ def _build_program(raw, mesh, rules, cfg, args, static, batch):
             return out
 
     in_shardings = tuple(
-        param_shardings(cfg, mesh, rules, a) if isinstance(a, (ModelParams, Models))
+        param_shardings(cfg, mesh, rules, a) if isinstance(a, PARAMS)
         else jax.tree.map(lambda x: NamedSharding(mesh, batch_spec(x) if data_manual else P()), a)
         for a in dyn_args
     )
@@ -132,7 +135,7 @@ def run_sharded(
     """Call the program of `jitted` (a `jax.jit` function) on `mesh` with explicit in/out shardings.
 
     Arguments that hold arrays are dynamic, everything else (configs, python ints) is static.
-    ModelParams keep their parameter shardings (call `shard_params` once to avoid a transfer per
+    ModelParams (V4.1's too) keep their parameter shardings (call `shard_params` once to avoid a transfer per
     call); other arrays, and outputs, whose leading dim is `batch` are split over "data" (when it
     divides `batch`); the rest is replicated, and scalar outputs are per-shard counters reduced by
     max. One jitted program per (function, mesh, rules, static args, argument shapes).
@@ -233,4 +236,7 @@ def prefill_logits(params: Any, cfg: ModelConfig, tokens: Any, mesh: jax.shardin
     cfg = cfg.replace(prefill_chunk=prefill_chunk(cfg))
     logits = run_sharded(jitted_chunked_logits, mesh, (params, cfg, jax.numpy.asarray(padded)), batch=len(padded),
                          cfg=cfg)
-    return logits[:b]
+    if b == len(padded):
+        return logits
+    # rows split over an explicit "data" axis: gathered before the padding rows are cut
+    return jax.reshard(logits, NamedSharding(mesh, P()))[:b]
