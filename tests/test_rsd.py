@@ -357,16 +357,16 @@ def test_speculative_generate_samples_the_target_by_rule(confident_params, test_
     assert result["tau"] > 1.3, result
 
 
-@pytest.mark.parametrize("rule", RULES)
-def test_sampled_loop_compiles_once_and_greedy_is_generate(confident_params, test_cfg, rule):
+@pytest.mark.parametrize("rule,spec", [(r, "s2_k2_d4") for r in RULES] + [("block", "s2_k2_d4_gs")])
+def test_sampled_loop_compiles_once_and_greedy_is_generate(confident_params, test_cfg, rule, spec):
     prompts = [[5, 6, 7], [9, 8, 7, 6, 5], [4], [3, 3, 3, 3]]
     kw = dict(max_new_tokens=8, accept=rule)
-    first = js.speculative_generate(confident_params, test_cfg, prompts, "s2_k2_d4", temperature=1.0,
+    first = js.speculative_generate(confident_params, test_cfg, prompts, spec, temperature=1.0,
                                     rng=jax.random.key(0), **kw)
     before = speculative_compile_count()
-    again = js.speculative_generate(confident_params, test_cfg, prompts[::-1], "s2_k2_d4", temperature=0.6,
+    again = js.speculative_generate(confident_params, test_cfg, prompts[::-1], spec, temperature=0.6,
                                     top_p=0.9, rng=jax.random.key(1), **kw)
-    greedy = js.speculative_generate(confident_params, test_cfg, prompts, "s2_k2_d4", **kw)
+    greedy = js.speculative_generate(confident_params, test_cfg, prompts, spec, **kw)
     assert speculative_compile_count() == before  # settings, keys and prompts are traced
     assert first.stats["mean_accepted_length"] > 1.2 and again.stats["cycles"] > 0
     ref = js.generate(confident_params, test_cfg, prompts, max_new_tokens=8)
