@@ -155,11 +155,12 @@ def _rows(target, draft, parent, rank, depth, n, chain, sampling, variant, rule,
     return out, acc.num_accepted
 
 
-def check_rule(tree, setting, variant="exact", seed=0, n=N, rule="residual", greedy_set=False):
-    """-> (p-value of the first 3 tokens against the target's joint law, mean accepted drafts)."""
+def check_rule(tree, setting, variant="exact", seed=0, n=N, rule="residual", greedy_set=False, draws=0):
+    """-> (p-value of the first 3 tokens against the target's joint law, mean accepted drafts); `draws` picks
+    another independent stream of rows from the same model."""
     temperature, top_k, top_p = SETTINGS[setting]
     target, draft = markov_model(seed)
-    sampling = Sampling.create(temperature, top_k=top_k, top_p=top_p, key=jax.random.key(seed + 1))
+    sampling = Sampling.create(temperature, top_k=top_k, top_p=top_p, key=jax.random.key(seed + 1 + 1000 * draws))
     parent, rank, depth = (jnp.asarray(x) for x in padded_tree(tree))
     out, accepted = _rows(target, draft, parent, rank, depth, n, tree == "chain", sampling, variant, rule,
                           greedy_set)
@@ -187,7 +188,13 @@ def test_sampled_rules_are_exact(tree, setting, rule):
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("tree,setting", GRID)
 def test_sampled_rules_are_exact_second_model(tree, setting, rule):
+    """72 cases at ALPHA = 0.01 reject about one exact rule by chance (k4 / T = 1 / top-p 0.9 / block did, on
+    its stream alone; docs/testing.md): a case that fails is drawn again on an independent stream and must pass
+    there. A biased rule fails both (the wrong variants' p is ~0 on every stream), so the check keeps its power
+    and its false alarms fall to ALPHA^2."""
     p, accepted = check_rule(tree, setting, seed=5, rule=rule)
+    if p <= ALPHA:
+        p, accepted = check_rule(tree, setting, seed=5, rule=rule, draws=1)
     assert p > ALPHA, (p, accepted)
 
 
