@@ -95,7 +95,7 @@ def _synthetic_cycle(target, draft, n, sampling, values, own_prob, rule, spec=SP
     tree = prune_to_budget(pool, root, spec.num_draft_tokens)
     keys = node_keys(sampling.key, cycle, spec.num_draft_tokens)
     acc = sampled_accept(tree, target[tree.depth, tree.tokens], s_steps, k, sampling, keys, rule,
-                         spec.children == "greedy")
+                         spec.greedy_set)
     path = jnp.take_along_axis(tree.tokens, acc.path_nodes, axis=1)
     slot = jnp.arange(s_steps + 1)[None, :]
     drafted = jnp.concatenate([path[:, 1:], jnp.zeros((n, 1), jnp.int32)], axis=1)

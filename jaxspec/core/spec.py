@@ -62,7 +62,7 @@ class SpecConfig:
             raise ValueError(f"values must be one of {', '.join(VALUE_SOURCES)}, got {self.values!r}")
         if self.children not in CHILDREN:
             raise ValueError(f"children must be one of {', '.join(CHILDREN)}, got {self.children!r}")
-        if self.children == "greedy" and self.topk < 2:
+        if self.greedy_set and self.topk < 2:
             raise ValueError("the greedy draft set (children='greedy', suffix '_gs') needs topk >= 2: a chain's one "
                              "child is a draw from the draft, never its argmax")
         if not 0.0 < self.width_threshold < 1.0:
@@ -86,6 +86,11 @@ class SpecConfig:
             )
 
     @property
+    def greedy_set(self) -> bool:
+        """Sampled children drawn as the greedy draft set (`children == "greedy"`)."""
+        return self.children == "greedy"
+
+    @property
     def max_draft_tokens(self) -> int:
         return 1 + self.topk + (self.num_steps - 1) * self.topk**2
 
@@ -93,7 +98,7 @@ class SpecConfig:
     def name(self) -> str:
         base = f"s{self.num_steps}_k{self.topk}_d{self.num_draft_tokens}"
         base += "_w" + ".".join(str(w) for w in self.widths[:-1]) if len(self.widths) > 1 else ""
-        return base + VALUE_SUFFIXES[self.values] + ("_gs" if self.children == "greedy" else "")
+        return base + VALUE_SUFFIXES[self.values] + ("_gs" if self.greedy_set else "")
 
     @classmethod
     def parse(cls, name: str) -> SpecConfig:

@@ -135,7 +135,7 @@ def accept_stage(sp: Speculator, tree: Tree, logits: jax.Array, sampling: Sampli
     if sp.policy.rule == "target":
         return target_accept(tree.tokens, tree.parent, logits, s, sampling, keys)
     return sampled_accept(tree, logits, s, sp.spec.topk, sampling, keys, sp.policy.rule,
-                          sp.spec.children == "greedy")
+                          sp.spec.greedy_set)
 
 
 def commit_stage(sp: Speculator, models: Models, state: SpecState, tree: Tree, verify_out: ForwardOutput,

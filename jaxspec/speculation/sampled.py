@@ -114,7 +114,7 @@ def make_sampled_draft(
     log_value = jax.lax.cummin(jnp.minimum(jnp.asarray(log_value, jnp.float32), 0.0), axis=1)
     table = residual_table(residual, spec, sampling.temperature) if residual else None
     return SampledDraft(sampling, draft_keys(sampling.key, cycle, spec), log_value, table,
-                        greedy_set=spec.children == "greedy")
+                        greedy_set=spec.greedy_set)
 
 
 def _child_log_values(sampler: SampledDraft, step: int, logq: jax.Array) -> jax.Array:  # logq: [B, n, V]

@@ -265,10 +265,11 @@ def _draws_start(q, hub_token, pair, greedy_set: bool):
     return jnp.where(pair[:, None], _draft_without(q, hub_token), q)
 
 
-def _child_law(q, x, is_hub):
+def _child_law(q, x, is_hub, greedy_set: bool):
     """The law a child x [B, 1] was drawn from: the point mass at x for the greedy set's argmax, else the
-    current q [B, V] (the draft without the siblings drawn before it); and q after the child: without x."""
-    law = jnp.where(is_hub[:, None], _one_hot(x, q.shape[-1]), q)
+    current q [B, V] (the draft without the siblings drawn before it); and q after the child: without x.
+    Drawn children only (`greedy_set` False, static) add no [B, V] select to the walk."""
+    law = jnp.where(is_hub[:, None], _one_hot(x, q.shape[-1]), q) if greedy_set else q
     return law, _draft_without(q, x)
 
 
@@ -316,14 +317,14 @@ def recursive_rejection_accept(
         found = jnp.zeros((b,), bool)
         nxt = current
         if depth < max_depth:
-            q = draft_probs[batch, jnp.argmax(is_child & (rank == 0), axis=1)]
             slots = [is_child & (rank == j) for j in range(topk)]
             by_rank = jnp.stack([jnp.argmax(c, axis=1) for c in slots], 1).astype(jnp.int32)  # [B, K]
+            q = draft_probs[batch, by_rank[:, 0]]  # what the children were drawn from (siblings share it)
             children, exists, hub = _tried_order(by_rank, jnp.stack([jnp.any(c, axis=1) for c in slots], 1), greedy_set)
             q = _draws_start(q, tokens[batch, by_rank[:, 0]][:, None], exists[:, 0] & hub[:, 1], greedy_set)
             for j in range(topk):
                 child = children[:, j]
-                law, q_next = _child_law(q, tokens[batch, child][:, None], hub[:, j])
+                law, q_next = _child_law(q, tokens[batch, child][:, None], hub[:, j], greedy_set)
                 ok, p, _ = _residual_step(p, law, tokens[batch, child], coins[batch, child],
                                           alive & ~found & exists[:, j])
                 q = jnp.where((alive & ~found & exists[:, j])[:, None], q_next, q)
@@ -413,7 +414,7 @@ def traversal_accept(
         for j in range(topk):
             c = child[:, i, j]
             x = tokens[batch, c][:, None]
-            law, q_next = _child_law(q, x, hub[:, i, j])
+            law, q_next = _child_law(q, x, hub[:, i, j], greedy_set)
             qx = jnp.take_along_axis(law, x, axis=1)[:, 0]
             tx = jnp.take_along_axis(t, x, axis=1)[:, 0]
             has = exists[:, i, j] & (qx > 0)  # beyond q's support: not a draw (and no later sibling is)
