@@ -269,7 +269,8 @@ def harness_run(params, mesh) -> dict:
 def v41_release_run(mesh) -> dict:
     """A tiny V4.1 release folder (official names and formats, `testing.write_v41_release`) loaded over the mesh
     (each leaf placed shard by shard) and on one device: the same leaves, each in its declared sharding, the
-    same prefill logits and DSpark drafter."""
+    same prefill logits and DSpark drafter; with weights "fp8" too (values and scales of each stored leaf
+    placed by the leaf's axes)."""
     import tempfile
 
     from jaxspec.testing import write_v41_release
@@ -278,18 +279,24 @@ def v41_release_run(mesh) -> dict:
         write_v41_release(folder)
         one = js.load_release(folder, dtype="float32")
         many = js.load_release(folder, dtype="float32", mesh=mesh)
+        stored = js.load_release(folder, dtype="float32", mesh=mesh, weights="fp8")  # BlockScaled leaves too
     cfg = one.cfg
-    want = placement.param_shardings(cfg, mesh, params=many.params)
-    in_place = all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(
-        jax.tree.leaves(many.params), jax.tree.leaves(want), strict=True))
+
+    def placed(params):
+        want = placement.param_shardings(cfg, mesh, params=params)
+        return all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(
+            jax.tree.leaves(params), jax.tree.leaves(want), strict=True))
+
+    in_place = placed(many.params) and placed(stored.params) and placed(stored.draft.params)
     split = sum(len({d for d in x.sharding.device_set}) == 8 and not x.sharding.is_fully_replicated
                 for x in jax.tree.leaves(many.params))
     pairs = zip(jax.tree.leaves((one.params, one.draft.params)), jax.tree.leaves((many.params, many.draft.params)),
                 strict=True)
     same = all(np.asarray(a).tobytes() == np.asarray(b).tobytes() for a, b in pairs)  # bitwise: NaN padding too
     tokens = np.asarray([[5, 9, 14, 3, 7, 11, 2, 8, 6, 12, 4, 10]])
-    diff = np.max(np.abs(np.asarray(js.prefill_logits(many.params, cfg, tokens, mesh=mesh))
-                         - np.asarray(js.prefill_logits(one.params, cfg, tokens))))
+    single = np.asarray(js.prefill_logits(one.params, cfg, tokens))
+    diff = max(np.max(np.abs(np.asarray(js.prefill_logits(p.params, cfg, tokens, mesh=mesh)) - single))
+               for p in (many, stored))
     return {"in_place": bool(in_place), "split_leaves": int(split), "same_leaves": bool(same),
             "prefill_max_abs_diff": float(diff), "draft": many.draft is not None}
 

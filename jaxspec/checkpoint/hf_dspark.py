@@ -114,10 +114,10 @@ def load_release(
         raise ValueError(f"draft must be 'auto', 'dspark', 'mtp' or 'none', got {draft!r}")
     config = _release_config(path)
     if config is not None and is_v41_config(config):
-        if weights != "plain" or draft == "mtp":
-            raise ValueError("a V4.1 release loads dequantized, with its DSpark draft or none "
-                             "(weights='plain', draft='auto', 'dspark' or 'none')")
-        cfg, params, loaded = load_v41(path, config, dtype, with_draft=draft != "none", mesh=mesh, rules=rules)
+        if draft == "mtp":
+            raise ValueError("a V4.1 release holds a DSpark draft or none (draft='auto', 'dspark' or 'none')")
+        cfg, params, loaded = load_v41(path, config, dtype, with_draft=draft != "none", mesh=mesh, rules=rules,
+                                       weights=weights)
         if draft == "dspark" and loaded is None:
             raise ValueError(f"{os.fspath(path)!r} holds no draft, not a dspark draft")
         found = None if loaded is None else dspark_draft(*loaded)

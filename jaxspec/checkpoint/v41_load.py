@@ -2,7 +2,10 @@
 `text_config`, official tensor names, FP8 e4m3 weights with one UE8M0 scale per 32 x 32 block, MXFP4
 routed experts (1 x 32), the Engram tables in FP8 with one scale per 32 columns of a row.
 
-The dense weights are dequantized to the run dtype at load; the Engram tables stay FP8 (`BlockScaled`),
+The dense weights are dequantized to the run dtype at load (weights "plain"), or, with weights "fp8", every
+leaf the model declares quantized (`quant=` beside its field) stays as the release
+stores it (a `BlockScaled` in our orientation: FP8 32 x 32, MXFP4 experts) and is dequantized right before
+the contraction that reads it; the rest is dequantized either way. The Engram tables always stay FP8,
 because at V4.1-Flash's size they are 196 GB: a step gathers its 24 rows per token and dequantizes only
 those (`layers.engram.table_rows`). The vision tower's tensors are skipped with one printed line (the
 text model is what jaxspec runs); the DSpark stages (`mtp.*`) load as V4.1's DSpark drafter
@@ -17,11 +20,13 @@ model once in the run dtype while it loads, where V4's loader reads each shard's
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from jaxspec.checkpoint import quant as ckpt_quant
@@ -29,11 +34,13 @@ from jaxspec.checkpoint.hf_load import place_region
 from jaxspec.checkpoint.safetensors_io import Folder, Reader, open_folder
 from jaxspec.core.config import ModelConfig
 from jaxspec.core.dspark import DSparkConfig
+from jaxspec.core.v41 import v41_text_config
 from jaxspec.layers.engram import EngramParams
 from jaxspec.layers.mhc import HyperConnParams
 from jaxspec.layers.moe import MLPParams, MoEParams
 from jaxspec.layers.v41_attention import PoolAttentionParams, PoolCompressorParams, PoolIndexerParams
 from jaxspec.model.dspark_v41 import V41DSparkParams
+from jaxspec.model.network import WEIGHTS
 from jaxspec.model.placement import param_shardings
 from jaxspec.model.v41 import V41BlockParams, V41Params
 from jaxspec.ops.quant import BlockScaled
@@ -94,8 +101,11 @@ def derive_token_map(tokenizer_json: str) -> np.ndarray:
 class _Tensors:
     """The folder's tensors by official name, read once each; `left()` lists the unread ones."""
 
-    def __init__(self, folder: Folder, dtype: str):
+    def __init__(self, folder: Folder, dtype: str, weights: str = "plain"):
+        if weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
         self.folder, self.reader, self.dtype = folder, Reader(), jnp.dtype(dtype)
+        self.keep = weights == "fp8"
         self.used: set[str] = set()
 
     def raw(self, name: str) -> np.ndarray:
@@ -107,16 +117,37 @@ class _Tensors:
     def has(self, name: str) -> bool:
         return name in self.folder.tensors
 
+    def scale(self, name: str) -> np.ndarray:
+        """`name`'s UE8M0 scales. A writer without the F8_E8M0 tag may store them as U8: the same bytes
+        (exponent + 127), read as such; any other dtype is a one-line error."""
+        s = self.raw(name)
+        if s.dtype == np.uint8:
+            s = s.view(ml_dtypes.float8_e8m0fnu)
+        if s.dtype != ml_dtypes.float8_e8m0fnu:
+            raise ValueError(f"{name} is {s.dtype}; a V4.1 release stores UE8M0 scales (F8_E8M0, or their bytes as U8)")
+        return s
+
     def weight(self, name: str, block: tuple[int, int] = FP8_BLOCK) -> np.ndarray:
         """`name.weight` [out, in] as float32, dequantized with `name.scale` when it has one."""
         q = self.raw(f"{name}.weight")
         if self.has(f"{name}.scale"):
-            return ckpt_quant.dequantize(q, self.raw(f"{name}.scale").astype(np.float32), block)
+            return ckpt_quant.dequantize(q, self.scale(f"{name}.scale").astype(np.float32), block)
         return q.astype(np.float32)
 
     def linear(self, name: str, dtype: Any = None) -> np.ndarray:
-        """An [out, in] linear as our [in, out]."""
+        """An [out, in] linear as our [in, out], dequantized."""
         return _host(self.weight(name).T, dtype or self.dtype)
+
+    def quantized(self, name: str, block: tuple[int, int] = FP8_BLOCK) -> np.ndarray | BlockScaled:
+        """A leaf the model declares quantized: `linear`'s, or under weights "fp8" (and stored with a
+        scale) the release's values and scales transposed into our [in, out] (FP4 bytes stay packed along
+        the input axis, which is the release's last axis too)."""
+        if not (self.keep and self.has(f"{name}.scale")):
+            return _host(self.weight(name, block).T, self.dtype)
+        q, s = self.raw(f"{name}.weight"), self.scale(f"{name}.scale")
+        if q.dtype in (np.int8, np.uint8):
+            q = q.view(np.uint8)
+        return BlockScaled(data=_host(q.T), scale=_host(s.T), block=block[::-1], dtype=str(self.dtype))
 
     def vector(self, name: str, dtype: Any = jnp.float32) -> np.ndarray:
         return _host(self.raw(name).astype(np.float32), dtype)
@@ -135,12 +166,25 @@ def _placed(tree: Any, cfg: ModelConfig, mesh: Any, rules: dict[str, Any] | None
     return jax.tree.map(lambda x, s: place_region(lambda index: x[index], x.shape, s), tree, shardings)
 
 
+def _grouped(t: _Tensors, name: str, g: int, ol: int) -> np.ndarray | BlockScaled:
+    """wo_a: release [g * o_lora, H*c/g] (group j's rows are its output projection) -> ours [g, H*c/g, o_lora].
+    Kept stored, a group's output axis is blocked by b = gcd(o_lora, 32), so each of our blocks lies inside
+    one release block (`ops.quant.release_layout`, "fp8_32_groups"): its scale is that block's."""
+    if not (t.keep and t.has(f"{name}.scale")):
+        w = t.weight(name)
+        return _host(w.reshape(g, ol, -1).transpose(0, 2, 1), t.dtype)
+    q, s = t.raw(f"{name}.weight"), t.scale(f"{name}.scale")
+    b = math.gcd(ol, FP8_BLOCK[0])
+    rows = (np.arange(g)[:, None] * ol + np.arange(0, ol, b)[None, :]) // FP8_BLOCK[0]  # [g, ol/b] release block
+    return BlockScaled(data=_host(q.reshape(g, ol, -1).transpose(0, 2, 1)), scale=_host(s[rows].transpose(0, 2, 1)),
+                       block=(1, FP8_BLOCK[1], b), dtype=str(t.dtype))
+
+
 def _attention(t: _Tensors, cfg: ModelConfig, prefix: str, layer: int | None) -> PoolAttentionParams:
     """`prefix`.attn of main layer `layer`, or of a DSpark stage (None: window only)."""
     v, a = cfg.v41, f"{prefix}.attn"
     g, ol = cfg.o_groups, cfg.o_lora_rank
-    wo_a = t.weight(f"{a}.wo_a")  # [g * o_lora, H*c/g]: group g's rows are its output projection
-    wo_a = wo_a.reshape(g, ol, -1).transpose(0, 2, 1)
+    wo_a = _grouped(t, f"{a}.wo_a", g, ol)
     compressor = indexer = None
     if layer is not None and layer in v.kv_sources:
         compressor = PoolCompressorParams(
@@ -149,26 +193,34 @@ def _attention(t: _Tensors, cfg: ModelConfig, prefix: str, layer: int | None) ->
             norm=t.vector(f"{a}.compressor.norm.weight"), wk=t.linear(f"{a}.indexer.wk"),
             k_norm=t.vector(f"{a}.indexer.k_norm.weight"))
     if layer is not None and layer in v.index_sources:
-        indexer = PoolIndexerParams(wq_b=t.linear(f"{a}.indexer.wq_b"),
+        indexer = PoolIndexerParams(wq_b=t.quantized(f"{a}.indexer.wq_b"),
                                     weights_proj=t.linear(f"{a}.indexer.weights_proj"))
     return PoolAttentionParams(
-        wq_a=t.linear(f"{a}.wq_a"), q_norm=t.vector(f"{a}.q_norm.weight"), wq_b=t.linear(f"{a}.wq_b"),
-        wkv=t.linear(f"{a}.wkv"), kv_norm=t.vector(f"{a}.kv_norm.weight"), wo_a=_host(wo_a, t.dtype),
-        wo_b=t.linear(f"{a}.wo_b"), sink=t.vector(f"{a}.attn_sink"), compressor=compressor, indexer=indexer)
+        wq_a=t.quantized(f"{a}.wq_a"), q_norm=t.vector(f"{a}.q_norm.weight"), wq_b=t.quantized(f"{a}.wq_b"),
+        wkv=t.quantized(f"{a}.wkv"), kv_norm=t.vector(f"{a}.kv_norm.weight"), wo_a=wo_a,
+        wo_b=t.quantized(f"{a}.wo_b"), sink=t.vector(f"{a}.attn_sink"), compressor=compressor, indexer=indexer)
 
 
 def _moe(t: _Tensors, cfg: ModelConfig, prefix: str) -> MoEParams:
     """`prefix`.ffn with `cfg`'s expert count (a DSpark stage: `DSparkConfig.stage_config`)."""
     f = f"{prefix}.ffn"
     t.used.add(f"{f}.gate.bias_vl")  # image-span tokens only (text model: never read)
-    experts = [[t.weight(f"{f}.experts.{e}.{w}", ROW_BLOCK).T for e in range(cfg.n_routed_experts)]
-               for w in ("w1", "w3", "w2")]
     shared = None
     if cfg.n_shared_experts:
-        shared = MLPParams(*(t.linear(f"{f}.shared_experts.{w}") for w in ("w1", "w3", "w2")))
+        shared = MLPParams(*(t.quantized(f"{f}.shared_experts.{w}") for w in ("w1", "w3", "w2")))
     return MoEParams(
         gate=_host(t.weight(f"{f}.gate").T, jnp.float32), gate_bias=t.vector(f"{f}.gate.bias"), tid2eid=None,
-        experts=MLPParams(*(_host(np.stack(w), t.dtype) for w in experts)), shared=shared)
+        experts=MLPParams(*(_stacked(t, [f"{f}.experts.{e}.{w}" for e in range(cfg.n_routed_experts)])
+                            for w in ("w1", "w3", "w2"))), shared=shared)
+
+
+def _stacked(t: _Tensors, names: list[str]) -> np.ndarray | BlockScaled:
+    """One routed-expert weight of every expert [E, in, out], each stored MXFP4 (1 x 32)."""
+    each = [t.quantized(n, ROW_BLOCK) for n in names]
+    if isinstance(each[0], BlockScaled):
+        return BlockScaled(data=_host(np.stack([w.data for w in each])), scale=_host(np.stack([w.scale for w in each])),
+                           block=(1, *each[0].block), dtype=each[0].dtype)
+    return _host(np.stack(each), t.dtype)
 
 
 def _hyper(t: _Tensors, prefix: str) -> HyperConnParams:
@@ -178,11 +230,11 @@ def _hyper(t: _Tensors, prefix: str) -> HyperConnParams:
 
 def _engram(t: _Tensors, cfg: ModelConfig, layer: int) -> EngramParams:
     e = f"layers.{layer}.engram"
-    data, scale = t.raw(f"{e}.embed.weight"), t.raw(f"{e}.embed.scale")
+    data, scale = t.raw(f"{e}.embed.weight"), t.scale(f"{e}.embed.scale")
     pad = ((0, cfg.v41.engram_table_rows(layer) - data.shape[0]), (0, 0))  # rows split evenly over a mesh
     table = BlockScaled(data=_host(np.pad(data, pad)), scale=_host(np.pad(scale, pad)),
                         block=ROW_BLOCK, dtype=str(t.dtype))
-    return EngramParams(table=table, wkv=t.linear(f"{e}.wkv"), q_weight=t.vector(f"{e}.q_weight", t.dtype),
+    return EngramParams(table=table, wkv=t.quantized(f"{e}.wkv"), q_weight=t.vector(f"{e}.q_weight", t.dtype),
                         k_weight=t.vector(f"{e}.k_weight", t.dtype))
 
 
@@ -211,7 +263,7 @@ def _dspark(t: _Tensors, cfg: ModelConfig, config: dict[str, Any]) -> tuple[V41D
     scfg = dcfg.stage_config(cfg)
     last = f"mtp.{stages - 1}"
     params = V41DSparkParams(
-        main_proj=t.linear("mtp.0.main_proj"), main_norm=t.vector("mtp.0.main_norm.weight"),
+        main_proj=t.quantized("mtp.0.main_proj"), main_norm=t.vector("mtp.0.main_norm.weight"),
         stages=tuple(_block(t, scfg, f"mtp.{s}", None) for s in range(stages)),
         norm=t.vector(f"{last}.norm.weight"),
         markov_w1=_host(t.weight(f"{last}.markov_head.embed"), t.dtype),
@@ -222,22 +274,23 @@ def _dspark(t: _Tensors, cfg: ModelConfig, config: dict[str, Any]) -> tuple[V41D
 
 def load_v41(
     path: str | os.PathLike, config: dict[str, Any], dtype: str | None = None, with_draft: bool = True,
-    mesh: Any = None, rules: dict[str, Any] | None = None,
+    mesh: Any = None, rules: dict[str, Any] | None = None, weights: str = "plain",
 ) -> tuple[ModelConfig, V41Params, tuple[V41DSparkParams, DSparkConfig] | None]:
     """(cfg, params, (draft params, DSpark config) or None) of a V4.1 release folder whose config.json is
     `config` (see the module docstring); `with_draft` False leaves the `mtp.*` tensors unread; `mesh` /
-    `rules` place both trees over a mesh (as `shard_params` would, without a whole copy on one device)."""
+    `rules` place both trees over a mesh (as `shard_params` would, without a whole copy on one device);
+    `weights` "fp8" keeps the leaves declared quantized as the release stores them (module docstring)."""
     path = os.fspath(path)
     cfg = ModelConfig.from_hf_config(config)
     cfg = cfg.replace(dtype=dtype or cfg.dtype)
-    t = _Tensors(open_folder(path), cfg.dtype)
+    t = _Tensors(open_folder(path), cfg.dtype, weights)
     layers = [_block(t, cfg, f"layers.{i}", i) for i in range(cfg.num_layers)]
     token_map = engram_token_map(path, cfg)
     params = V41Params(
         embed=_host(t.weight("embed"), t.dtype), layers=tuple(layers), norm=t.vector("norm.weight"),
         head=_host(t.weight("head").T, t.dtype),
         engram_token_map=None if token_map is None else _host(token_map))
-    draft = _dspark(t, cfg, config.get("text_config", config)) if with_draft else None
+    draft = _dspark(t, cfg, v41_text_config(config)) if with_draft else None
     left = sorted(set(t.folder.tensors) - t.used)
     vision = [k for k in left if k.startswith(_SKIPPED)]
     stages = [k for k in left if k.startswith("mtp.") and not with_draft]

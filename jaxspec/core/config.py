@@ -11,7 +11,14 @@ from typing import Any
 
 from jaxspec.core.checks import is_int, is_power_of_two, positive_int
 from jaxspec.core.hf_fields import V4_DEFAULTS, shared_fields, token_id
-from jaxspec.core.v41 import V41Layout, is_v41_config, v41_config_fields, v41_preset_fields, validate_v41
+from jaxspec.core.v41 import (
+    V41Layout,
+    is_v41_config,
+    v41_config_fields,
+    v41_preset_fields,
+    v41_text_config,
+    validate_v41,
+)
 
 LAYER_TYPES = ("sliding", "csa", "hca", "pool2", "pool1")  # pool2 / pool1: V4.1's ratio-2 / ratio-1 layers
 _HF_LAYER_TYPES = {
@@ -302,7 +309,7 @@ def _hf_yarn(c: dict[str, Any]) -> dict[str, Any]:
 
 def _from_v41_config(c: dict[str, Any], **overrides: Any) -> ModelConfig:
     kwargs = v41_config_fields(c)
-    kwargs.update(_hf_yarn(dict(c.get("text_config") or c)), **overrides)
+    kwargs.update(_hf_yarn(v41_text_config(c)), **overrides)
     return ModelConfig(**kwargs)
 
 

@@ -112,11 +112,45 @@ def is_v41_config(c: dict[str, Any]) -> bool:
     return kind.startswith("deepseek_v41") or "kv_source_layer_ids" in c or "text_config" in c
 
 
+# DeepSeek's reference (`inference/config.json`, ModelArgs) names some fields its own way; a file may use
+# either spelling (release -> reference).
+REFERENCE_NAMES = {
+    "hidden_size": "dim", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
+    "moe_intermediate_size": "moe_inter_dim", "num_experts_per_tok": "n_activated_experts",
+    "routed_scaling_factor": "route_scale", "scoring_func": "score_func", "qk_rope_head_dim": "rope_head_dim",
+    "rms_norm_eps": "norm_eps", "sliding_window": "window_size", "kv_source_layer_ids": "kv_source_layers",
+    "index_source_layer_ids": "index_source_layers", "candidate_source_layer_id": "candidate_source_layer",
+    "num_nextn_predict_layers": "n_mtp_layers", "dspark_num_experts_per_tok": "dspark_n_activated_experts",
+    "engram_pad_token_id": "engram_pad_id",
+}
+
+
+def v41_text_config(c: dict[str, Any]) -> dict[str, Any]:
+    """The text model's fields of a V4.1 `config.json` (under `text_config`, or the dict itself) in the
+    release's spelling: a field given only under the reference's name is read from it, and the reference's
+    YaRN fields (`rope_factor`, `original_seq_len`, `beta_fast`, `beta_slow`) become `rope_scaling` when the
+    file has none. A field spelled both ways with two values is a one-line error."""
+    text = dict(c.get("text_config") or c)
+    for name, ref in REFERENCE_NAMES.items():
+        if ref in text:
+            if name in text and text[name] != text[ref]:
+                raise ValueError(f"config.json gives {name}={text[name]!r} and its reference spelling "
+                                 f"{ref}={text[ref]!r}")
+            text.setdefault(name, text[ref])
+    if "rope_scaling" not in text and "rope_factor" in text and float(text["rope_factor"]) > 1:
+        if "original_seq_len" not in text:
+            raise ValueError("config.json has rope_factor but no original_seq_len (the reference's YaRN fields)")
+        text["rope_scaling"] = {"rope_type": "yarn", "factor": float(text["rope_factor"]),
+                                "original_max_position_embeddings": int(text["original_seq_len"]),
+                                "beta_fast": text.get("beta_fast", 32), "beta_slow": text.get("beta_slow", 1)}
+    return text
+
+
 def v41_config_fields(c: dict[str, Any]) -> dict[str, Any]:
     """`ModelConfig` fields (all but YaRN's) of a DeepSeek-V4.1 release `config.json` (the text model under
-    `text_config`, top-level ids) or its text_config alone; the reference's and HF's alternative field
-    names are read too."""
-    text = dict(c.get("text_config") or c)
+    `text_config`, top-level ids) or its text_config alone; the reference's field names are read too
+    (`v41_text_config`)."""
+    text = v41_text_config(c)
     top = c if "text_config" in c else {}
     missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                            "compress_ratios", "kv_source_layer_ids", "index_source_layer_ids") if k not in text]
@@ -149,7 +183,7 @@ def v41_config_fields(c: dict[str, Any]) -> dict[str, Any]:
         engram_head_dim=int(text.get("engram_head_dim", 256)),
         engram_vocab_size=int(text.get("engram_vocab_size", 16_000_000)),
         engram_compressed_vocab=int(text.get("engram_compressed_vocab_size", 99092)),
-        engram_pad_id=int(text.get("engram_pad_token_id", text.get("engram_pad_id", 2))),
+        engram_pad_id=int(text.get("engram_pad_token_id", 2)),
     )
     validate_v41(layout, n)
     kwargs = dict(

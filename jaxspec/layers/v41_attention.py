@@ -67,7 +67,7 @@ class PoolAttentionParams:
     wkv: Weight = axes("embed", "kv", quant="fp8_32")  # [d, c]
     kv_norm: jax.Array = axes("kv")  # [c]
     # [g, H*c/g, o_lora_rank]; its input is not rounded (the reference dequantizes it to bf16)
-    wo_a: Weight = axes("o_groups", "group_width", "o_lora", quant="fp8_32")
+    wo_a: Weight = axes("o_groups", "group_width", "o_lora", quant="fp8_32_groups")
     wo_b: Weight = axes("o_groups", "embed", quant="fp8_32")  # [g*o_lora_rank, d]
     sink: jax.Array = axes("heads")  # [H] fp32
     compressor: PoolCompressorParams | None  # kv sources

@@ -154,8 +154,8 @@ def release_weights(params: Any, weights: str, experts: str = "fp4", v41: bool =
     def quantized(x, names, tag, path):
         if tag is None:
             return x
-        if v41 and tag == "fp8":
-            tag = "fp8_32"
+        if v41:
+            tag = {"fp8": "fp8_32", "fp8_groups": "fp8_32_groups"}.get(tag, tag)
         block, fmt, scale_dtype = release_layout(tag, x.shape, experts)
         return abstract_block_scaled(x.shape, x.dtype, block, fmt, scale_dtype)
 

@@ -35,9 +35,9 @@ FP4_BLOCK = (32, 1)  # (in, out): the release's 1 x 32 along its input axis
 # "fp8": FP8 128 x 128 (attention, indexer query, shared expert, MTP projections); "fp8_groups":
 # the same for wo_a, whose release rows are our (group, column) pairs; "expert": routed experts,
 # FP4 1 x 32 (instruct release) or FP8 128 x 128 with float32 scales (Base release).
-# V4.1 (32 x 32 blocks): "fp8_32" for its FP8 weights, "rows" for the Engram tables (FP8, one scale per 32
-# columns of a row).
-QUANT_TAGS = ("fp8", "fp8_groups", "expert", "fp8_32", "rows")
+# V4.1 (32 x 32 blocks): "fp8_32" for its FP8 weights, "fp8_32_groups" for its wo_a, "rows" for the Engram
+# tables (FP8, one scale per 32 columns of a row).
+QUANT_TAGS = ("fp8", "fp8_groups", "expert", "fp8_32", "fp8_32_groups", "rows")
 EXPERT_FORMATS = ("fp4", "fp8")
 
 
@@ -185,9 +185,10 @@ def release_layout(tag: str, shape: Sequence[int], experts: str = "fp4") -> tupl
         return (*lead, 32, 32), "fp8", jnp.float8_e8m0fnu
     if tag == "rows":
         return (*lead, 1, 32), "fp8", jnp.float8_e8m0fnu
-    if tag == "fp8_groups":  # wo_a [g, H*c/g, d_o]: release rows j*d_o + r; 128-row blocks may span groups,
-        # so per group the output axis is blocked by gcd(d_o, 128), which never crosses a release block
-        return (*lead, FP8_BLOCK[0], math.gcd(shape[-1], FP8_BLOCK[1])), "fp8", jnp.float8_e8m0fnu
+    if tag in ("fp8_groups", "fp8_32_groups"):  # wo_a [g, H*c/g, d_o]: release rows j*d_o + r; its blocks may
+        # span groups, so per group the output axis is blocked by gcd(d_o, block), which never crosses one
+        b = FP8_BLOCK[0] if tag == "fp8_groups" else 32
+        return (*lead, b, math.gcd(shape[-1], b)), "fp8", jnp.float8_e8m0fnu
     if tag == "expert" and experts == "fp4":
         return (*lead, *FP4_BLOCK), "fp4", jnp.float8_e8m0fnu
     return (*lead, *FP8_BLOCK), "fp8", jnp.float32 if tag == "expert" else jnp.float8_e8m0fnu
