@@ -25,9 +25,10 @@ from mlx_vlm.models.deepseek_v41 import fakequant
 from mlx_vlm.utils import load_model
 
 
-def load_v41(path: str | os.PathLike):
-    """mlx-vlm's `Model` of a V4.1 release folder, fp32, Engram hash state installed."""
-    model = load_model(Path(path))  # strict
+def load_v41(path: str | os.PathLike, strict: bool = True):
+    """mlx-vlm's `Model` of a V4.1 release folder, fp32, Engram hash state installed. `strict` False lets
+    parameters the folder lacks keep mlx-vlm's initial values (a folder built elsewhere may lack some)."""
+    model = load_model(Path(path), strict=strict)
     model.apply(lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a)
     lm = model.language_model
     lm._ensure_engram_hash()  # what its first call would do, done now so that it can be checked

@@ -16,6 +16,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -243,6 +244,69 @@ def test_release_loads_with_its_stored_values(release, loaded, capsys):
     js.load_release(release, dtype="float32")
     said = capsys.readouterr().out
     assert "skipped the vision tower" in said
+
+
+def test_weights_fp8_keeps_every_declared_leaf_as_stored(release, loaded, tokens, one_shot):
+    """weights "fp8": the loaded trees hold a BlockScaled exactly where the model declares one (the layout
+    `abstract_params(cfg, "fp8")` plans with: FP8 32 x 32, MXFP4 experts, grouped wo_a), and in float32
+    dequantizing before each contraction is exact, so the logits are the plain load's bit for bit."""
+    from jaxspec.model.dspark import abstract_dspark_params
+    from jaxspec.ops.quant import BlockScaled, dequantize_params, stored_nbytes
+
+    cfg, plain = loaded
+    ck = js.load_release(release, dtype="float32", weights="fp8")
+    planned = network.abstract_params(cfg, "fp8")
+
+    def layout(tree):
+        return jax.tree.map(lambda x: (x.shape, jnp.dtype(x.dtype).name), tree)
+
+    assert jax.tree.structure(ck.params) == jax.tree.structure(planned)
+    assert layout(ck.params) == layout(planned)
+    kept = [x for x in jax.tree.leaves(ck.params, is_leaf=lambda x: isinstance(x, BlockScaled))
+            if isinstance(x, BlockScaled)]
+    assert {x.fmt for x in kept} == {"fp8", "fp4"} and len(kept) > 40
+    draft = ck.draft.params
+    assert layout(draft) == layout(abstract_dspark_params(cfg, ck.draft.drafter.config, "fp8"))
+    jax.tree.map(np.testing.assert_array_equal, dequantize_params(ck.params), dequantize_params(plain))
+    stored = sum(stored_nbytes(x) for x in jax.tree.leaves(ck.params, is_leaf=lambda x: isinstance(x, BlockScaled)))
+    assert stored < 0.5 * sum(x.nbytes for x in jax.tree.leaves(plain))
+    got = network.one_shot_logits(ck.params, cfg, jnp.asarray(tokens))
+    np.testing.assert_array_equal(np.asarray(got), one_shot)
+
+
+def test_a_folder_in_the_references_spelling_loads_the_same(release, loaded, tmp_path):
+    """What writers outside the release do (docs/v41.md, "A folder built elsewhere"): one shard and no index,
+    UE8M0 scales tagged U8 (the same bytes), the reference's config names (`dim`, `n_layers`, `norm_eps`,
+    `rope_head_dim`, its YaRN fields, ...) -> the same config and, bit for bit, the same weights."""
+    from jaxspec.checkpoint.safetensors_io import Reader, open_folder, write_safetensors
+    from jaxspec.core.v41 import REFERENCE_NAMES
+
+    folder, reader = open_folder(str(release)), Reader()
+    tensors = {}
+    for name, info in folder.tensors.items():
+        x = reader.read(info)
+        tensors[name] = x.view(np.uint8) if x.dtype == ml_dtypes.float8_e8m0fnu else x
+    assert sum(x.dtype == np.uint8 and n.endswith(".scale") for n, x in tensors.items()) > 100
+    write_safetensors(str(tmp_path / "model.safetensors"), tensors)
+    (tmp_path / "engram_token_map.json").write_text((release / "engram_token_map.json").read_text())
+    config = json.loads((release / "config.json").read_text())
+    text = config["text_config"]
+    for name, ref in REFERENCE_NAMES.items():
+        if name in text:
+            text[ref] = text.pop(name)
+    yarn = text.pop("rope_scaling")
+    text.update(rope_factor=yarn["factor"], original_seq_len=yarn["original_max_position_embeddings"],
+                beta_fast=yarn["beta_fast"], beta_slow=yarn["beta_slow"])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg, params = loaded
+    ck = js.load_release(tmp_path, dtype="float32")
+    assert ck.cfg == cfg and ck.draft.drafter.config.num_stages == 3
+    same = jax.tree.map(lambda a, b: np.asarray(a).tobytes() == np.asarray(b).tobytes(), ck.params, params)
+    assert all(jax.tree.leaves(same))
+    text["norm_eps"], text["rms_norm_eps"] = 1e-6, 1e-20
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="rms_norm_eps=1e-20 and its reference spelling norm_eps=1e-06"):
+        js.load_release(tmp_path, dtype="float32")
 
 
 def test_unknown_tensors_and_missing_token_maps_are_one_line_errors(tmp_path):
