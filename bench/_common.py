@@ -149,4 +149,4 @@ def cycle_of(params: Any, cfg: Any, spec: Any, draft: Any = None, rule: str = "g
     draft.drafter.check(cfg, spec)
     spec, values = resolve_scores(spec, calibration_of(draft, None, spec, cfg))
     return (Speculator(cfg, spec, draft.drafter, Policy(rule, values)),
-            Models(target=params.replace(mtp=None), draft=draft.params))
+            Models(target=params.replace(mtp=None), drafter=draft.params))

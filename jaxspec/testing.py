@@ -119,7 +119,7 @@ def mtp_models(params: ModelParams) -> Any:
 
     if params.mtp is None:
         raise ValueError("these params have no MTP block")
-    return Models(target=params.replace(mtp=None), draft=params.mtp)
+    return Models(target=params.replace(mtp=None), drafter=params.mtp)
 
 
 def mtp_speculator(cfg: Any, spec: Any, rule: str = "greedy", values: Any = None) -> Any:

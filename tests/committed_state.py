@@ -73,10 +73,10 @@ class StepReference:
         return logits
 
     def _pairs(self, spec_state):
-        np.testing.assert_array_equal(np.asarray(spec_state.draft.length), np.asarray(self.mtp_length))
+        np.testing.assert_array_equal(np.asarray(spec_state.drafter.length), np.asarray(self.mtp_length))
         return [("target", spec_state.target.layers, self.state.layers),
-                ("mtp ring", spec_state.draft.ring, self.ring),
-                ("mtp last_hidden", spec_state.draft.last_hidden, self.last_hidden)]
+                ("mtp ring", spec_state.drafter.ring, self.ring),
+                ("mtp last_hidden", spec_state.drafter.last_hidden, self.last_hidden)]
 
     def assert_equals(self, spec_state, where: str = "") -> float:
         """Every leaf of the committed target state and of the draft's state equals this reference
@@ -123,8 +123,8 @@ class DSparkStepReference(StepReference):
         return logits
 
     def _pairs(self, spec_state):
-        np.testing.assert_array_equal(np.asarray(spec_state.draft.length), np.asarray(self.dstate.length))
-        return [("target", spec_state.target, self.state), ("dspark rings", spec_state.draft.stages,
+        np.testing.assert_array_equal(np.asarray(spec_state.drafter.length), np.asarray(self.dstate.length))
+        return [("target", spec_state.target, self.state), ("dspark rings", spec_state.drafter.stages,
                                                                 self.dstate.stages)]
 
 

@@ -30,7 +30,7 @@ def draft_tree_exhaustive(
     """The first draft, kept as the test reference of the MTP drafter: every step re-runs the MTP block
     over every slot drafted so far (O(S^2 K) token-forwards) and the head over all of them."""
     s_steps, k = spec.num_steps, spec.topk
-    root, mtp = state.root, state.draft
+    root, mtp = state.root, state.drafter
     root_hidden = mtp.last_hidden  # [B, hc, d] target streams at position P-1
     b = root.shape[0]
     num_slots = 1 + (s_steps - 1) * k

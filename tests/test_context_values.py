@@ -108,7 +108,7 @@ def test_the_context_changes_the_tree(context_calibration, test_params, test_cfg
     state = mtp_prefill(params, cfg, [PROMPTS[0]] * 3, [7] * 3, 64, spec=spec)
     sp = mtp_speculator(cfg, spec, values=context_calibration)
     expander = Expander(jnp.float32(0), jnp.asarray([0, 1, 2]), None, spec.topk, context_calibration)
-    tree = jax.jit(lambda s, e: sp.drafter.draft(mtp_models(params), cfg, spec, s.draft, s.root, e))(state, expander)
+    tree = jax.jit(lambda s, e: sp.drafter.draft(mtp_models(params), cfg, spec, s.drafter, s.root, e))(state, expander)
     score = np.asarray(tree.score)
     assert not np.allclose(score[0], score[2])  # same prompt, other context: other values
     parent = np.asarray(tree.parent)

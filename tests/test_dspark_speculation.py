@@ -102,7 +102,7 @@ def test_a_pruned_tree_accepts_the_beam_path_nodes_it_keeps(agreeing_params, tes
 
     full, pruned = (Speculator(test_cfg, js.SpecConfig.parse(s), draft.drafter, Policy("greedy"))
                     for s in ("s4_k2_d15", "s4_k2_d8"))
-    models = Models(target=agreeing_params.replace(mtp=None), draft=draft.params)
+    models = Models(target=agreeing_params.replace(mtp=None), drafter=draft.params)
     sampling = Sampling.create(0.0, key=jax.random.key(0))
     width = max(map(len, PROMPTS))
     tokens = jnp.asarray([p + [0] * (width - len(p)) for p in PROMPTS], jnp.int32)

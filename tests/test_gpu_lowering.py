@@ -134,7 +134,7 @@ def test_dspark_tree_cycle_of_tiny_for_cuda_holds_the_kernels(spec):
     dcfg = DSparkConfig(block_size=8, noise_token_id=cfg.vocab_size - 1, target_layers=(3, 4, 5), markov_rank=64,
                         num_stages=1)
     params = jax.eval_shape(lambda: js.init_params(cfg, jax.random.key(0)))
-    models = Models(target=params, draft=abstract_dspark_params(cfg, dcfg))
+    models = Models(target=params, drafter=abstract_dspark_params(cfg, dcfg))
     sp = Speculator(cfg, js.SpecConfig.parse(spec), DSparkDrafter(dcfg))
     settings = jax.eval_shape(Sampling.create)
     state = jax.eval_shape(lambda m, t, n, g: prefill(sp, m, t, n, 256, g), models, S((8, 16), I32), S((8,), I32),
@@ -244,7 +244,7 @@ def test_v41_dspark_tree_cycle_for_cuda_holds_the_kernels():
     dcfg = DSparkConfig(block_size=5, noise_token_id=cfg.vocab_size - 1, target_layers=(5, 6, 7),
                         markov_rank=cfg.hidden_size, num_stages=2, n_routed_experts=4, num_experts_per_tok=2)
     params = jax.eval_shape(lambda: js.init_params(cfg, jax.random.key(0)))
-    models = Models(target=params, draft=abstract_dspark_params(cfg, dcfg))
+    models = Models(target=params, drafter=abstract_dspark_params(cfg, dcfg))
     sp = Speculator(cfg, js.SpecConfig.parse("s4_k2_d8"), DSparkDrafter(dcfg))
     settings = jax.eval_shape(Sampling.create)
     state = jax.eval_shape(lambda m, t, n, g: prefill(sp, m, t, n, 256, g), models, S((2, 16), I32), S((2,), I32),

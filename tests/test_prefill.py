@@ -70,8 +70,9 @@ def test_speculation_state_chunked_equals_one_shot(test_params, test_cfg):
     ref = mtp_prefill(test_params, test_cfg.replace(prefill_chunk=64), tokens, lengths, max_len)
     got = mtp_prefill(test_params, test_cfg.replace(prefill_chunk=4), tokens, lengths, max_len)
     np.testing.assert_array_equal(got.root, ref.root)
-    assert _max_rel(got.draft.last_hidden, ref.draft.last_hidden) <= 1e-5
-    for a, b in zip(jax.tree.leaves((got.target, got.draft)), jax.tree.leaves((ref.target, ref.draft)), strict=True):
+    assert _max_rel(got.drafter.last_hidden, ref.drafter.last_hidden) <= 1e-5
+    for a, b in zip(jax.tree.leaves((got.target, got.drafter)), jax.tree.leaves((ref.target, ref.drafter)),
+                    strict=True):
         if jnp.issubdtype(a.dtype, jnp.integer):
             np.testing.assert_array_equal(a, b)  # the target's and the MTP ring's lengths
         else:

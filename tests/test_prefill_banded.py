@@ -73,7 +73,8 @@ def test_banded_speculation_state_equals_dense(test_params, test_cfg):
     ref = mtp_prefill(test_params, test_cfg.replace(prefill_chunk=64), *args)
     got = mtp_prefill(test_params, test_cfg.replace(prefill_chunk=256), *args)
     np.testing.assert_array_equal(got.root, ref.root)
-    for a, b in zip(jax.tree.leaves((got.target, got.draft)), jax.tree.leaves((ref.target, ref.draft)), strict=True):
+    for a, b in zip(jax.tree.leaves((got.target, got.drafter)), jax.tree.leaves((ref.target, ref.drafter)),
+                    strict=True):
         if jnp.issubdtype(a.dtype, jnp.integer):
             np.testing.assert_array_equal(a, b)
         else:

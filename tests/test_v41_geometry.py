@@ -61,7 +61,7 @@ def test_committed_state_equals_step_decode_v41(setup, spec):
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
     sp = Speculator(cfg, SpecConfig.parse(spec), DSparkDrafter(dcfg), Policy("greedy", None))
-    models = Models(target=params, draft=dp)
+    models = Models(target=params, drafter=dp)
     state = stages.prefill(sp, models, jnp.asarray(tokens), jnp.asarray(LENGTHS, jnp.int32), MAX_LEN,
                            Sampling.create())
     ref = DSparkStepReference(params, dp, cfg, dcfg, len(prompts), MAX_LEN)

@@ -123,7 +123,7 @@ def _probe_loop(models, sp, prompt_tokens, prompt_lengths, shape, sampling):
 
 def probe(cfg, params, draft, prompts, temperature, rule, steps, cycles, batch, top_p=None, seed=0) -> dict:
     sp = chain_speculator(cfg, draft, steps, rule)
-    models = Models(target=without_mtp(params), draft=draft.params)
+    models = Models(target=without_mtp(params), drafter=draft.params)
     sampling = Sampling.create(temperature, top_p=top_p, key=jax.random.key(seed))
     nodes = {k: [] for k in NODE_RULES}
     reach = {k: [] for k in CHAIN_RULES}

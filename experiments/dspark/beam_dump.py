@@ -50,14 +50,14 @@ def beam_loop(models, sp, tokens, lengths, shape, sampling):
     bb = tokens.shape[0]
 
     def body(state, _):
-        draft_state, root = state.draft, state.root
+        draft_state, root = state.drafter, state.root
         tree = draft_stage(sp, models, state, sampling)
         out = verify_stage(sp, models, state.target, tree, plan_stage(sp, state.target, tree))
         acc = accept_stage(sp, tree, out.logits, sampling, state.stats.cycles)
         state, _ = commit_stage(sp, models, state, tree, out, acc, jnp.ones((bb,), bool))
         argmax = jnp.argmax(out.logits, -1).astype(jnp.int32)
         # the drafter's hidden row of every block position (what its confidence head reads), recomputed
-        _, hh = block_logits(models.draft, models.target, sp.cfg, sp.drafter.config, draft_state, root)
+        _, hh = block_logits(models.drafter, models.target, sp.cfg, sp.drafter.config, draft_state, root)
         return state, (hh, tree.tokens, tree.parent, tree.depth, tree.rank, tree.feature, tree.confidence, tree.score,
                        argmax, acc.path_nodes, acc.num_accepted)
 
@@ -86,7 +86,7 @@ def main() -> None:
     spec = js.SpecConfig.parse(args.spec)
     spec, values = resolve_scores(spec, draft.calibration_for(spec.values))
     sp = Speculator(ck.cfg, spec, draft.drafter, Policy("greedy", values))
-    models = Models(target=ck.params.replace(mtp=None), draft=draft.params)
+    models = Models(target=ck.params.replace(mtp=None), drafter=draft.params)
     sampling = Sampling.create(0.0, key=jax.random.key(0))
     splits = TRAIN_SPLITS if args.split == "train" else HELDOUT_SPLITS
     parts, dataset_of = [], []

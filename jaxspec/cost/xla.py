@@ -110,9 +110,9 @@ def _abstract_inputs(cfg: ModelConfig, spec: SpecConfig | None, batch: int, cont
         sp = Speculator(cfg, spec, MTPDrafter() if draft is None else DSparkDrafter(draft))
         sp.drafter.check(cfg, spec)
         own = params.mtp if draft is None else abstract_dspark_params(cfg, draft)
-        models = Models(target=without_mtp(params), draft=own)
+        models = Models(target=without_mtp(params), drafter=own)
         draft_state = jax.eval_shape(lambda: sp.drafter.init_state(cfg, batch, context))
-        full = SpecState(target=state, draft=draft_state, root=out["last"],
+        full = SpecState(target=state, drafter=draft_state, root=out["last"],
                          stats=jax.eval_shape(lambda: SpecStats.zeros(spec, batch)))
         sampling = jax.eval_shape(Sampling.create)
         tree = jax.eval_shape(lambda m, s, g: stages.draft(sp, m, s, g), models, full, sampling)

@@ -72,7 +72,7 @@ def chain_with_children(sp: Speculator, models: Models, state: SpecState, k: int
     s = sp.spec.num_steps
     wide = SpecConfig(s, k, 1 + k * s, values=sp.spec.values)
     expander = Expander(temperature, None, None, k=k, expand=1, source=sp.spec.values)  # raw values: rank 0 leads
-    full = sp.drafter.draft(models, sp.cfg, wide, state.draft, state.root, expander)
+    full = sp.drafter.draft(models, sp.cfg, wide, state.drafter, state.root, expander)
     b = full.tokens.shape[0]
     top_token = full.tokens[:, 1:].reshape(b, s, k)
     log_feature = jnp.log(full.feature[:, 1:]).reshape(b, s, k)
@@ -219,7 +219,7 @@ def collect(
         raise ValueError(f"values='both' reads each slot's runner-up: topk must be >= 2, got {topk}")
     sampling = Sampling.create(temperature, key=jax.random.key(seed))
     sp = chain_speculator(cfg, draft, num_steps, "target", values)
-    models = Models(target=without_mtp(params), draft=draft.params)
+    models = Models(target=without_mtp(params), drafter=draft.params)
     parts: dict[str, list[np.ndarray]] = {f: [] for f in FIELDS}
     loop = on_mesh(_collect_loop, mesh, batch_size)
     for top_logp, label, mask, confidence, context in chain_cycles_in_slices(

@@ -117,7 +117,7 @@ def collect_block(
     draft = draft_of(params, cfg, draft)
     sampling = Sampling.create(temperature, top_p=top_p, key=jax.random.key(seed))
     sp = chain_speculator(cfg, draft, num_steps, "block")
-    models = Models(target=without_mtp(params), draft=draft.params)
+    models = Models(target=without_mtp(params), drafter=draft.params)
     parts: dict[str, list[np.ndarray]] = {f: [] for f in FIELDS}
     for label, weight, top1 in chain_cycles_in_slices(
         sp, prompts, cycles, batch_size,

@@ -115,7 +115,7 @@ def collect_residual(
     draft = draft_of(params, cfg, draft)
     sampling = Sampling.create(temperature, top_p=top_p, key=jax.random.key(seed))
     sp = chain_speculator(cfg, draft, num_steps, "residual")
-    models = Models(target=without_mtp(params), draft=draft.params)
+    models = Models(target=without_mtp(params), drafter=draft.params)
     parts: dict[str, list[np.ndarray]] = {f: [] for f in FIELDS}
     for label, top1, entropy, mask in chain_cycles_in_slices(
         sp, prompts, cycles, batch_size,

@@ -68,10 +68,11 @@ class ModelParams:
 
 @struct.dataclass
 class Models:
-    """A target and its draft's own parameters (MTPParams, a DSpark draft's, ...): what speculation runs."""
+    """The target's parameters and its drafter's own (MTPParams, a DSpark drafter's, ...): what speculation
+    runs (the drafter's code is the `Speculator`'s `drafter`, its state `SpecState.drafter`)."""
 
     target: ModelParams
-    draft: Any
+    drafter: Any
 
 
 @struct.dataclass

@@ -88,7 +88,7 @@ def _shard_bytes(shape: Sequence[int], dtype: Any, spec: P, sizes: Mapping[str, 
 
 
 def _param_group(path: str) -> str:
-    if path.startswith("draft."):
+    if path.startswith("drafter."):
         return "DSpark draft"
     path = path.removeprefix("target.")
     if path in ("embed", "head"):
@@ -108,7 +108,7 @@ def _param_group(path: str) -> str:
 
 def _state_group(path: str) -> str:
     name = path.rsplit(".", 1)[-1]
-    if path.startswith("draft.") and name != "length":
+    if path.startswith("drafter.") and name != "length":
         return "draft state"
     if name == "swa_kv":
         return "window kv"
@@ -141,10 +141,10 @@ class MemoryPlan:
 
 @struct.dataclass
 class _Pair:
-    """A target's tree and its draft's (parameters, or states), tallied together."""
+    """A target's tree and its drafter's (parameters, or states), tallied together."""
 
     target: Any
-    draft: Any
+    drafter: Any
 
 
 def memory_plan(
@@ -178,9 +178,9 @@ def memory_plan(
     if draft is not None:
         draft.validate_for(cfg)
         params = _Pair(params, abstract_dspark_params(cfg, draft, weights, experts))
-        state = state.replace(draft=jax.eval_shape(lambda: init_dspark_state(cfg, draft, batch)))
+        state = state.replace(drafter=jax.eval_shape(lambda: init_dspark_state(cfg, draft, batch)))
     elif cfg.has_mtp:
-        state = state.replace(draft=jax.eval_shape(lambda: init_mtp_state(cfg, batch, context)))
+        state = state.replace(drafter=jax.eval_shape(lambda: init_mtp_state(cfg, batch, context)))
     p_specs = param_specs(cfg, sizes, rules, params)
     s_specs = state_specs(cfg, state, sizes, rules)
 

@@ -68,7 +68,7 @@ class SpecState:
     """What a cycle starts from and leaves behind."""
 
     target: DecodeState  # committed target state (length P)
-    draft: Any  # the drafter's own state, following the committed rows
+    drafter: Any  # the drafter's own state, following the committed rows
     root: jax.Array  # [B] int32 bonus token of the last cycle, at position P, not yet committed
     stats: SpecStats
 
@@ -105,14 +105,14 @@ def prefill(sp: Speculator, models: Models, tokens: jax.Array, lengths: jax.Arra
                                   follow=(follow, drafter.init_state(cfg, b, max_len)))
     root = sample_tokens(out.last_logits, fold(sampling.key, 0), sampling.temperature, sampling.top_k,
                          sampling.top_p)
-    return SpecState(target=target, draft=out.followed, root=root, stats=SpecStats.zeros(sp.spec, b))
+    return SpecState(target=target, drafter=out.followed, root=root, stats=SpecStats.zeros(sp.spec, b))
 
 
 def draft_stage(sp: Speculator, models: Models, state: SpecState, sampling: Sampling) -> Tree:
     """1: the tree of D nodes, ranked and drawn as the policy says."""
     context = sp.policy.context(sp.spec, state.stats)
     expander = sp.policy.expander(sp.spec, sampling, state.stats.cycles, context)
-    return sp.drafter.draft(models, sp.cfg, sp.spec, state.draft, state.root, expander)
+    return sp.drafter.draft(models, sp.cfg, sp.spec, state.drafter, state.root, expander)
 
 
 def plan_stage(sp: Speculator, target: DecodeState, tree: Tree) -> TreePlan:
@@ -155,11 +155,11 @@ def commit_stage(sp: Speculator, models: Models, state: SpecState, tree: Tree, v
     tokens = path_rows(tree.tokens)
     captured = None if verify_out.captured is None else path_rows(verify_out.captured)
     rows = Exposed(tokens, positions, on_path, path_rows(verify_out.hidden), captured)
-    draft = sp.drafter.follow(models, sp.cfg, state.draft, rows)
+    draft = sp.drafter.follow(models, sp.cfg, state.drafter, rows)
     out = CycleOut(path=tokens, num_accepted=acc.num_accepted, bonus=acc.bonus)
     stats = _count(state.stats, sp.spec, path_rows(tree.rank)[:, 1:], acc.num_accepted, tree.tokens.shape[1], active)
     root = jnp.where(active, acc.bonus, state.root)
-    return SpecState(target=target, draft=draft, root=root, stats=stats), out
+    return SpecState(target=target, drafter=draft, root=root, stats=stats), out
 
 
 def _count(stats: SpecStats, spec: SpecConfig, ranks: jax.Array, num_accepted: jax.Array, width: int,

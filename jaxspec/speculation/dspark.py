@@ -55,17 +55,17 @@ class DSparkDrafter:
     def follow(self, models: Models, cfg: ModelConfig, state: DSparkState, rows: Exposed) -> DSparkState:
         if rows.captured is None:
             raise ValueError(f"the DSpark draft reads target layers {self.capture}: forward(capture=...) gave none")
-        return commit_context(models.draft, cfg, self.config, state, rows.captured, rows.positions, rows.take)
+        return commit_context(models.drafter, cfg, self.config, state, rows.captured, rows.positions, rows.take)
 
     def draft(self, models: Models, cfg: ModelConfig, spec: SpecConfig, state: DSparkState, root: jax.Array,
               expander: Expander) -> Tree:
-        base, hh = block_logits(models.draft, models.target, cfg, self.config, state, root)  # [B, g, V], [B, g, d]
+        base, hh = block_logits(models.drafter, models.target, cfg, self.config, state, root)  # [B, g, V], [B, g, d]
 
         def step_logits(new_token: jax.Array, parent: jax.Array, step: int, carry: None):
-            e, bias = markov(models.draft, new_token)  # [B, n, r], [B, n, V]: conditioned on each slot's own token
+            e, bias = markov(models.drafter, new_token)  # [B, n, r], [B, n, V]: conditioned on each slot's own token
             position = step - 1  # the slot after a node at depth step - 1
             h = jnp.broadcast_to(hh[:, position][:, None], (*e.shape[:2], hh.shape[-1]))
-            confidence = confidence_logits(models.draft, h, e)  # [B, n]
+            confidence = confidence_logits(models.drafter, h, e)  # [B, n]
             return base[:, position][:, None] + bias, confidence, carry
 
         pool = grow_beam(spec, expander, root, step_logits, None)

@@ -271,7 +271,7 @@ def speculator(params: ModelParams, cfg: ModelConfig, spec: Any, draft: Draft, c
         _warn_uncalibrated(spec)
     sp = Speculator(cfg, spec, draft.drafter, Policy.choose(accept, temperature, values))
     # The draft travels as draft.params; a V4 target's own MTP block is left out of the target.
-    models = Models(target=without_mtp(params), draft=draft.params)
+    models = Models(target=without_mtp(params), drafter=draft.params)
     return sp, models
 
 

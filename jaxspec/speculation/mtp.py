@@ -53,7 +53,7 @@ class MTPDrafter:
                                      shift[:, :, None, None], axis=1)
         take = jnp.take_along_axis(jnp.pad(take, ((0, 0), (0, 1))), shift, axis=1)
         ctx = causal_context(state.length, take, band_block(cfg, t))
-        _, _, ring_rows = mtp_forward(models.target, models.draft, cfg, state.ring, hidden, tokens, ctx)
+        _, _, ring_rows = mtp_forward(models.target, models.drafter, cfg, state.ring, hidden, tokens, ctx)
         length = state.length + jnp.sum(take, axis=1).astype(jnp.int32)
         ring = state_lib.commit_layer(cfg, "sliding", state.ring, ring_rows, ctx.positions, take, length)
         count = jnp.sum(rows.take, axis=1)  # the last committed row's streams: the next row's pair
@@ -91,7 +91,7 @@ class MTPDrafter:
                 ancestor_at_depth=jnp.zeros((b, n, n), jnp.int32), valid=jnp.ones((b, n), bool),
                 prior_kv=kv, prior_positions=pos, prior_visible=ancestors,
             )
-            logits, z, rows = mtp_forward(models.target, models.draft, cfg, state.ring, parent_z, new_token, ctx)
+            logits, z, rows = mtp_forward(models.target, models.drafter, cfg, state.ring, parent_z, new_token, ctx)
             kv = kv.at[:, new_slots].set(rows.kv.astype(kv.dtype))
             pos = pos.at[:, new_slots].set(positions)
             return logits, None, (kv, pos, ancestors, z, new_slots)

@@ -95,7 +95,7 @@ class Speculative:
 
     def empty(self, batch: int, max_len: int) -> SpecState:
         target = state_lib.init_state(self.cfg, batch, max_len)
-        return SpecState(target=target, draft=self.sp.drafter.init_state(self.cfg, batch, max_len),
+        return SpecState(target=target, drafter=self.sp.drafter.init_state(self.cfg, batch, max_len),
                          root=jnp.zeros((batch,), jnp.int32), stats=SpecStats.zeros(self.sp.spec, batch))
 
     def prefill(self, models, tokens, lengths, max_len, sampling):
