@@ -129,6 +129,30 @@ def test_qat_roundings_equal_the_oracles_bit_for_bit():
         np.testing.assert_array_equal(got, np.array(theirs(mx.array(x), block)), err_msg=ours.__name__)
 
 
+def test_the_residual_mix_sums_in_fp32_as_the_reference():
+    """V4.1's hc_post (`mhc.hc_post_fp32`): post * out + comb^T X summed in fp32 and cast to the streams'
+    dtype once, as the reference writes it: in bfloat16 within half an ulp of the exact sum (plus float32's
+    own rounding), closer than V4's `hc_post`, which rounds in bfloat16 along the way; in float32 the two
+    are the same function, bit for bit."""
+    from jaxspec.layers.mhc import hc_post, hc_post_fp32
+
+    rng = np.random.default_rng(0)
+    out = rng.standard_normal((2, 8, 64)).astype(np.float32)
+    streams = rng.standard_normal((2, 8, 4, 64)).astype(np.float32)
+    post = (2 / (1 + np.exp(-rng.standard_normal((2, 8, 4))))).astype(np.float32)
+    comb = rng.dirichlet(np.ones(4), (2, 8, 4)).astype(np.float32)
+    bf = [jnp.asarray(x, jnp.bfloat16) for x in (out, streams)]
+    out16, streams16 = (np.asarray(x, np.float64) for x in bf)
+    exact = post[..., None] * out16[..., None, :] + np.einsum("btjk,btjd->btkd", comb.astype(np.float64), streams16)
+    ulp = np.abs(exact) * 2.0**-7  # bounds a bfloat16 ulp (8 significant bits) at this magnitude
+    new = np.asarray(hc_post_fp32(*bf, jnp.asarray(post), jnp.asarray(comb)), np.float64)
+    old = np.asarray(hc_post(*bf, jnp.asarray(post), jnp.asarray(comb)), np.float64)
+    assert np.all(np.abs(new - exact) <= 0.5 * ulp + 1e-6 * np.abs(exact) + 1e-30)
+    assert np.mean(np.abs(new - exact)) < 0.8 * np.mean(np.abs(old - exact))
+    args32 = [jnp.asarray(x) for x in (out, streams, post, comb)]
+    np.testing.assert_array_equal(np.asarray(hc_post_fp32(*args32)), np.asarray(hc_post(*args32)))
+
+
 def test_ngram_hash_is_the_releases():
     tables = ngram_tables(js.ModelConfig.preset("v41-flash").v41)
     assert tables.multipliers == ((76632096046245, 4839876093313, 35959672319349, 73987337458391),

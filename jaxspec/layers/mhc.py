@@ -92,6 +92,18 @@ def hc_post(
     return post.astype(dtype)[..., None] * out[..., None, :] + mixed
 
 
+def hc_post_fp32(
+    out: jax.Array,  # [B, T, d]
+    streams: jax.Array,  # [B, T, hc, d]
+    post: jax.Array,  # [B, T, hc] fp32
+    comb: jax.Array,  # [B, T, hc, hc] fp32
+) -> jax.Array:
+    """`hc_post` as V4.1's reference writes it: the weighted sum in fp32, cast to the streams' dtype once (in
+    bfloat16 `hc_post` rounds comb, each product and the sum; in float32 the two are the same)."""
+    mixed = jnp.einsum("btjk,btjd->btkd", comb, streams.astype(jnp.float32))
+    return (post[..., None] * out.astype(jnp.float32)[..., None, :] + mixed).astype(streams.dtype)
+
+
 def hc_head(p: HyperHeadParams, cfg: ModelConfig, streams: jax.Array) -> jax.Array:
     """Final collapse of the streams (no Sinkhorn).  streams: [B, T, hc, d] -> [B, T, d]."""
     flat = streams.reshape(*streams.shape[:-2], -1).astype(jnp.float32)

@@ -21,7 +21,7 @@ from flax import struct
 from jaxspec.core.config import ModelConfig
 from jaxspec.layers.attention import AttentionContext
 from jaxspec.layers.engram import EngramParams, engram, init_engram
-from jaxspec.layers.mhc import HyperConnParams, hc_collapse, hc_mixes, hc_post, init_hyper_conn
+from jaxspec.layers.mhc import HyperConnParams, hc_collapse, hc_mixes, hc_post_fp32, init_hyper_conn
 from jaxspec.layers.moe import MoEParams, init_moe
 from jaxspec.layers.v41_attention import PoolAttentionParams, PoolShare, init_pool_attention, pool_attention
 from jaxspec.layers.v41_moe import qat_moe
@@ -153,10 +153,10 @@ def block_v41(
     eps = cfg.rms_norm_eps
     attn_pre, post, comb = hc_mixes(p.hc_attn, cfg, streams)
     out, aux = attend(rms_norm(hc_collapse(pre, streams), p.attn_norm, eps))
-    streams = hc_post(out, streams, post, comb)
+    streams = hc_post_fp32(out, streams, post, comb)
     pre, post, comb = hc_mixes(p.hc_ffn, cfg, streams)
     x = rms_norm(hc_collapse(attn_pre, streams), p.ffn_norm, eps)
-    return hc_post(qat_moe(p.ffn, cfg, x), streams, post, comb), pre, aux
+    return hc_post_fp32(qat_moe(p.ffn, cfg, x), streams, post, comb), pre, aux
 
 
 def head_v41(
