@@ -298,6 +298,25 @@ def test_weights_fp8_keeps_every_declared_leaf_as_stored(release, loaded, tokens
     np.testing.assert_array_equal(np.asarray(got), one_shot)
 
 
+def test_experts_and_engram_tables_are_read_by_region(release, loaded):
+    """What a device shard of the routed experts or an Engram table costs the loader: its experts' and its
+    rows' bytes, not the leaf's (`v41_load._Lazy`, placed by `_placed` region by region)."""
+    from jaxspec.checkpoint.safetensors_io import open_folder
+    from jaxspec.checkpoint.v41_load import _engram, _stacked, _Tensors
+
+    cfg, params = loaded
+    t = _Tensors(open_folder(str(release)), "float32")
+    names = [f"layers.3.ffn.experts.{e}.w2" for e in range(cfg.n_routed_experts)]
+    shard = _stacked(t, names).read((slice(2, 4),))
+    np.testing.assert_array_equal(shard, np.asarray(params.layers[3].ffn.experts.w2)[2:4])
+    assert {k.split(".")[4] for k in t.reader.bytes_read} == {"2", "3"}  # experts 2 and 3 only
+    table = _engram(t, cfg, 4).table
+    rows = slice(8, 24)
+    np.testing.assert_array_equal(table.data.read((rows,)), np.asarray(params.layers[4].engram.table.data)[rows])
+    info = t.folder.tensors["layers.4.engram.embed.weight"]
+    assert t.reader.bytes_read[info.name] == 16 * info.shape[1]  # 16 FP8 rows of the table, one byte each
+
+
 def test_a_folder_in_the_references_spelling_loads_the_same(release, loaded, tmp_path):
     """What writers outside the release do (docs/v41.md, "A folder built elsewhere"): one shard and no index,
     UE8M0 scales tagged U8 (the same bytes), the reference's config names (`dim`, `n_layers`, `norm_eps`,

@@ -11,17 +11,20 @@ those (`layers.engram.table_rows`). The vision tower's tensors are skipped with 
 text model is what jaxspec runs); the DSpark stages (`mtp.*`) load as V4.1's DSpark drafter
 (`model.dspark_v41`); any other tensor the model has no place for is a one-line error.
 
-Every leaf is assembled in host memory first (dequantized, transposed, experts stacked) and then placed: on
-the default device, or over a mesh with each device given only its shard (`jax.make_array_from_callback`:
-with several processes, each places the shards its own devices hold). Host memory therefore holds the
-model once in the run dtype while it loads, where V4's loader reads each shard's region from the files.
+Leaves are placed on the default device, or over a mesh with each device given only its shard
+(`jax.make_array_from_callback`: with several processes, each places the shards its own devices hold). The
+large ones, the routed experts and the Engram tables (~95% of V4.1-Flash's bytes), are read leaf by leaf as
+they are placed and only for the regions this process's devices hold (an expert shard: its experts, each
+read whole; a table shard: its rows); the other leaves are assembled in host memory first.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -118,14 +121,8 @@ class _Tensors:
         return name in self.folder.tensors
 
     def scale(self, name: str) -> np.ndarray:
-        """`name`'s UE8M0 scales. A writer without the F8_E8M0 tag may store them as U8: the same bytes
-        (exponent + 127), read as such; any other dtype is a one-line error."""
-        s = self.raw(name)
-        if s.dtype == np.uint8:
-            s = s.view(ml_dtypes.float8_e8m0fnu)
-        if s.dtype != ml_dtypes.float8_e8m0fnu:
-            raise ValueError(f"{name} is {s.dtype}; a V4.1 release stores UE8M0 scales (F8_E8M0, or their bytes as U8)")
-        return s
+        """`name`'s UE8M0 scales (`_e8m0`)."""
+        return _e8m0(self.raw(name), name)
 
     def weight(self, name: str, block: tuple[int, int] = FP8_BLOCK) -> np.ndarray:
         """`name.weight` [out, in] as float32, dequantized with `name.scale` when it has one."""
@@ -144,13 +141,31 @@ class _Tensors:
         the input axis, which is the release's last axis too)."""
         if not (self.keep and self.has(f"{name}.scale")):
             return _host(self.weight(name, block).T, self.dtype)
-        q, s = self.raw(f"{name}.weight"), self.scale(f"{name}.scale")
-        if q.dtype in (np.int8, np.uint8):
-            q = q.view(np.uint8)
+        q, s = _as_bytes(self.raw(f"{name}.weight")), self.scale(f"{name}.scale")
         return BlockScaled(data=_host(q.T), scale=_host(s.T), block=block[::-1], dtype=str(self.dtype))
 
     def vector(self, name: str, dtype: Any = jnp.float32) -> np.ndarray:
         return _host(self.raw(name).astype(np.float32), dtype)
+
+
+def _e8m0(s: np.ndarray, name: str = "an Engram table's scale") -> np.ndarray:
+    """UE8M0 scales. A writer without the F8_E8M0 tag may store them as U8: the same bytes (exponent + 127),
+    read as such; any other dtype is a one-line error."""
+    if s.dtype == np.uint8:
+        s = s.view(ml_dtypes.float8_e8m0fnu)
+    if s.dtype != ml_dtypes.float8_e8m0fnu:
+        raise ValueError(f"{name} is {s.dtype}; a V4.1 release stores UE8M0 scales (F8_E8M0, or their bytes as U8)")
+    return s
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lazy:
+    """A large leaf (routed experts, Engram tables) read region by region when placed (`_placed`), so that a
+    device's shard is all this process reads of it and the whole tree is never in host memory at once."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    read: Callable[[tuple[slice, ...]], np.ndarray]  # index -> that region of the leaf, in `dtype`
 
 
 def _host(x: np.ndarray, dtype: Any = None) -> np.ndarray:
@@ -159,11 +174,16 @@ def _host(x: np.ndarray, dtype: Any = None) -> np.ndarray:
 
 
 def _placed(tree: Any, cfg: ModelConfig, mesh: Any, rules: dict[str, Any] | None) -> Any:
-    """`tree` of host arrays on the default device, or over `mesh` by the params' declared axes."""
+    """`tree` of host arrays and `_Lazy` leaves on the default device, or over `mesh` by the params' declared
+    axes, each distinct region read once per process (`place_region`)."""
+    def reader(x: Any) -> Callable[[tuple[slice, ...]], np.ndarray]:
+        return x.read if isinstance(x, _Lazy) else (lambda index: x[index])
+
     if mesh is None:
-        return jax.tree.map(jnp.asarray, tree)
-    shardings = param_shardings(cfg, mesh, rules, tree)
-    return jax.tree.map(lambda x, s: place_region(lambda index: x[index], x.shape, s), tree, shardings)
+        return jax.tree.map(lambda x: jnp.asarray(reader(x)(())), tree)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+    shardings = param_shardings(cfg, mesh, rules, abstract)
+    return jax.tree.map(lambda x, s: place_region(reader(x), x.shape, s), tree, shardings)
 
 
 def _grouped(t: _Tensors, name: str, g: int, ol: int) -> np.ndarray | BlockScaled:
@@ -214,13 +234,34 @@ def _moe(t: _Tensors, cfg: ModelConfig, prefix: str) -> MoEParams:
                             for w in ("w1", "w3", "w2"))), shared=shared)
 
 
-def _stacked(t: _Tensors, names: list[str]) -> np.ndarray | BlockScaled:
-    """One routed-expert weight of every expert [E, in, out], each stored MXFP4 (1 x 32)."""
-    each = [t.quantized(n, ROW_BLOCK) for n in names]
-    if isinstance(each[0], BlockScaled):
-        return BlockScaled(data=_host(np.stack([w.data for w in each])), scale=_host(np.stack([w.scale for w in each])),
-                           block=(1, *each[0].block), dtype=each[0].dtype)
-    return _host(np.stack(each), t.dtype)
+def _stacked(t: _Tensors, names: list[str]) -> _Lazy | BlockScaled:
+    """One routed-expert weight of every expert [E, in, out], each stored MXFP4 (1 x 32): read when placed,
+    only the experts of the region asked for (a device's expert shard), each whole and then cut."""
+    for n in names:
+        t.used.update({f"{n}.weight", f"{n}.scale"} & set(t.folder.tensors))
+    info = t.folder.tensors[f"{names[0]}.weight"]
+    out, cols = info.storage_shape
+    packed = info.storage_dtype() in (np.dtype(np.int8), np.dtype(np.uint8))
+    shape = (len(names), 2 * cols if packed else cols, out)
+
+    def experts(index: tuple[slice, ...], one: Any) -> np.ndarray:
+        index = tuple(index) + (slice(None),) * (3 - len(index))
+        return np.stack([one(names[e])[index[1:]] for e in range(len(names))[index[0]]])
+
+    if t.keep and t.has(f"{names[0]}.scale"):
+        w = t.quantized(names[0], ROW_BLOCK)  # one expert, for the layout of its values and scales
+        data = _Lazy((len(names), *w.data.shape), w.data.dtype,
+                     lambda index: experts(index, lambda n: _as_bytes(t.raw(f"{n}.weight")).T))
+        scale = _Lazy((len(names), *w.scale.shape), w.scale.dtype,
+                      lambda index: experts(index, lambda n: t.scale(f"{n}.scale").T))
+        return BlockScaled(data=data, scale=scale, block=(1, *w.block), dtype=w.dtype)
+    return _Lazy(shape, t.dtype, lambda index: experts(
+        index, lambda n: np.asarray(t.weight(n, ROW_BLOCK).T, t.dtype)))
+
+
+def _as_bytes(q: np.ndarray) -> np.ndarray:
+    """Packed FP4 (stored I8 / U8) as uint8; FP8 as it is."""
+    return q.view(np.uint8) if q.dtype in (np.int8, np.uint8) else q
 
 
 def _hyper(t: _Tensors, prefix: str) -> HyperConnParams:
@@ -229,10 +270,29 @@ def _hyper(t: _Tensors, prefix: str) -> HyperConnParams:
 
 
 def _engram(t: _Tensors, cfg: ModelConfig, layer: int) -> EngramParams:
+    """The table is read when placed, only the rows of the region asked for (a device's row shard); rows past
+    the stored ones (padding, so that rows split evenly over a mesh) are zero bytes and never looked up."""
     e = f"layers.{layer}.engram"
-    data, scale = t.raw(f"{e}.embed.weight"), t.scale(f"{e}.embed.scale")
-    pad = ((0, cfg.v41.engram_table_rows(layer) - data.shape[0]), (0, 0))  # rows split evenly over a mesh
-    table = BlockScaled(data=_host(np.pad(data, pad)), scale=_host(np.pad(scale, pad)),
+    rows = cfg.v41.engram_table_rows(layer)
+
+    def region(name: str, dtype: Any, as_stored: Any) -> _Lazy:
+        info = t.folder.tensors[name]
+        t.used.add(name)
+
+        def read(index: tuple[slice, ...]) -> np.ndarray:
+            r0, r1, _ = (index[0] if index else slice(None)).indices(rows)
+            cols = index[1] if len(index) > 1 else slice(None)
+            stored = min(r1, info.shape[0])
+            x = as_stored(t.reader.read(info, (slice(min(r0, stored), stored),)))[:, cols]
+            pad = np.zeros((r1 - r0 - len(x), x.shape[1]), np.uint8).view(x.dtype)
+            return np.concatenate([x, pad])
+
+        return _Lazy((rows, info.shape[1]), dtype, read)
+
+    if not t.has(f"{e}.embed.weight") or not t.has(f"{e}.embed.scale"):
+        raise ValueError(f"{t.folder.path!r} is missing tensor {e}.embed.weight / .scale")
+    table = BlockScaled(data=region(f"{e}.embed.weight", np.dtype(ml_dtypes.float8_e4m3fn), lambda x: x),
+                        scale=region(f"{e}.embed.scale", np.dtype(ml_dtypes.float8_e8m0fnu), _e8m0),
                         block=ROW_BLOCK, dtype=str(t.dtype))
     return EngramParams(table=table, wkv=t.quantized(f"{e}.wkv"), q_weight=t.vector(f"{e}.q_weight", t.dtype),
                         k_weight=t.vector(f"{e}.k_weight", t.dtype))
