@@ -102,7 +102,8 @@ def derive_token_map(tokenizer_json: str) -> np.ndarray:
 
 
 class _Tensors:
-    """The folder's tensors by official name, read once each; `left()` lists the unread ones."""
+    """The folder's tensors by official name; `used` collects every name the model takes (whatever is left
+    must be the vision tower's, or the load fails)."""
 
     def __init__(self, folder: Folder, dtype: str, weights: str = "plain"):
         if weights not in WEIGHTS:
