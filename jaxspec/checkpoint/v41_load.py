@@ -132,16 +132,16 @@ class _Tensors:
             return ckpt_quant.dequantize(q, self.scale(f"{name}.scale").astype(np.float32), block)
         return q.astype(np.float32)
 
-    def linear(self, name: str, dtype: Any = None) -> np.ndarray:
+    def linear(self, name: str, dtype: Any = None, block: tuple[int, int] = FP8_BLOCK) -> np.ndarray:
         """An [out, in] linear as our [in, out], dequantized."""
-        return _host(self.weight(name).T, dtype or self.dtype)
+        return _host(self.weight(name, block).T, dtype or self.dtype)
 
     def quantized(self, name: str, block: tuple[int, int] = FP8_BLOCK) -> np.ndarray | BlockScaled:
         """A leaf the model declares quantized: `linear`'s, or under weights "fp8" (and stored with a
         scale) the release's values and scales transposed into our [in, out] (FP4 bytes stay packed along
         the input axis, which is the release's last axis too)."""
         if not (self.keep and self.has(f"{name}.scale")):
-            return _host(self.weight(name, block).T, self.dtype)
+            return self.linear(name, block=block)
         q, s = _as_bytes(self.raw(f"{name}.weight")), self.scale(f"{name}.scale")
         return BlockScaled(data=_host(q.T), scale=_host(s.T), block=block[::-1], dtype=str(self.dtype))
 
@@ -238,8 +238,7 @@ def _moe(t: _Tensors, cfg: ModelConfig, prefix: str) -> MoEParams:
 def _stacked(t: _Tensors, names: list[str]) -> _Lazy | BlockScaled:
     """One routed-expert weight of every expert [E, in, out], each stored MXFP4 (1 x 32): read when placed,
     only the experts of the region asked for (a device's expert shard), each whole and then cut."""
-    for n in names:
-        t.used.update({f"{n}.weight", f"{n}.scale"} & set(t.folder.tensors))
+    t.used.update(k for n in names for k in (f"{n}.weight", f"{n}.scale") if t.has(k))
     info = t.folder.tensors[f"{names[0]}.weight"]
     out, cols = info.storage_shape
     packed = info.storage_dtype() in (np.dtype(np.int8), np.dtype(np.uint8))
@@ -249,13 +248,13 @@ def _stacked(t: _Tensors, names: list[str]) -> _Lazy | BlockScaled:
         index = tuple(index) + (slice(None),) * (3 - len(index))
         return np.stack([one(names[e])[index[1:]] for e in range(len(names))[index[0]]])
 
-    if t.keep and t.has(f"{names[0]}.scale"):
-        w = t.quantized(names[0], ROW_BLOCK)  # one expert, for the layout of its values and scales
-        data = _Lazy((len(names), *w.data.shape), w.data.dtype,
+    if t.keep and t.has(f"{names[0]}.scale"):  # the layout of the values and scales, from the headers
+        grid = t.folder.tensors[f"{names[0]}.scale"].shape  # [out, in/32]
+        data = _Lazy((len(names), cols, out), np.dtype(np.uint8) if packed else info.storage_dtype(),
                      lambda index: experts(index, lambda n: _as_bytes(t.raw(f"{n}.weight")).T))
-        scale = _Lazy((len(names), *w.scale.shape), w.scale.dtype,
+        scale = _Lazy((len(names), grid[1], grid[0]), np.dtype(ml_dtypes.float8_e8m0fnu),
                       lambda index: experts(index, lambda n: t.scale(f"{n}.scale").T))
-        return BlockScaled(data=data, scale=scale, block=(1, *w.block), dtype=w.dtype)
+        return BlockScaled(data=data, scale=scale, block=(1, *ROW_BLOCK[::-1]), dtype=str(t.dtype))
     return _Lazy(shape, t.dtype, lambda index: experts(
         index, lambda n: np.asarray(t.weight(n, ROW_BLOCK).T, t.dtype)))
 
