@@ -79,6 +79,22 @@ def test_orbax_round_trip_without_mtp(tmp_path):
     _assert_bit_equal(params, params2)
 
 
+def test_run_options_are_not_saved_with_the_model(tmp_path):
+    """A checkpoint saved while running the kernels with a chunk of 64 holds the architecture only and
+    loads with the default run options; a folder that older versions wrote with run options (and the
+    kernel switch's first name) loads the same."""
+    cfg = ModelConfig.preset("test", kernels="pallas", prefill_chunk=64)
+    save_checkpoint(tmp_path / "c", cfg, _random_params(cfg, seed=4))
+    with open(tmp_path / "c" / "config.json") as f:
+        written = json.load(f)
+    assert not {"kernels", "prefill_chunk"} & set(written) and written == json.loads(json.dumps(cfg.architecture()))
+    plain = cfg.replace(kernels="xla", prefill_chunk=0)
+    assert load_checkpoint(tmp_path / "c").cfg == plain
+    with open(tmp_path / "c" / "config.json", "w") as f:
+        json.dump({**written, "kernels": "pallas", "prefill_chunk": 64, "attention_impl": "pallas"}, f)
+    assert load_checkpoint(tmp_path / "c").cfg == plain
+
+
 def test_orbax_errors(tmp_path):
     cfg = ModelConfig.preset("test")
     with pytest.raises(ValueError, match="does not exist"):

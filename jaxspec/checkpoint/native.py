@@ -1,4 +1,4 @@
-"""Our own checkpoint format: a folder holding `config.json` (`dataclasses.asdict(ModelConfig)`),
+"""Our own checkpoint format: a folder holding `config.json` (`ModelConfig.architecture()`),
 `params/` (an orbax PyTree checkpoint of `ModelParams`) and, optionally, `tokenizer.json`, the draft's
 `calibration.json` (`jaxspec calibrate`) and `tune.json` (`jaxspec tune`), and more drafts under
 `drafts/<name>/` (`checkpoint/drafts.py`). `load_checkpoint` returns all of it as one `Checkpoint` value."""
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.checkpoint import drafts, errors
-from jaxspec.core.config import ModelConfig
+from jaxspec.core.config import RUN_OPTIONS, ModelConfig
 from jaxspec.core.dspark import DSparkConfig
 from jaxspec.core.v41 import V41Layout
 from jaxspec.model.dspark import abstract_dspark_params
@@ -52,8 +52,9 @@ def check_structure(cfg: ModelConfig, params: Any) -> None:
 
 
 def _cfg_from_json(data: dict[str, Any]) -> ModelConfig:
-    if "attention_impl" in data:  # the kernel switch's earlier name
-        data = {("kernels" if k == "attention_impl" else k): v for k, v in data.items()}
+    # Run options are the caller's, not the checkpoint's: older folders wrote them (and the kernel
+    # switch once as "attention_impl"); a folder saved while running the kernels loads like any other.
+    data = {k: v for k, v in data.items() if k not in (*RUN_OPTIONS, "attention_impl")}
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(data) - names)
     if unknown:
@@ -88,7 +89,7 @@ def save_checkpoint(path: str | os.PathLike, cfg: ModelConfig, params: ModelPara
     finally:
         ckptr.close()
     with open(os.path.join(path, CONFIG), "w") as f:
-        json.dump(dataclasses.asdict(cfg), f, indent=2)
+        json.dump(cfg.architecture(), f, indent=2)
     tok_path = os.path.join(path, TOKENIZER)
     if tokenizer is not None:
         tokenizer.save(tok_path)

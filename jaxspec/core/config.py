@@ -27,6 +27,9 @@ _HF_LAYER_TYPES = {
     "heavily_compressed_attention": "hca",
 }
 KERNELS = ("xla", "pallas")
+# How a model is run, not what it computes: a static choice of the program (so jit keys on it), never
+# written with a checkpoint nor read from one, never part of a fingerprint (`ModelConfig.architecture`).
+RUN_OPTIONS = ("kernels", "prefill_chunk")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -96,13 +99,14 @@ class ModelConfig:
     num_mtp_layers: int = 1  # 0 = checkpoint without an MTP block (no speculation)
     max_position_embeddings: int = 1 << 20
     dtype: str = "float32"
-    kernels: str = "xla"  # "pallas": every op with a Pallas kernel runs it (compiled on GPUs); "xla": the jnp paths
     bos_id: int | None = None
     eos_id: int | None = None
-    # Tokens per prefill chunk (a power of two); 0 = the default `jaxspec.model.prefill.prefill_chunk` picks.
-    prefill_chunk: int = 0
     # DeepSeek-V4.1's layer roles (shared pools, indexer sources, candidate blocks, Engram); None = V4.
     v41: V41Layout | None = None
+    # ---- run options (RUN_OPTIONS): how the program runs, never saved with the model ----
+    kernels: str = "xla"  # "pallas": every op with a Pallas kernel runs it (compiled on GPUs); "xla": the jnp paths
+    # Tokens per prefill chunk (a power of two); 0 = the default `jaxspec.model.prefill.prefill_chunk` picks.
+    prefill_chunk: int = 0
 
     def __post_init__(self):
         _validate_model_config(self)
@@ -125,6 +129,11 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+    def architecture(self) -> dict[str, Any]:
+        """The fields that say what the model computes (`dataclasses.asdict` without `RUN_OPTIONS`):
+        what a checkpoint's config.json holds."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in RUN_OPTIONS}
 
     # ---- constructors -----------------------------------------------------------------------
     @classmethod

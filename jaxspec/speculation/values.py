@@ -199,8 +199,8 @@ def draft_fingerprint(draft: Any, cfg: ModelConfig) -> str:
     if draft is None:
         raise ValueError("a calibration is for a draft; these params have none")
     draft = standard_layout(draft)  # the same for a CPU layout of the same weights
-    # Settings of how the model is run, not of what it computes, stay out (dtype, kernels, prefill chunk).
-    arch = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("dtype", "kernels", "prefill_chunk")}
+    # How the model is run stays out: the run options (not in `architecture()`) and the dtype.
+    arch = {k: v for k, v in cfg.architecture().items() if k != "dtype"}
     if arch["v41"] is None:  # a V4 config hashes as it did before the field existed (shipped calibrations)
         del arch["v41"]
     h = hashlib.sha256(json.dumps(arch, sort_keys=True, default=str).encode())
