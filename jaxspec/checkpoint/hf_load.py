@@ -30,7 +30,7 @@ from jaxspec.checkpoint.safetensors_io import INDEX, SUPPORTED, Reader, TensorIn
 from jaxspec.core.config import DTYPES, ModelConfig
 from jaxspec.model.network import WEIGHTS, ModelParams, abstract_params
 from jaxspec.model.placement import param_shardings
-from jaxspec.ops.quant import BlockScaled
+from jaxspec.ops.quant import BlockScaled, group_scale_rows
 from jaxspec.sharding.rules import map_declared
 
 _FLOAT = ("F32", "BF16", "F16", "F64")
@@ -191,8 +191,8 @@ def _read_stored_part(reader: Reader, src: _Source, part: str, bounds: Sequence[
     for j in range(g0, g1):
         if part == "data":
             parts.append(raw((j * do + r0, j * do + r1), (i0, i1)).T)
-        else:  # our output block r of group j lies in release block (j*d_o + r*b) // 128 (non-decreasing in r)
-            rows = (j * do + np.arange(r0, r1) * block[2]) // src.block[0]
+        else:  # our output block r of group j lies in one release block (non-decreasing in r)
+            rows = group_scale_rows([j], np.arange(r0, r1), do, block[2], src.block[0])[0]
             lo, hi = (int(rows[0]), int(rows[-1]) + 1) if len(rows) else (0, 0)
             parts.append(raw((lo, hi), (i0, i1))[rows - lo].T)
     return np.stack(parts) if parts else np.zeros((0, i1 - i0, r1 - r0), reader.view(info).dtype)

@@ -46,7 +46,7 @@ from jaxspec.model.dspark_v41 import V41DSparkParams
 from jaxspec.model.network import WEIGHTS
 from jaxspec.model.placement import param_shardings
 from jaxspec.model.v41 import V41BlockParams, V41Params
-from jaxspec.ops.quant import BlockScaled
+from jaxspec.ops.quant import BlockScaled, group_scale_rows
 
 FP8_BLOCK = (32, 32)  # V4.1's weight_block_size
 ROW_BLOCK = (1, 32)  # MXFP4 experts and the Engram tables
@@ -196,7 +196,7 @@ def _grouped(t: _Tensors, name: str, g: int, ol: int) -> np.ndarray | BlockScale
         return _host(w.reshape(g, ol, -1).transpose(0, 2, 1), t.dtype)
     q, s = t.raw(f"{name}.weight"), t.scale(f"{name}.scale")
     b = math.gcd(ol, FP8_BLOCK[0])
-    rows = (np.arange(g)[:, None] * ol + np.arange(0, ol, b)[None, :]) // FP8_BLOCK[0]  # [g, ol/b] release block
+    rows = group_scale_rows(np.arange(g), np.arange(ol // b), ol, b, FP8_BLOCK[0])  # [g, ol/b]
     return BlockScaled(data=_host(q.reshape(g, ol, -1).transpose(0, 2, 1)), scale=_host(s[rows].transpose(0, 2, 1)),
                        block=(1, FP8_BLOCK[1], b), dtype=str(t.dtype))
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 FP8_BLOCK = (128, 128)  # (in, out): the release's 128 x 128
@@ -192,6 +193,13 @@ def release_layout(tag: str, shape: Sequence[int], experts: str = "fp4") -> tupl
     if tag == "expert" and experts == "fp4":
         return (*lead, *FP4_BLOCK), "fp4", jnp.float8_e8m0fnu
     return (*lead, *FP8_BLOCK), "fp8", jnp.float32 if tag == "expert" else jnp.float8_e8m0fnu
+
+
+def group_scale_rows(groups: Any, out_blocks: Any, d_o: int, b: int, release_rows: int) -> np.ndarray:
+    """wo_a kept stored: the release's scale row of each of our blocks (group j, output block r of b rows)
+    -> [len(groups), len(out_blocks)]. The release stores [g * d_o, in], group j's rows at j * d_o, in
+    blocks of `release_rows`; b divides d_o and the release block, so our block lies in exactly one."""
+    return (np.asarray(groups)[:, None] * d_o + np.asarray(out_blocks)[None, :] * b) // release_rows
 
 
 def abstract_block_scaled(shape: Sequence[int], dtype: Any, block: Sequence[int], fmt: str,
