@@ -115,7 +115,7 @@ def test_sinkhorn_compiled_equals_the_loop(tokens):
 def bf16_pallas():
     """`tiny` (window 32, CSA 4, HCA 16, head_dim 64) in bfloat16 with the Pallas attention, params
     whose MTP draft agrees often (trees get accepted, partially and fully)."""
-    cfg = js.ModelConfig.preset("tiny").replace(dtype="bfloat16", attention_impl="pallas")
+    cfg = js.ModelConfig.preset("tiny").replace(dtype="bfloat16", kernels="pallas")
     key = jax.random.key(0)
     return cfg, high_acceptance(randomize(js.init_params(cfg, key), jax.random.fold_in(key, 1)))
 
@@ -126,7 +126,7 @@ NEAR_TIE = 2.0**-6  # top-2 logit gap / max |logit| below which bfloat16 cannot 
 def float32_margin(params, cfg, prefix) -> float:
     """Top-2 gap of the next-token logits after `prefix`, relative to their largest magnitude, computed
     by the float32 twin of the bf16 params with the XLA attention."""
-    cfg32 = cfg.replace(dtype="float32", attention_impl="xla")
+    cfg32 = cfg.replace(dtype="float32", kernels="xla")
     params32 = jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
     logits = np.asarray(js.prefill_logits(params32, cfg32, jnp.asarray([prefix], jnp.int32)))[0, -1]
     top = np.sort(logits)
