@@ -31,4 +31,4 @@ if [ -z "${JAX_COMPILATION_CACHE_DIR:-}" ]; then
   JAX_COMPILATION_CACHE_DIR="$CACHE_DIR"
 fi
 export JAX_COMPILATION_CACHE_DIR JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
-python -m pytest -n 2 --dist loadfile --durations=30 tests "$@"
+python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=30 tests "$@"

@@ -11,11 +11,15 @@ import jaxspec as js
 from jaxspec.core import programs
 from jaxspec.testing import high_acceptance, mixed_acceptance, randomize, sharpened
 
-# Modules whose tests start subprocesses of minutes (the 8-device worker, the 2-process cluster, the
-# CUDA lowering worker) or sample for minutes: first in the run, so under `-n 2 --dist loadfile`
-# (a module stays on one worker) they overlap the rest instead of finishing last.
-SLOW_FIRST = ("test_sharding_8dev.py", "test_multiprocess_load.py", "test_gpu_lowering.py", "test_sampling.py",
-              "test_gpu_check.py", "test_programs.py", "test_calibration.py", "test_rsd.py")
+# The slowest modules first, slowest leading (a CI run's --durations, summed per module): under
+# `-n 2 --dist loadfile --no-loadscope-reorder` (a module stays on one worker, modules handed out in this
+# order; xdist's default reorder by test count would undo it) the long ones overlap the rest and the short
+# ones fill the end instead of one worker finishing minutes after the other. Subprocesses of minutes: the
+# 8-device worker, the 2-process cluster, the CUDA lowering worker, the GPU check's dry run.
+SLOW_FIRST = ("test_sharding_8dev.py", "test_dspark_speculation.py", "test_speculative.py", "test_calibration.py",
+              "test_v41.py", "test_serve.py", "test_tune.py", "test_generate.py", "test_v41_dspark.py",
+              "test_dspark_train.py", "test_multiprocess_load.py", "test_context_values.py", "test_model.py",
+              "test_rsd.py", "test_gpu_lowering.py", "test_gpu_check.py", "test_sampling.py", "test_programs.py")
 
 
 def _cuda_devices() -> int:

@@ -366,15 +366,24 @@ def main() -> None:
     logits = np.asarray(js.prefill_logits(params, CFG, prefill_tokens, mesh=mesh))
     result["prefill_max_abs_diff"] = float(np.max(np.abs(logits - np.asarray(js.prefill_logits(
         params, CFG, prefill_tokens)))))
-    result["checkpoints"] = checkpoints(params, mesh)
-    result["kernel"] = kernel_per_shard(mesh)
-    if "--long" in sys.argv:  # CI holds the per-shard kernel (above) and the one-device Pallas loop (test_pallas)
-        result["pallas_loop"] = pallas_loop(params, mesh)
-    result["dspark"] = dspark_run(params, mesh)
-    result["v41_dspark"] = v41_dspark_run(mesh)
-    result["v41_release"] = v41_release_run(mesh)
-    result["harness"] = harness_run(params, mesh)
-    result["controls"] = controls()
+    sections = {
+        "checkpoints": lambda: checkpoints(params, mesh),
+        "kernel": lambda: kernel_per_shard(mesh),
+        "v41_release": lambda: v41_release_run(mesh),
+        "controls": controls,
+    }
+    if "--long" in sys.argv:
+        # CI holds the per-shard kernel and the one-device Pallas loop (test_pallas); for the drafters' trees, the
+        # speculative loop on the mesh (above), V4.1's leaves and its DSpark drafter placed by their axes
+        # (v41_release) and every V4.1 param and state leaf's declared axes (test_sharding.py); for the harness,
+        # the same runner (`runner.run_sharded`) under generate and the speculative loop above.
+        sections.update(pallas_loop=lambda: pallas_loop(params, mesh), dspark=lambda: dspark_run(params, mesh),
+                        v41_dspark=lambda: v41_dspark_run(mesh), harness=lambda: harness_run(params, mesh))
+    result["section_seconds"] = {}
+    for name, run in sections.items():
+        t1 = time.perf_counter()
+        result[name] = run()
+        result["section_seconds"][name] = time.perf_counter() - t1
     result["extras_seconds"] = time.perf_counter() - t0
     with open(out_path, "w") as f:
         json.dump(result, f)

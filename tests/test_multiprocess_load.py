@@ -26,6 +26,9 @@ from jaxspec.checkpoint.safetensors_io import open_folder
 from jaxspec.testing import high_acceptance, randomize, write_v41_release
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The V4.1 folder across processes is long-tier (~60 s more of three processes compiling V4.1); CI holds its
+# mechanism in tests/test_sharding_8dev.py (load_release(mesh=...) placing each device's shard) and the V4 run here.
+LONG = os.environ.get("JAXSPEC_LONG_TESTS") == "1"
 # 8 heads / groups / experts: split over tensor 2 x expert 4 (as tests/sharding_worker.py).
 CFG = js.ModelConfig.preset("test", num_heads=8, o_groups=8, n_routed_experts=8, num_layers=2,
                             layer_types=("csa", "hca"))
@@ -51,12 +54,13 @@ def _run_processes(root):
     out.mkdir()
     params = high_acceptance(randomize(js.init_params(CFG, jax.random.key(0)), jax.random.key(1)))
     save_hf_checkpoint(ckpt, CFG, params, quantize="fp4", max_shard_bytes=96 * 1024)
-    write_v41_release(root / "v41")
+    if LONG:
+        write_v41_release(root / "v41")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
                         " --xla_llvm_disable_expensive_passes=true").strip()
-    worker = [sys.executable, os.path.join(HERE, "multiprocess_worker.py"), str(ckpt), str(out), "--v41",
-              str(root / "v41")]
+    worker = [sys.executable, os.path.join(HERE, "multiprocess_worker.py"), str(ckpt), str(out),
+              *(["--v41", str(root / "v41")] if LONG else [])]
     port = _free_port()
     procs = [subprocess.Popen(worker + ["--process-id", str(i), "--port", str(port)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
@@ -129,6 +133,7 @@ def test_each_process_reads_only_what_its_devices_hold(run):
         assert sum(r["bytes_read"].values()) - dup == replicated + split // 2
 
 
+@pytest.mark.long
 def test_a_v41_release_loads_across_processes(run):
     """load_release(mesh=...) of a V4.1 folder over both processes: every leaf in its declared sharding, the
     gathered target and drafter bitwise the single-process load, the same greedy tokens."""

@@ -26,8 +26,7 @@ def _is_axes(a):
     return isinstance(a, tuple) and all(x is None or isinstance(x, str) for x in a)
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("mtp", [1, 0])
+@pytest.mark.parametrize("preset,mtp", [(p, m) for p in PRESETS for m in (1, 0)] + [("v41-test", 0), ("v41-flash", 0)])
 def test_every_param_and_state_leaf_has_logical_axes(preset, mtp):
     cfg = js.ModelConfig.preset(preset, num_mtp_layers=mtp)
     params = placement.abstract_params(cfg)

@@ -4,8 +4,9 @@ The pytest process already owns a 1-device CPU backend, so tests/sharding_worker
 subprocess with `jax_num_cpu_devices=8`: for meshes (data, tensor, expert) (2,4,1) and (1,2,4)
 (every axis; the long tier adds the one-axis meshes (8,1,1) and (1,8,1)) it runs `generate` and
 `speculative_generate` (s2_k2_d4, drafts accepted at every depth) next to the unsharded run, inspects
-the compiled speculative loop's HLO, loads checkpoints into shardings, runs a Pallas kernel per shard,
-a DSpark tree (on V4 and on V4.1), and calibration / sweep batches on a mesh; the tests below assert on its JSON report.
+the compiled speculative loop's HLO, loads checkpoints (and a V4.1 release folder) into shardings, runs a
+Pallas kernel per shard (the long tier adds a DSpark tree on V4 and on V4.1, calibration / sweep batches and
+the Pallas loop); the tests below assert on its JSON report.
 """
 
 from __future__ import annotations
@@ -123,11 +124,13 @@ def test_pallas_attention_in_the_sharded_loop(report):
     assert got["mesh"] == got["one_device"]
 
 
+@pytest.mark.long
 def test_a_dspark_tree_on_the_mesh_is_the_single_device_run(report):
     r = report["dspark"]
     assert r["sharded"] == r["single"] and r["tau"] > 1.5, r
 
 
+@pytest.mark.long
 def test_a_v41_dspark_tree_on_the_mesh_is_the_single_device_run(report):
     # V4.1's shared pools, candidates, Engram and QAT-expert layout split over (2, 2, 2), its own drafter
     r = report["v41_dspark"]
@@ -142,6 +145,7 @@ def test_a_v41_release_folder_loads_over_the_mesh(report):
     assert r["prefill_max_abs_diff"] < 1e-4, r
 
 
+@pytest.mark.long
 def test_calibration_and_sweep_batches_on_the_mesh_are_the_single_device_run(report):
     # `jaxspec calibrate / sweep / tune --mesh`: the params sharded, the batch over "data".
     r = report["harness"]

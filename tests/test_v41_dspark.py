@@ -91,7 +91,8 @@ def agreeing():
     return cfg, params, dspark_draft(dp, dcfg)
 
 
-@pytest.mark.parametrize("spec", ["s4_k1_d5", "s4_k2_d8"])
+# CI: the K = 2 tree (~35 s); the chain adds ~55 s of compiling on a path the tree's accepted branches walk.
+@pytest.mark.parametrize("spec", [pytest.param("s4_k1_d5", marks=pytest.mark.long), "s4_k2_d8"])
 def test_dspark_chains_and_trees_equal_generate(agreeing, spec):
     """Greedy speculation with V4.1's drafter == generate, with drafts accepted, rejected part-way and
     (tree) accepted on a second branch; a second batch of other prompts compiles nothing new."""
@@ -139,7 +140,7 @@ def confident(agreeing):
 
 
 @pytest.mark.parametrize("spec,setting", [pytest.param("s3_k1_d4", (0.6, 8, 0.9), marks=pytest.mark.long),
-                                          ("s3_k2_d6", (1.0, 24, 0.8))])
+                                          pytest.param("s3_k2_d6", (1.0, 24, 0.8), marks=pytest.mark.long)])
 def test_sampled_v41_dspark_rows_follow_the_target(confident, spec, setting):
     """512 rows x 16 tokens after a 7-token prompt, several cycles a row across ratio-2 pairs, ratio-1
     candidate blocks and the window (8): every token's randomized probability integral transform under the
