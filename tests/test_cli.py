@@ -89,6 +89,8 @@ def _released_folder(path):
     return tok
 
 
+# ~50 s; CI: the demo on a release folder (tests/test_fp8_weights.py), release loading on a mesh (8 devices)
+@pytest.mark.long
 def test_demo_on_a_released_checkpoint_folder(tmp_path, capsys):
     """`jaxspec demo --checkpoint <downloaded V4 folder> --mesh ...`: loads the safetensors release
     (FP4 / FP8 dequantized) into the mesh and its tokenizer.json, and runs as on our checkpoints."""

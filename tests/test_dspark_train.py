@@ -288,6 +288,7 @@ def test_shipped_dspark_draft_loads_and_its_greedy_chain_is_generate():
     assert out.stats["cycles"] < 16  # it drafts tokens the target accepts
 
 
+@pytest.mark.long  # ~85 s; CI: the training blocks == the inference forward, training continued from given params
 def test_train_dspark_command_trains_resumes_and_fine_tunes(small, tmp_path, capsys):
     """`jaxspec train-dspark` end to end on a saved checkpoint: it ships a drafter whose greedy chain is
     `generate`'s output, a rerun with more steps resumes from the kept rows and states, and `--init` /

@@ -154,6 +154,7 @@ def test_cli_tune_on_the_shipped_checkpoint(tmp_path, capsys):
     assert "chosen: batch 2:" in capsys.readouterr().out
 
 
+@pytest.mark.long  # ~50 s; CI: a stopped sweep finishing the rest from its progress file (tests/test_eval.py)
 def test_tune_resumes_from_the_groups_it_finished(agreeing_params, test_cfg, tmp_path, monkeypatch):
     """A stopped tune keeps each finished (bucket, dataset) group in its progress file; the rerun
     measures only the groups that file lacks, and a file of other candidates is not reused."""

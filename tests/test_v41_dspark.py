@@ -91,7 +91,7 @@ def agreeing():
     return cfg, params, dspark_draft(dp, dcfg)
 
 
-# CI: the K = 2 tree (~35 s); the chain adds ~55 s of compiling on a path the tree's accepted branches walk.
+# CI: the K = 2 tree (~35 s); the chain adds ~55 s of compiling (CI runs DSpark chains on V4: the same cycle at K = 1).
 @pytest.mark.parametrize("spec", [pytest.param("s4_k1_d5", marks=pytest.mark.long), "s4_k2_d8"])
 def test_dspark_chains_and_trees_equal_generate(agreeing, spec):
     """Greedy speculation with V4.1's drafter == generate, with drafts accepted, rejected part-way and
@@ -114,8 +114,9 @@ def test_dspark_chains_and_trees_equal_generate(agreeing, spec):
     assert speculative_compile_count() == compiled
 
 
-# CI: the tree (the chain's program is the same cycle at K = 1, run above on the agreeing model).
-@pytest.mark.parametrize("spec", [pytest.param("s4_k1_d5", marks=pytest.mark.long), "s4_k2_d8"])
+# Long (~60 s): CI loads the folder's drafter (above) and runs the same cycle with the agreeing drafter (below).
+@pytest.mark.long
+@pytest.mark.parametrize("spec", ["s4_k1_d5", "s4_k2_d8"])
 def test_release_folder_speculates_with_its_own_drafter(release, spec):
     """The issue's bar on our own folder (random weights, so drafts are rejected): a chain and a K = 2
     tree of the folder's DSpark drafter give `generate`'s tokens."""
