@@ -15,7 +15,7 @@ activation QAT roundings on (the release's) and off, on both sides alike; beside
 paths against its jnp paths on the same folder (the same math in another summation order).
 
     python experiments/v41/outside_folder.py --folder FOLDER [--token-map FILE] \\
-        --variant "" --variant candidate_topk_blocks=3 --out results/v41/outside_folder.json
+        --variant "" --variant candidate_topk_blocks=3 --seeds 0,1,2 --out results/v41/outside_folder.json
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ def main() -> None:
     ap.add_argument("--token-map", default=None, help="JSON list or {'token_map': [...]} for engram_token_map.json")
     ap.add_argument("--variant", action="append", default=None, help="KEY=VALUE,... of text_config ('' as built)")
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--seeds", default="0", help="token draws, comma-separated numpy seeds (one program serves all)")
     ap.add_argument("--out", default="results/v41/outside_folder.json")
     args = ap.parse_args()
 
@@ -111,13 +112,13 @@ def main() -> None:
             cfg = ck.cfg
             image = config.get("image_token_id", text.get("image_token_id"))
             ids = np.array([i for i in range(cfg.vocab_size) if i != image])
-            tokens = ids[np.random.default_rng(0).integers(0, len(ids), (2, args.tokens))].astype(np.int32)
             try:
                 model, missing = load_v41(theirs), []
             except ValueError:
                 model = load_v41(theirs, strict=False)
                 missing = sorted({k.split(".", 3)[-1] for k, _ in tree_flatten(model.parameters()) if "bias_vl" in k})
-            for qat in (True, False):
+            for seed, qat in ((s, q) for s in map(int, args.seeds.split(",")) for q in (True, False)):
+                tokens = ids[np.random.default_rng(seed).integers(0, len(ids), (2, args.tokens))].astype(np.int32)
                 run_cfg = cfg.replace(v41=dataclasses.replace(cfg.v41, qat=qat))
                 got = np.asarray(network.one_shot_logits(ck.params, run_cfg, jnp.asarray(tokens)))
                 mlx_fakequant.DISABLE = not qat
@@ -126,7 +127,7 @@ def main() -> None:
                 # the QAT roundings carry a last-bit difference on these weights
                 kernels = np.asarray(network.one_shot_logits(ck.params, run_cfg.replace(kernels="pallas"),
                                                              jnp.asarray(tokens)))
-                runs.append({"variant": changes, "qat": qat, **_compare(got, want),
+                runs.append({"variant": changes, "seed": seed, "qat": qat, **_compare(got, want),
                              "jaxspec_kernels_vs_jnp": _compare(kernels, got)})
                 print(runs[-1])
             mlx_fakequant.DISABLE = False
