@@ -17,6 +17,11 @@ from jaxspec.model.network import ModelParams
 from jaxspec.model.state import init_state
 
 
+def long_tests() -> bool:
+    """Whether this run includes the long tier (`JAXSPEC_LONG_TESTS=1`, docs/testing.md)."""
+    return os.environ.get("JAXSPEC_LONG_TESTS") == "1"
+
+
 def randomize(params: ModelParams, key: jax.Array, scale: float = 0.05) -> ModelParams:
     """Perturb every float leaf, so zero-initialised sinks, APE, biases and hc bases matter."""
     leaves, treedef = jax.tree.flatten(params)

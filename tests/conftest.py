@@ -9,7 +9,7 @@ import pytest
 
 import jaxspec as js
 from jaxspec.core import programs
-from jaxspec.testing import high_acceptance, mixed_acceptance, randomize, sharpened
+from jaxspec.testing import high_acceptance, long_tests, mixed_acceptance, randomize, sharpened
 
 # The slowest modules first, slowest leading (a CI run's --durations, summed per module): under
 # `-n 2 --dist loadfile --no-loadscope-reorder` (a module stays on one worker, modules handed out in this
@@ -41,7 +41,7 @@ def pytest_collection_modifyitems(config, items):
                                        "scripts/gpu_check.sh runs these on one")
         for item in gpu:
             item.add_marker(skip)
-    if os.environ.get("JAXSPEC_LONG_TESTS") == "1":
+    if long_tests():
         return
     skip = pytest.mark.skip(reason="long: JAXSPEC_LONG_TESTS=1 ./test.sh runs it")
     for item in items:

@@ -23,12 +23,12 @@ import pytest
 import jaxspec as js
 from jaxspec.checkpoint import save_hf_checkpoint
 from jaxspec.checkpoint.safetensors_io import open_folder
-from jaxspec.testing import high_acceptance, randomize, write_v41_release
+from jaxspec.testing import high_acceptance, long_tests, randomize, write_v41_release
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # The V4.1 folder across processes is long-tier (~60 s more of three processes compiling V4.1); CI holds its
 # mechanism in tests/test_sharding_8dev.py (load_release(mesh=...) placing each device's shard) and the V4 run here.
-LONG = os.environ.get("JAXSPEC_LONG_TESTS") == "1"
+LONG = long_tests()
 # 8 heads / groups / experts: split over tensor 2 x expert 4 (as tests/sharding_worker.py).
 CFG = js.ModelConfig.preset("test", num_heads=8, o_groups=8, n_routed_experts=8, num_layers=2,
                             layer_types=("csa", "hca"))

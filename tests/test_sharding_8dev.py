@@ -18,9 +18,11 @@ import sys
 
 import pytest
 
+from jaxspec.testing import long_tests
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 # One mesh splits every axis in CI; the long tier adds a 4-way expert split and the one-axis meshes.
-LONG = os.environ.get("JAXSPEC_LONG_TESTS") == "1"
+LONG = long_tests()
 MESHES = ["2,2,2"] + (["1,2,4", "8,1,1", "1,8,1"] if LONG else [])
 
 

@@ -18,7 +18,7 @@ from jaxspec.model.sampling import Sampling
 from jaxspec.speculation.cycle import accept_stage, commit_stage, draft_stage, plan_stage, verify_stage
 from jaxspec.speculation.generate import speculative_compile_count
 from jaxspec.speculation.plan import build_plan, verify_context
-from jaxspec.testing import mtp_models, mtp_prefill, mtp_speculator
+from jaxspec.testing import long_tests, mtp_models, mtp_prefill, mtp_speculator
 
 
 def completes_block(plan, ratio: int) -> jax.Array:
@@ -77,7 +77,7 @@ def test_tree_paths_equal_sequential_decode(test_params, test_cfg, lengths, seed
 # in the long tier. JAXSPEC_SPEC_GRID=corners runs every (S, K) pair with S 1..5, K {1,2,4} at its
 # smallest and largest D; JAXSPEC_SPEC_GRID=full runs every valid config with D 2..16 (96 of them).
 CI_SPECS = ["s1_k1_d2", "s3_k2_d6", "s5_k2_d16", "s4_k4_d16"]
-if os.environ.get("JAXSPEC_LONG_TESTS") == "1":
+if long_tests():
     CI_SPECS += ["s5_k1_d6", "s2_k4_d9"]
 
 
